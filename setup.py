@@ -1,0 +1,29 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="neox_hf",
+    version="0.1.0",
+    description="GPT-NeoX-class language-model training on the Hugging Face stack",
+    packages=find_packages(include=["neox_hf", "neox_hf.*"]),
+    package_data={"neox_hf": ["metrics/*/*.py"]},
+    python_requires=">=3.10",
+    install_requires=[
+        # Permissive on purpose: pinning here would pull a CUDA build on CPU machines.
+        "torch>=2.4",
+        "transformers>=5",
+        "accelerate>=1.10",
+        "deepspeed>=0.16",
+        "datasets>=3",
+        "tokenizers",
+        "evaluate",
+        "peft",
+        "huggingface_hub",
+        "safetensors",
+        "pyyaml",
+        "tensorboard",
+        "tqdm",
+        "zstandard",
+    ],
+    extras_require={"test": ["pytest", "pytest-timeout"]},
+    entry_points={"console_scripts": ["neox_hf=neox_hf.cli:main"]},
+)
