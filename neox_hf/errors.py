@@ -1,0 +1,25 @@
+"""The one family of exceptions neox_hf raises for bad input.
+
+Every message names the offending key / file and says how to fix it.
+They subclass ValueError so callers that already catch ValueError keep working.
+"""
+
+
+class NeoXHFError(ValueError):
+    """Base class: bad input that the user can fix."""
+
+
+class RecipeError(NeoXHFError):
+    """A recipe (YAML, GPT-NeoX config, or CLI override) is malformed."""
+
+
+class DataError(NeoXHFError):
+    """A data source is missing, malformed or inconsistent."""
+
+
+class CheckpointError(NeoXHFError):
+    """A checkpoint is missing, truncated, corrupt or incompatible."""
+
+
+class HubError(NeoXHFError):
+    """Talking to the Hugging Face Hub failed in a way retrying cannot fix."""
