@@ -1,0 +1,383 @@
+"""The typed recipe: one dataclass tree, loaded from YAML, overridden from the command line, validated once.
+
+A run is "defaults + a recipe file (ours or GPT-NeoX's) + `--section.key value` overrides", resolved here and
+nowhere else; every other module receives plain values from the resulting `Recipe`.
+Errors name the key, the bad value and the fix (closest valid key for typos).
+
+This module imports nothing else of neox_hf except the error type, so every layer may depend on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from neox_hf.errors import RecipeError
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Schema
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """Architecture (GPTNeoX) or a pretrained folder to start from."""
+
+    from_pretrained: Optional[str] = None  # HF folder / Hub id; architecture keys below are then ignored
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    intermediate_size: Optional[int] = None  # default 4 × hidden_size, as GPT-NeoX
+    seq_length: int = 128  # training sequence length (GPT-NeoX `seq_length`)
+    max_position_embeddings: Optional[int] = None  # default seq_length
+    rotary_pct: float = 0.25
+    rotary_emb_base: float = 10000.0
+    use_parallel_residual: bool = True  # GPT-NeoX `gpt_j_residual`
+    tie_word_embeddings: bool = False  # GPT-NeoX `no_weight_tying: false` means tied
+    vocab_size: Optional[int] = None  # default: tokenizer size padded by make_vocab_size_divisible_by × TP
+    make_vocab_size_divisible_by: int = 128
+    hidden_act: str = "gelu"  # "gelu_pytorch_tanh" reproduces GPT-NeoX's bias_gelu_fusion
+    layer_norm_eps: float = 1e-5
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method: Literal["normal", "small_init", "wang_init", "scaled_normal"] = "small_init"
+    output_layer_init_method: Literal["normal", "small_init", "wang_init", "scaled_normal"] = "wang_init"
+    init_method_std: float = 0.02
+    attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = "sdpa"
+
+
+@dataclass
+class TokenizerConfig:
+    """A tokenizers JSON file (GPT-NeoX `vocab_file`) or an HF tokenizer folder / Hub id."""
+
+    path: str = "shared:tokenizers/gpt-neox-20b.json"
+    eos_token: str = "<|endoftext|>"
+    pad_token: str = "<|padding|>"
+
+
+@dataclass
+class DataSource:
+    """One corpus: local files by glob (.jsonl/.json/.jsonl.gz/.jsonl.zst/.parquet/.txt), a NeoX `.bin/.idx`
+    prefix, or a Hub dataset name."""
+
+    path: str = ""
+    weight: float = 1.0  # blending weight (GPT-NeoX train_data_weights)
+    text_key: str = "text"
+    template: Optional[str] = None  # e.g. "Question: {question}\nAnswer: {answer}" joins several fields
+    prompt_template: Optional[str] = None  # part of the text whose labels are masked (SFT), e.g. "Question: {question}\nAnswer: "
+    format: Optional[Literal["json", "parquet", "text", "indexed", "hub"]] = None  # default: from the suffix
+    split: str = "train"
+
+
+@dataclass
+class DataConfig:
+    """Where examples come from and how they are batched."""
+
+    sources: list[DataSource] = field(default_factory=list)
+    validation: list[DataSource] = field(default_factory=list)  # separate validation files
+    validation_fraction: float = 0.0  # else hold out this fraction of `sources` by a deterministic hash rule
+    mode: Literal["pack", "pad"] = "pack"  # pack = GPT-NeoX windows of seq_length+1; pad = dynamic padding
+    isolate_documents: bool = False  # pack: positions restart and attention stays inside each document
+    max_length: Optional[int] = None  # pad: truncate examples to this many tokens (default model.seq_length)
+    pad_to_multiple_of: int = 8
+    buffer_size: int = 1000  # pad: examples held for length bucketing / shuffling
+    max_tokens_per_batch: Optional[int] = None  # pad: token budget instead of a fixed micro batch
+    streaming: bool = True
+    append_eod: bool = True
+    shuffle: bool = True
+    seed: int = 1234
+
+
+@dataclass
+class ParallelConfig:
+    """Distribution: tensor parallel × ZeRO data parallel through Accelerate's DeepSpeed plugin."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1  # only 1 is supported; kept so GPT-NeoX users get a clear refusal
+    zero_stage: int = 0  # 0 = no DeepSpeed ZeRO partitioning; 1, 2, 3
+    use_deepspeed: Optional[bool] = None  # default: when launched with accelerate's DeepSpeed plugin or zero_stage > 0
+    offload_optimizer: bool = False
+    activation_checkpointing: bool = False
+    deepspeed_config: Optional[str] = None  # raw DeepSpeed JSON, overrides the generated one
+
+
+@dataclass
+class PushToHubConfig:
+    repo_id: str = ""
+    private: bool = False
+    revision_per_step: bool = True  # Pythia convention: checkpoints on branches step{N}, final on main
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation (GPT-NeoX names where they exist)."""
+
+    train_iters: int = 100
+    micro_batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup: float = 0.01  # fraction of lr_decay_iters, as GPT-NeoX
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    lr_decay_iters: Optional[int] = None  # default train_iters
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    seed: int = 1234
+    log_interval: int = 10
+    eval_interval: int = 50
+    eval_iters: int = 10
+    save_interval: Optional[int] = None  # resumable checkpoint every N steps
+    keep_last_n: int = 2
+    resume: Optional[str] = None  # "auto" (latest under output.dir) or a checkpoint path
+    push_to_hub: Optional[PushToHubConfig] = None
+
+
+@dataclass
+class PeftConfig:
+    method: Optional[Literal["lora"]] = None
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.05
+    target_modules: list[str] = field(
+        default_factory=lambda: ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
+    )
+    merge: bool = False  # also write a merged plain GPTNeoX folder at the end
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "outputs/run"
+    max_shard_size: str = "5GB"
+    tensorboard: bool = True
+
+
+@dataclass
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building a typed tree from plain dicts
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:
+    """Typed, validated Recipe from a nested dict (keys may use '-' for '_', as GPT-NeoX users write them)."""
+    recipe = _build(Recipe, raw, path="", source=source)
+    validate(recipe)
+    return recipe
+
+
+def _build(cls, raw: Any, path: str, source: str):
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{source}: `{path or 'top level'}` must be a mapping of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in fields:
+            raise RecipeError(f"{source}: unknown key `{_join(path, key)}`{_did_you_mean(name, fields)}")
+        values[name] = _coerce(hints[name], value, _join(path, name), source)
+    return cls(**values)
+
+
+def _join(path: str, key) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _did_you_mean(name: str, valid) -> str:
+    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
+    hint = f"; did you mean `{close[0]}`?" if close else ""
+    return f"{hint} Valid keys here: {', '.join(sorted(valid))}"
+
+
+def _coerce(hint, value, path: str, source: str):
+    """Check `value` against the type hint; convert only the lossless cases (int → float, 1e-4 strings → float)."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        return _coerce(non_none[0], value, path, source)
+    if origin is Literal:
+        if value not in args:
+            raise RecipeError(f"{source}: `{path}` = {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise RecipeError(f"{source}: `{path}` must be a list, got {value!r}")
+        return [_coerce(args[0], v, f"{path}[{i}]", source) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path, source)
+    return _coerce_scalar(hint, value, path, source)
+
+
+def _coerce_scalar(hint, value, path: str, source: str):
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `1e-4` as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    else:
+        return value
+    raise RecipeError(f"{source}: `{path}` must be {hint.__name__}, got {value!r} ({type(value).__name__})")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Validation (ranges and cross-field rules)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise RecipeError(message)
+
+
+def validate(recipe: Recipe) -> None:
+    m, t, p, d = recipe.model, recipe.train, recipe.parallel, recipe.data
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
+        _require(getattr(m, name) > 0, f"`model.{name}` must be > 0, got {getattr(m, name)}")
+    _require(
+        m.hidden_size % m.num_attention_heads == 0,
+        f"`model.hidden_size` ({m.hidden_size}) must be divisible by `model.num_attention_heads` ({m.num_attention_heads})",
+    )
+    _require(0.0 < m.rotary_pct <= 1.0, f"`model.rotary_pct` must be in (0, 1], got {m.rotary_pct}")
+    if m.max_position_embeddings is not None:
+        _require(
+            m.max_position_embeddings >= m.seq_length,
+            f"`model.max_position_embeddings` ({m.max_position_embeddings}) must be ≥ `model.seq_length` ({m.seq_length})",
+        )
+    for name in ("train_iters", "micro_batch_size", "gradient_accumulation_steps", "log_interval", "eval_interval"):
+        _require(getattr(t, name) > 0, f"`train.{name}` must be > 0, got {getattr(t, name)}")
+    _require(t.eval_iters >= 0, f"`train.eval_iters` must be ≥ 0, got {t.eval_iters}")
+    _require(t.lr > 0, f"`train.lr` must be > 0, got {t.lr}")
+    _require(0 <= t.min_lr <= t.lr, f"`train.min_lr` must be in [0, train.lr={t.lr}], got {t.min_lr}")
+    _require(0.0 <= t.warmup < 1.0, f"`train.warmup` is a fraction of the decay steps in [0, 1), got {t.warmup}")
+    _require(t.clip_grad >= 0, f"`train.clip_grad` must be ≥ 0 (0 disables clipping), got {t.clip_grad}")
+    _require(t.keep_last_n >= 1, f"`train.keep_last_n` must be ≥ 1, got {t.keep_last_n}")
+    if t.save_interval is not None:
+        _require(t.save_interval > 0, f"`train.save_interval` must be > 0, got {t.save_interval}")
+    if t.push_to_hub is not None:
+        _require(bool(t.push_to_hub.repo_id), "`train.push_to_hub.repo_id` is required, e.g. `me/pythia-tiny`")
+    _require(p.zero_stage in (0, 1, 2, 3), f"`parallel.zero_stage` must be 0, 1, 2 or 3, got {p.zero_stage}")
+    _require(p.tensor_parallel >= 1, f"`parallel.tensor_parallel` must be ≥ 1, got {p.tensor_parallel}")
+    _require(
+        p.pipeline_parallel == 1,
+        f"`parallel.pipeline_parallel` = {p.pipeline_parallel}: pipeline parallelism is not supported; "
+        "use tensor_parallel with ZeRO data parallelism (set pipeline_parallel: 1)",
+    )
+    _require(
+        not (p.zero_stage == 3 and p.tensor_parallel > 1),
+        "`parallel.zero_stage: 3` with `parallel.tensor_parallel > 1` is refused: ZeRO-3 partitions every parameter "
+        "over all ranks and would re-shard the tensor-parallel slices; use zero_stage 1 or 2 with tensor parallelism",
+    )
+    _require(
+        m.num_attention_heads % p.tensor_parallel == 0,
+        f"`model.num_attention_heads` ({m.num_attention_heads}) must be divisible by `parallel.tensor_parallel` ({p.tensor_parallel})",
+    )
+    _require(d.pad_to_multiple_of >= 1, f"`data.pad_to_multiple_of` must be ≥ 1, got {d.pad_to_multiple_of}")
+    _require(d.buffer_size >= 1, f"`data.buffer_size` must be ≥ 1, got {d.buffer_size}")
+    _require(0.0 <= d.validation_fraction < 1.0, f"`data.validation_fraction` must be in [0, 1), got {d.validation_fraction}")
+    if d.max_tokens_per_batch is not None:
+        _require(d.max_tokens_per_batch > 0, f"`data.max_tokens_per_batch` must be > 0, got {d.max_tokens_per_batch}")
+    for i, s in enumerate(d.sources + d.validation):
+        _require(bool(s.path), f"`data.sources[{i}].path` is empty: give a file glob, a .bin/.idx prefix or a dataset name")
+        _require(s.weight > 0, f"data source `{s.path}`: `weight` must be > 0, got {s.weight}")
+    if recipe.peft.method is not None:
+        _require(recipe.peft.r > 0, f"`peft.r` must be > 0, got {recipe.peft.r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Files and overrides
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def load_yaml_file(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file not found: {path}. Give a path such as recipes/tiny.yaml")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{path}: not valid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe must be a mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
+def parse_overrides(argv: list[str]) -> dict:
+    """`--train.lr 3e-4 --parallel.zero_stage=2` → nested dict; values are parsed as YAML scalars/lists."""
+    overrides: dict = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            raise RecipeError(f"unexpected argument {arg!r}: overrides look like `--section.key value`")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise RecipeError(f"override `--{key}` has no value: write `--{key} VALUE`")
+            value = argv[i + 1]
+            i += 1
+        if "." not in key:
+            raise RecipeError(f"override `--{key}` must name a section and a key, e.g. `--train.lr 3e-4`")
+        _set_nested(overrides, key.replace("-", "_").split("."), yaml.safe_load(value))
+        i += 1
+    return overrides
+
+
+def _set_nested(tree: dict, keys: list[str], value) -> None:
+    for key in keys[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[keys[-1]] = value
+
+
+def merge_dicts(base: dict, update: dict) -> dict:
+    """Recursive merge; `update` wins. Neither input is modified."""
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_dicts(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
