@@ -1,0 +1,171 @@
+"""Megatron-style tensor parallelism applied to an unmodified `transformers.GPTNeoXForCausalLM`.
+
+Why not a library verb: DeepSpeed AutoTP shards query_key_value / dense_h_to_4h and
+dense / dense_4h_to_h, but keeps the embedding whole and gathers full logits; transformers'
+`tp_plan="auto"` gives equal logits under torchrun + gloo but also gathers the logits
+(`lm_head: colwise_gather_output`). Neither gives a vocab-parallel embedding and a loss
+that never materialises [batch, seq, vocab] logits, which is what makes large vocabularies
+affordable under TP. So we write the layers ourselves, Megatron-style: four small autograd
+mappings (`mappings.py`) and layers a few lines long (`tp_layers.py`), applied from outside
+the model according to one plan (`tp_plan.py`), as torchtitan applies its parallelisms.
+
+After `apply_tensor_parallel` the model is still a working `GPTNeoXForCausalLM`:
+`model(...)`, `model(..., labels=...)` and `generate` give full (gathered) logits. Training
+should use `tp_causal_lm_loss`, which keeps logits sharded along the vocabulary.
+
+Attention needs no patching: `GPTNeoXAttention.forward` reshapes with -1 heads
+(`(*input_shape, -1, 3 * head_size)`) and `head_size` is fixed at construction, so a
+query_key_value with fewer output rows simply runs fewer heads. The config is left
+describing the full model so `save_pretrained` of the merged weights stays correct.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import GPTNeoXForCausalLM
+
+from neox_hf.errors import NeoXHFError
+from neox_hf.parallel.tp_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    vocab_parallel_cross_entropy,
+)
+from neox_hf.parallel.tp_checkpoint import (
+    gather_full_state_dict,
+    load_tp_shard_state_dict,
+    pad_vocab,
+    padded_vocab_size,
+)
+from neox_hf.parallel.tp_groups import DeepSpeedMPU, ParallelGroups, build_parallel_groups
+from neox_hf.parallel.tp_plan import TP_PLAN, layer_kind
+
+__all__ = [
+    "apply_tensor_parallel",
+    "check_tp_divisibility",
+    "tp_causal_lm_loss",
+    "tp_logits",
+    "vocab_parallel_cross_entropy",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "VocabParallelLMHead",
+    "ParallelGroups",
+    "build_parallel_groups",
+    "DeepSpeedMPU",
+    "gather_full_state_dict",
+    "load_tp_shard_state_dict",
+    "pad_vocab",
+    "padded_vocab_size",
+    "TP_PLAN",
+]
+
+
+def apply_tensor_parallel(model: GPTNeoXForCausalLM, tp_group) -> GPTNeoXForCausalLM:
+    """`model` with every TP_PLAN module replaced, in place, by a layer holding this rank's
+    slice. `tp_group=None` means a TP size of 1 (same layers, no communication)."""
+    if not isinstance(model, GPTNeoXForCausalLM):
+        raise NeoXHFError(
+            f"apply_tensor_parallel supports transformers.GPTNeoXForCausalLM (and subclasses), "
+            f"got {type(model).__name__}"
+        )
+    rank, size = _rank_and_size(tp_group)
+    check_tp_divisibility(model, size)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    for name, module in list(model.named_modules()):
+        kind = layer_kind(name)
+        if kind is not None:
+            model.set_submodule(name, _parallel_layer(kind, module, rank, size, tp_group))
+    if tied:
+        # One shard serves both ends, as one full matrix did.
+        model.lm_head.weight = model.gpt_neox.embed_in.weight
+    return model
+
+
+def check_tp_divisibility(model: GPTNeoXForCausalLM, tp_size: int) -> None:
+    """Raise NeoXHFError, saying how to fix it, when `model` cannot be split `tp_size` ways."""
+    config = model.config
+    if config.num_attention_heads % tp_size:
+        raise NeoXHFError(
+            f"num_attention_heads={config.num_attention_heads} is not divisible by tensor parallel "
+            f"size {tp_size}; each rank must hold whole heads, so choose tp_size from "
+            f"{_divisors(config.num_attention_heads)}"
+        )
+    if config.intermediate_size % tp_size:
+        raise NeoXHFError(
+            f"intermediate_size={config.intermediate_size} is not divisible by tensor parallel "
+            f"size {tp_size}; choose a tp_size that divides it"
+        )
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if vocab % tp_size:
+        raise NeoXHFError(
+            f"vocab size {vocab} is not divisible by tensor parallel size {tp_size}. Pad it first, as "
+            f"GPT-NeoX does (to a multiple of make_vocab_size_divisible_by x tp): "
+            f"pad_vocab(model, padded_vocab_size({vocab}, divisible_by=128, tp={tp_size}))"
+        )
+
+
+def tp_causal_lm_loss(
+    model: GPTNeoXForCausalLM,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    real_vocab_size: int | None = None,
+) -> torch.Tensor:
+    """The causal-LM loss of `model(input_ids, labels=labels).loss` without full logits.
+
+    `labels` are NOT shifted (same convention as transformers: position t predicts
+    labels[t + 1]); -100 is ignored; the mean is over non-ignored tokens. Pass
+    `real_vocab_size` to exclude vocabulary-padding columns from the softmax.
+    """
+    head = model.get_output_embeddings()
+    if not isinstance(head, VocabParallelLMHead):
+        raise NeoXHFError("tp_causal_lm_loss needs a model prepared by apply_tensor_parallel(model, tp_group)")
+    hidden = model.base_model(
+        input_ids, attention_mask=attention_mask, position_ids=position_ids
+    ).last_hidden_state
+    # Shift before the head: the last position has no target, so its logits are never needed.
+    logits_shard = head.forward_shard(hidden[:, :-1])
+    return vocab_parallel_cross_entropy(
+        logits_shard, labels[:, 1:], head.group, head.vocab_start, real_vocab_size
+    )
+
+
+def tp_logits(
+    model: GPTNeoXForCausalLM,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Full [batch, seq, vocab] logits, gathered on every TP rank (inference and tests)."""
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+
+
+def _parallel_layer(kind: str, module: nn.Module, rank: int, size: int, group) -> nn.Module:
+    def shard(tensor, dim):
+        return tensor.detach().chunk(size, dim=dim)[rank].clone()
+
+    if kind == "column":
+        # For query_key_value this splits along heads: GPTNeoX interleaves q,k,v per head
+        # (rows are [num_heads, 3, head_size]), so contiguous row blocks are whole heads.
+        bias = shard(module.bias, 0) if module.bias is not None else None
+        return ColumnParallelLinear(shard(module.weight, 0), bias, group)
+    if kind == "row":
+        bias = module.bias.detach().clone() if module.bias is not None else None
+        return RowParallelLinear(shard(module.weight, 1), bias, group)
+    rows = module.weight.shape[0] // size
+    if kind == "vocab_embedding":
+        return VocabParallelEmbedding(shard(module.weight, 0), rank * rows, group)
+    return VocabParallelLMHead(shard(module.weight, 0), rank * rows, group)
+
+
+def _rank_and_size(group) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,112 @@
+"""Process groups for tensor × data parallelism, and the `mpu` DeepSpeed expects.
+
+Layout is Megatron's: consecutive global ranks form a TP group (they exchange activations
+every layer, so they should share a node), and ranks with the same TP rank form a DP group.
+With world 4 and tp 2: TP groups [0,1] [2,3]; DP groups [0,2] [1,3].
+"""
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from neox_hf.errors import NeoXHFError
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    tp_group: object
+    dp_group: object
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+
+
+def tp_group_ranks(world_size: int, tp_size: int) -> list[list[int]]:
+    """Global ranks of every TP group: consecutive blocks of `tp_size`."""
+    return [list(range(start, start + tp_size)) for start in range(0, world_size, tp_size)]
+
+
+def dp_group_ranks(world_size: int, tp_size: int) -> list[list[int]]:
+    """Global ranks of every DP group: ranks sharing a TP rank."""
+    return [list(range(tp_rank, world_size, tp_size)) for tp_rank in range(tp_size)]
+
+
+def build_parallel_groups(tp_size: int) -> ParallelGroups:
+    """This rank's TP and DP groups. Collective: every rank must call it, in the same order
+    relative to other `new_group` calls, after `torch.distributed.init_process_group`."""
+    if not dist.is_initialized():
+        raise NeoXHFError("build_parallel_groups needs torch.distributed initialised; launch with torchrun")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if tp_size < 1 or world % tp_size != 0:
+        raise NeoXHFError(
+            f"tensor parallel size {tp_size} must divide the world size {world}; "
+            f"choose tp_size from {[d for d in range(1, world + 1) if world % d == 0]}"
+        )
+    # new_group is collective over the whole world, so every rank creates every group.
+    tp_group = _group_containing(rank, tp_group_ranks(world, tp_size))
+    dp_group = _group_containing(rank, dp_group_ranks(world, tp_size))
+    return ParallelGroups(
+        tp_group=tp_group,
+        dp_group=dp_group,
+        tp_rank=rank % tp_size,
+        tp_size=tp_size,
+        dp_rank=rank // tp_size,
+        dp_size=world // tp_size,
+    )
+
+
+def _group_containing(rank: int, all_ranks: list[list[int]]):
+    mine = None
+    for ranks in all_ranks:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+class DeepSpeedMPU:
+    """The "model parallel unit" `deepspeed.initialize(mpu=...)` queries (see
+    deepspeed/utils/groups.py and deepspeed/utils/bwc.py): with it, ZeRO partitions and
+    reduces gradients over the DP group only, and gradient clipping counts TP shards once.
+
+    Deliberately has no `initialize_sequence_parallel`: DeepSpeed takes that attribute to
+    mean a Megatron-DeepSpeed sequence-parallel mpu and then ignores our DP group.
+    """
+
+    def __init__(self, groups: ParallelGroups):
+        self.groups = groups
+
+    def get_model_parallel_rank(self) -> int:
+        return self.groups.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.groups.tp_size
+
+    def get_model_parallel_group(self):
+        return self.groups.tp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return dist.get_global_rank(self.groups.tp_group, 0)
+
+    def get_data_parallel_rank(self) -> int:
+        return self.groups.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.groups.dp_size
+
+    def get_data_parallel_group(self):
+        return self.groups.dp_group
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return dp_group_ranks(dist.get_world_size(), self.groups.tp_size)[self.groups.tp_rank]
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return 1
+
+    def get_pipe_parallel_rank(self) -> int:
+        return 0

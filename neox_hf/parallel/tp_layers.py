@@ -1,0 +1,138 @@
+"""Tensor-parallel layers and the vocab-parallel cross-entropy.
+
+Each layer holds only this rank's slice of the weight, under the same attribute names as
+the `nn.Linear` / `nn.Embedding` it replaces (`weight`, `bias`), so `state_dict()` keys stay
+identical to stock transformers. All communication goes through `mappings.py`.
+
+Sharded parameters carry `tensor_model_parallel=True` and `partition_dim`, the attributes
+DeepSpeed's `is_model_parallel_parameter` reads so gradient-norm clipping counts each
+shard once and replicated parameters (layer norms, row-parallel biases) once per TP group.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from neox_hf.parallel.mappings import (
+    all_reduce_max,
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+)
+
+
+def _group_rank(group) -> int:
+    return dist.get_rank(group) if group is not None else 0
+
+
+def _shard_parameter(tensor: torch.Tensor, partition_dim: int) -> nn.Parameter:
+    param = nn.Parameter(tensor)
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A's output rows split: each rank computes a slice of Y's last dim."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, gather_output: bool = False):
+        super().__init__()
+        self.weight = _shard_parameter(weight, 0)
+        self.bias = _shard_parameter(bias, 0) if bias is not None else None
+        self.group = group
+        self.gather_output = gather_output
+
+    def forward_shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the output's last dim."""
+        return F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.forward_shard(x)
+        return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A's input columns split; X arrives already split along its last dim."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group):
+        super().__init__()
+        self.weight = _shard_parameter(weight, 1)
+        # The bias is replicated and added once after the reduce; adding it on every rank
+        # before the reduce would make the effective bias tp_size * b.
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp_region(F.linear(x, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows [vocab_start, vocab_start + rows) live on this rank."""
+
+    def __init__(self, weight: torch.Tensor, vocab_start: int, group):
+        super().__init__()
+        self.weight = _shard_parameter(weight, 0)
+        self.vocab_start = vocab_start
+        self.group = group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local_ids = input_ids - self.vocab_start
+        foreign = (local_ids < 0) | (local_ids >= self.weight.shape[0])
+        # Foreign ids look up row 0 and are zeroed, so after the sum exactly one rank
+        # contributes each token's embedding.
+        embeds = F.embedding(local_ids.masked_fill(foreign, 0), self.weight)
+        embeds = embeds.masked_fill(foreign.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(embeds, self.group)
+
+
+class VocabParallelLMHead(ColumnParallelLinear):
+    """The output projection split along the vocabulary. `forward` gathers full logits so
+    the stock `GPTNeoXForCausalLM.forward` / `generate` keep working; training should call
+    `forward_shard` + `vocab_parallel_cross_entropy` (see `tp_causal_lm_loss`)."""
+
+    def __init__(self, weight: torch.Tensor, vocab_start: int, group):
+        super().__init__(weight, None, group, gather_output=True)
+        self.vocab_start = vocab_start
+
+
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor,
+    labels: torch.Tensor,
+    group,
+    vocab_start: int | None = None,
+    real_vocab_size: int | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Mean cross-entropy over non-ignored tokens, from each rank's vocab slice of the logits.
+
+    `labels` must already be aligned with `logits_shard` (shape `logits_shard.shape[:-1]`),
+    exactly as for `F.cross_entropy`; `tp_causal_lm_loss` does the causal shift.
+    `vocab_start` defaults to `rank * shard_width`. Columns at or beyond `real_vocab_size`
+    (vocabulary padding) are excluded from the softmax.
+
+    Never builds the [*, vocab] tensor: three all-reduces of [*]-shaped tensors (max,
+    sum of exponentials, target logit) give log(sum_v e^{z_v}) - z_target.
+    """
+    logits = logits_shard.float()
+    width = logits.shape[-1]
+    if vocab_start is None:
+        vocab_start = _group_rank(group) * width
+    if real_vocab_size is not None:
+        column_ids = torch.arange(vocab_start, vocab_start + width, device=logits.device)
+        logits = logits.masked_fill(column_ids >= real_vocab_size, float("-inf"))
+
+    # The max only shifts the exponent for stability; its value cancels, so no gradient.
+    shifted = logits - all_reduce_max(logits.max(dim=-1).values, group).unsqueeze(-1)
+    sum_exp = reduce_from_tp_region(shifted.exp().sum(dim=-1), group)
+
+    local_labels = labels - vocab_start
+    foreign = (local_labels < 0) | (local_labels >= width)
+    picked = shifted.gather(-1, local_labels.masked_fill(foreign, 0).unsqueeze(-1)).squeeze(-1)
+    target_logit = reduce_from_tp_region(picked.masked_fill(foreign, 0.0), group)
+
+    keep = labels != ignore_index
+    token_losses = (sum_exp.log() - target_logit).masked_fill(~keep, 0.0)
+    # Labels are replicated over TP, so the count needs no communication.
+    return token_losses.sum() / keep.sum().clamp(min=1)
