@@ -1,0 +1,60 @@
+"""Tokenizers: GPT-NeoX `HFTokenizer` JSON files or HF tokenizer folders, always packaged so AutoTokenizer loads them.
+
+Gap filled: a bare tokenizers JSON (what GPT-NeoX's `vocab_file` points at) has no special-token roles;
+`PreTrainedTokenizerFast(tokenizer_file=...)` wraps it but leaves eos/pad unset, and nothing checks that the model's
+embedding covers every id the tokenizer can emit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from neox_hf.errors import CheckpointError, RecipeError
+
+
+def load_tokenizer(path: str, *, eos_token: str = "<|endoftext|>", pad_token: str = "<|padding|>") -> PreTrainedTokenizerBase:
+    """A fast tokenizer from a tokenizers `.json` file or an HF tokenizer folder, with eos/pad set.
+
+    GPT-NeoX's tokenizer uses `<|endoftext|>` as bos, eos and unk and `<|padding|>` as pad.
+    """
+    location = Path(path)
+    if location.suffix == ".json":
+        if not location.is_file():
+            raise RecipeError(f"tokenizer file not found: {location}. Set `tokenizer.path` to a tokenizers JSON file or an HF folder")
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_file=str(location), bos_token=eos_token, eos_token=eos_token, unk_token=eos_token, pad_token=pad_token
+        )
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as err:
+            raise RecipeError(f"cannot load tokenizer from {path!r}: {err}. Set `tokenizer.path` to a tokenizers JSON file or an HF folder") from err
+        if tokenizer.eos_token is None:
+            tokenizer.eos_token = eos_token
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = pad_token if pad_token in tokenizer.get_vocab() else tokenizer.eos_token
+    _require_token(tokenizer, tokenizer.eos_token, "eos_token")
+    _require_token(tokenizer, tokenizer.pad_token, "pad_token")
+    return tokenizer
+
+
+def _require_token(tokenizer, token: str, role: str) -> None:
+    if token not in tokenizer.get_vocab():
+        raise RecipeError(f"tokenizer has no token {token!r} for `tokenizer.{role}`; set `tokenizer.{role}` to a token of its vocabulary")
+
+
+def check_vocab_covers_tokenizer(model_vocab_size: int, tokenizer, where: str = "model") -> None:
+    """Refuse a model whose embedding is smaller than the tokenizer: ids ≥ vocab_size would crash mid-run."""
+    if model_vocab_size < len(tokenizer):
+        raise CheckpointError(
+            f"{where} has vocab_size {model_vocab_size} but the tokenizer has {len(tokenizer)} tokens; "
+            "use the tokenizer the model was trained with, or resize the embedding (model.resize_token_embeddings)"
+        )
+
+
+def padded_vocab_size(tokenizer_size: int, divisible_by: int, tensor_parallel: int = 1) -> int:
+    """GPT-NeoX's rule: pad the vocabulary to a multiple of make_vocab_size_divisible_by × TP size."""
+    multiple = divisible_by * tensor_parallel
+    return ((tokenizer_size + multiple - 1) // multiple) * multiple
