@@ -2,8 +2,8 @@
 
 The real `huggingface_hub` client talks to it unmodified: point the client at `FakeHub.endpoint`
 (see `tests/test_hub.py` for how). It implements only the routes that client uses for
-`create_repo`, `create_branch`, `upload_folder`, `model_info`/`repo_info`, `list_repo_tree`,
-`list_repo_refs`, `hf_hub_download` and `snapshot_download`.
+`create_repo`, `create_branch`, `upload_folder` (with its README.md YAML check), `model_info` /
+`repo_info`, `list_repo_tree`, `list_repo_refs`, `hf_hub_download` and `snapshot_download`.
 
 Simplifications against the real Hub, each chosen so the client takes its plainest path:
 - preupload answers "regular" for every file, so contents arrive base64-inline in the commit
@@ -32,12 +32,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+import yaml
+
 INVALID_CREDENTIALS = "Invalid credentials in Authorization header"
 
 # (route name, method, regex over the URL path). Repo ids are always "namespace/name".
 _REPO = r"(?P<repo>[^/]+/[^/]+)"
 _ROUTES = [
     ("create_repo", "POST", re.compile(r"^/api/repos/create$")),
+    ("validate_yaml", "POST", re.compile(r"^/api/validate-yaml$")),
     ("create_branch", "POST", re.compile(rf"^/api/models/{_REPO}/branch/(?P<rev>[^/]+)$")),
     ("preupload", "POST", re.compile(rf"^/api/models/{_REPO}/preupload/(?P<rev>[^/]+)$")),
     ("commit", "POST", re.compile(rf"^/api/models/{_REPO}/commit/(?P<rev>[^/]+)$")),
@@ -85,7 +88,10 @@ class FakeHub:
         self._lock = threading.RLock()  # one request mutates repo state at a time
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="fake-hub", daemon=True)
+        # A short poll interval makes stop() (shutdown) return in milliseconds, not the default 0.5 s.
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, name="fake-hub", daemon=True
+        )
 
     @property
     def endpoint(self) -> str:
@@ -232,6 +238,16 @@ class FakeHub:
             return Reply(409, {"error": "You already created this model repo", "url": url})
         self._write_commit(repo_id, "main", None, {}, "initial commit")
         return Reply(200, {"url": url, "name": repo_id, "id": repo_id})
+
+    def _on_validate_yaml(self, *, body, **_) -> Reply:
+        # upload_folder sends README.md here before uploading: reject front matter that is not YAML.
+        content = json.loads(body)["content"]
+        if content.startswith("---\n") and "\n---" in content[3:]:
+            try:
+                yaml.safe_load(content[4 : content.index("\n---", 3)])
+            except yaml.YAMLError as err:
+                return Reply(400, {"errors": [{"message": str(err)}], "warnings": []})
+        return Reply(200, {"errors": [], "warnings": []})
 
     def _on_create_branch(self, *, repo, rev, body, **_) -> Reply:
         missing = self._repo_or_404(repo)

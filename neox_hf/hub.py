@@ -1,0 +1,457 @@
+"""Push trained models and step checkpoints to the Hugging Face Hub, and write their model card.
+
+`huggingface_hub` does the talking (`create_repo`, `create_branch`, `upload_folder`). This module
+adds what a training run needs on top of it:
+
+- the Pythia revision convention: the checkpoint of step N goes to branch `step{N}` (users load it
+  with `from_pretrained(repo, revision="step1000")`), the final model to `main`;
+- retries with backoff around the whole push: the client retries its upload calls but not
+  `create_repo` / `create_branch`, and a run that trained for days should not lose its push to one
+  503. Failures retrying cannot fix (401/403/404, bad request) become one `HubError` that names the
+  repo and the fix, and never contains the token;
+- `HubPusher`, a background uploader, so the training loop hands over a folder and keeps going;
+- `write_model_card`, a README.md built from the recipe and the facts of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import queue
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import httpx2
+from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token
+from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+from neox_hf.errors import HubError
+
+logger = logging.getLogger(__name__)
+
+MAIN_BRANCH = "main"
+CARD_TAGS = ["gpt_neox", "causal-lm", "neox_hf"]
+LOGIN_FIX = "run `hf auth login` (formerly `huggingface-cli login`) or set HF_TOKEN to a token with write access"
+
+# 408/429 and 5xx are the Hub being busy or briefly down; anything else 4xx will fail the same way again.
+_TRANSIENT_STATUS = {408, 429}
+
+T = TypeVar("T")
+
+
+def step_revision(step: int) -> str:
+    """The branch name of the checkpoint of `step` (Pythia convention: "step1000")."""
+    if step < 0:
+        raise HubError(f"step must be >= 0 to name a Hub branch, got {step}")
+    return f"step{step}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One push, with retries
+
+
+def push_folder(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    private: bool = False,
+    token: str | None = None,
+    commit_message: str | None = None,
+    max_retries: int = 3,
+    backoff_s: float = 2.0,
+    exact: bool = False,
+    endpoint: str | None = None,
+) -> str:
+    """Upload every file of `folder` to `repo_id` at branch `revision` (default `main`); return the commit URL.
+
+    Creates the repo and the branch when missing (a new branch starts from `main`). With `exact=True`
+    files on the branch that are not in `folder` are deleted, so the branch holds exactly this
+    checkpoint (used for `step{N}` branches: a branch started from a populated `main` would otherwise
+    keep main's README and stale weight shards). `endpoint` defaults to HF_ENDPOINT / huggingface.co.
+
+    Transient failures (HTTP 5xx, 429, 408, connection errors) are retried `max_retries` times with
+    exponential backoff starting at `backoff_s`; everything else raises `HubError` at once.
+    """
+    folder = Path(folder)
+    if not folder.is_dir() or not any(folder.iterdir()):
+        raise HubError(f"cannot push {folder}: it is not a folder with files in it")
+    revision = revision or MAIN_BRANCH
+    api = HfApi(endpoint=endpoint, token=token)
+
+    def push_once() -> str:
+        # Every step is idempotent (exist_ok, unchanged files are skipped), so a retry may redo them all.
+        # private=None (not False) leaves a new repo at the owner's default visibility, as the Hub UI does.
+        api.create_repo(repo_id, private=True if private else None, exist_ok=True)
+        if revision != MAIN_BRANCH:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        commit = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=folder,
+            revision=revision,
+            commit_message=commit_message or f"Upload {folder.name} with neox_hf",
+            delete_patterns="*" if exact else None,
+        )
+        return commit.commit_url
+
+    target = f"'{repo_id}' (revision '{revision}')"
+    return call_with_retries(push_once, target=target, token=token, max_retries=max_retries, backoff_s=backoff_s)
+
+
+def call_with_retries(
+    action: Callable[[], T], *, target: str, token: str | None, max_retries: int, backoff_s: float
+) -> T:
+    """Return `action()`, retrying transient Hub failures; raise `HubError` (token-free) otherwise."""
+    for attempt in range(max_retries + 1):
+        try:
+            return action()
+        except Exception as err:
+            if not is_transient(err):
+                raise hub_error_for(err, target=target, token=token) from err
+            if attempt == max_retries:
+                reason = describe_failure(err, token)
+                raise HubError(
+                    f"pushing to {target} still failed after {attempt + 1} attempts ({reason}); "
+                    "the Hub may be down: try again later"
+                ) from err
+            delay = backoff_s * 2**attempt
+            logger.warning(
+                "push to %s failed (%s); retry %d/%d in %.1fs",
+                target, describe_failure(err, token), attempt + 1, max_retries, delay,
+            )
+            time.sleep(delay)
+    raise AssertionError("unreachable")  # the loop always returns or raises
+
+
+def is_transient(err: BaseException) -> bool:
+    """Whether retrying the same request may succeed (Hub busy or down, network hiccup)."""
+    if isinstance(err, OfflineModeIsEnabled):
+        return False  # a ConnectionError subclass, but set on purpose by the user
+    if isinstance(err, HfHubHTTPError):
+        status = http_status(err)
+        return status is not None and (status >= 500 or status in _TRANSIENT_STATUS)
+    return isinstance(err, (httpx2.TransportError, ConnectionError, TimeoutError))
+
+
+def http_status(err: BaseException) -> int | None:
+    response = getattr(err, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def hub_error_for(err: BaseException, *, target: str, token: str | None) -> HubError:
+    """A `HubError` for a failure retrying cannot fix, saying what to do about it."""
+    if isinstance(err, OfflineModeIsEnabled):
+        return HubError(f"cannot push to {target}: HF_HUB_OFFLINE is set; unset it to push")
+    status = http_status(err)
+    if status in (401, 403):
+        return HubError(
+            f"the Hub refused the push to {target} (HTTP {status}): the token is missing, invalid "
+            f"or cannot write to this repo; {LOGIN_FIX}"
+        )
+    if status == 404:
+        return HubError(
+            f"the Hub could not find {target} (HTTP 404): check the repo id; for a private or "
+            f"organization repo make sure your token can see it ({LOGIN_FIX})"
+        )
+    return HubError(f"pushing to {target} failed: {describe_failure(err, token)}")
+
+
+def describe_failure(err: BaseException, token: str | None) -> str:
+    """A one-line reason for `err`, with any token scrubbed out."""
+    status = http_status(err)
+    detail = getattr(err, "server_message", None) or next(iter(str(err).strip().splitlines()), "")
+    text = f"HTTP {status}: {detail}" if status is not None else f"{type(err).__name__}: {detail}"
+    return redact_token(text, token)
+
+
+def redact_token(text: str, token: str | None) -> str:
+    """`text` without the explicit token or the locally configured one."""
+    for secret in {token, get_token()}:
+        if secret:
+            text = text.replace(secret, "***")
+    return text
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Background pusher
+
+
+@dataclass(frozen=True)
+class _PushJob:
+    folder: Path
+    revision: str
+    commit_message: str
+    exact: bool
+
+
+class HubPusher:
+    """Uploads checkpoint folders from a worker thread, one at a time, in the order they were handed over.
+
+    `push_step(folder, step)` returns at once; `wait()` blocks until everything queued is uploaded and
+    re-raises the first failure; `close()` does the same and stops the worker. A failed push is logged
+    when it happens and does not stop later pushes (a later checkpoint is still worth having).
+    The folders must stay on disk until uploaded: call `wait()` before deleting or overwriting one.
+
+    With `revision_per_step=True` (Pythia convention) step N goes to branch `step{N}`, holding exactly
+    that checkpoint; with False every step overwrites `main`. `push_final` always goes to `main`.
+    """
+
+    def __init__(
+        self,
+        repo_id: str,
+        *,
+        private: bool = False,
+        token: str | None = None,
+        revision_per_step: bool = True,
+        max_retries: int = 3,
+        backoff_s: float = 2.0,
+        endpoint: str | None = None,
+    ):
+        self.repo_id = repo_id
+        self.revision_per_step = revision_per_step
+        self.commit_urls: list[str] = []  # in push order, for logging / tests
+        self._push_kwargs = dict(
+            private=private, token=token, max_retries=max_retries, backoff_s=backoff_s, endpoint=endpoint
+        )
+        self._jobs: queue.Queue[_PushJob | None] = queue.Queue()
+        self._failures: list[BaseException] = []
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name=f"hub-pusher:{repo_id}", daemon=True)
+        self._worker.start()
+
+    def push_step(self, folder: str | os.PathLike, step: int) -> None:
+        """Queue the checkpoint of `step` for upload and return immediately."""
+        if self.revision_per_step:
+            self._submit(_PushJob(Path(folder), step_revision(step), f"Checkpoint at step {step}", exact=True))
+        else:
+            self._submit(_PushJob(Path(folder), MAIN_BRANCH, f"Checkpoint at step {step}", exact=False))
+
+    def push_final(self, folder: str | os.PathLike) -> None:
+        """Queue the finished model for upload to `main` and return immediately."""
+        self._submit(_PushJob(Path(folder), MAIN_BRANCH, "Final model", exact=False))
+
+    def wait(self) -> None:
+        """Block until every queued push is done; raise the first failure since the last wait()."""
+        self._jobs.join()
+        self._raise_first_failure()
+
+    def close(self) -> None:
+        """Finish the queued pushes, stop the worker, and raise the first failure, if any."""
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(None)
+            self._worker.join()
+        self._raise_first_failure()
+
+    def __enter__(self) -> HubPusher:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            # Already unwinding from an error: still finish the uploads, but keep that error primary.
+            try:
+                self.close()
+            except Exception:
+                logger.exception("background Hub push failed while handling another error")
+
+    def _submit(self, job: _PushJob) -> None:
+        if self._closed:
+            raise HubError(f"HubPusher for '{self.repo_id}' is closed; create a new one to push {job.folder}")
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                url = push_folder(
+                    job.folder, self.repo_id, revision=job.revision, commit_message=job.commit_message,
+                    exact=job.exact, **self._push_kwargs,
+                )
+                self.commit_urls.append(url)
+                logger.info("pushed %s to %s@%s", job.folder, self.repo_id, job.revision)
+            except Exception as err:  # kept for wait()/close(); the worker must survive to push the rest
+                logger.error("background push of %s failed: %s", job.folder, err)
+                self._failures.append(err)
+            finally:
+                self._jobs.task_done()
+        self._jobs.task_done()
+
+    def _raise_first_failure(self) -> None:
+        if not self._failures:
+            return
+        first, count = self._failures[0], len(self._failures)
+        self._failures.clear()
+        if count > 1:
+            logger.error("%d background pushes to '%s' failed; raising the first", count, self.repo_id)
+        raise first
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model card
+
+# Keys of a GPTNeoXConfig dict the card reports, with their label.
+_ARCHITECTURE_FIELDS = [
+    ("num_hidden_layers", "Layers"),
+    ("hidden_size", "Hidden size"),
+    ("num_attention_heads", "Attention heads"),
+    ("max_position_embeddings", "Sequence length"),
+    ("rotary_pct", "Rotary fraction (rotary_pct)"),
+    ("use_parallel_residual", "Parallel residual"),
+    ("vocab_size", "Vocabulary size"),
+]
+
+
+def write_model_card(
+    folder: str | os.PathLike,
+    *,
+    recipe_yaml: str,
+    model_config: dict,
+    num_parameters: int,
+    tokens_trained: int,
+    data_sources: list[dict],
+    eval_loss: float | None,
+    license: str = "apache-2.0",
+    datasets: list[str] | None = None,
+) -> Path:
+    """Write `folder/README.md`: Hub metadata (library, tags, license, datasets) and the facts of the run.
+
+    `model_config` is a GPTNeoXConfig as a dict; `data_sources` are the recipe's blend, each
+    {"path": ..., "weight": ...}; `datasets` are Hub dataset ids for the metadata, if any.
+    The file is replaced atomically, so a crash never leaves a half-written card next to the weights.
+    """
+    metadata = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        license=license,
+        tags=list(CARD_TAGS),
+        datasets=list(datasets) if datasets else None,
+    )
+    body = model_card_body(
+        recipe_yaml=recipe_yaml,
+        model_config=model_config,
+        num_parameters=num_parameters,
+        tokens_trained=tokens_trained,
+        data_sources=data_sources,
+        eval_loss=eval_loss,
+    )
+    card = ModelCard(f"---\n{metadata.to_yaml()}\n---\n\n{body}")
+    return write_text_atomically(Path(folder) / "README.md", str(card))
+
+
+def model_card_body(
+    *,
+    recipe_yaml: str,
+    model_config: dict,
+    num_parameters: int,
+    tokens_trained: int,
+    data_sources: list[dict],
+    eval_loss: float | None,
+) -> str:
+    """The Markdown body of the model card (everything below the YAML front matter)."""
+    sections = [
+        "# GPT-NeoX model trained with neox_hf",
+        "## Architecture\n\n" + architecture_table(model_config),
+        "## Training\n\n"
+        f"- Parameters: {num_parameters:,} ({human_count(num_parameters)})\n"
+        f"- Tokens trained: {tokens_trained:,} ({human_count(tokens_trained)})",
+        "## Data\n\n" + data_table(data_sources),
+        "## Evaluation\n\n" + evaluation_lines(eval_loss),
+        "## Recipe\n\nThe exact recipe this model was trained with:\n\n" + fenced(recipe_yaml, "yaml"),
+    ]
+    return "\n\n".join(sections) + "\n"
+
+
+def architecture_table(model_config: dict) -> str:
+    missing = [key for key, _ in _ARCHITECTURE_FIELDS if key not in model_config]
+    if missing:
+        raise HubError(f"model_config lacks {', '.join(missing)}; pass the GPTNeoXConfig as a dict (config.to_dict())")
+    rows = [f"| {label} | {model_config[key]} |" for key, label in _ARCHITECTURE_FIELDS]
+    return "| | |\n|---|---|\n" + "\n".join(rows)
+
+
+def data_table(data_sources: list[dict]) -> str:
+    for index, source in enumerate(data_sources):
+        if "path" not in source or "weight" not in source:
+            raise HubError(f"data_sources[{index}] needs 'path' and 'weight', got keys {sorted(source)}")
+    rows = [f"| `{source['path']}` | {source['weight']} |" for source in data_sources]
+    return "| Source | Weight |\n|---|---|\n" + "\n".join(rows)
+
+
+def evaluation_lines(eval_loss: float | None) -> str:
+    if eval_loss is None:
+        return "- Final eval loss: not measured"
+    try:
+        perplexity = f"{math.exp(eval_loss):.4f}"
+    except OverflowError:
+        perplexity = "inf"
+    return f"- Final eval loss: {eval_loss:.4f}\n- Perplexity (exp of the loss): {perplexity}"
+
+
+def human_count(n: int) -> str:
+    """1234567 -> "1.23M"."""
+    for divisor, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if abs(n) >= divisor:
+            return f"{n / divisor:.2f}{suffix}"
+    return str(n)
+
+
+def fenced(text: str, language: str) -> str:
+    """`text` in a Markdown code block whose fence is longer than any backtick run inside it."""
+    longest, run = 0, 0
+    for char in text:
+        run = run + 1 if char == "`" else 0
+        longest = max(longest, run)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{language}\n{text.rstrip()}\n{fence}"
+
+
+def write_text_atomically(path: Path, text: str) -> Path:
+    """Write `text` to `path` via a temp file in the same folder and os.replace; return `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CLI: `neox_hf push OUT REPO_ID [--revision R]`
+
+
+def add_push_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the arguments of `neox_hf push` to `parser`. The token comes from HF_TOKEN or `hf auth login`
+    on purpose: a --token flag would show it in `ps` and in shell history."""
+    parser.add_argument("folder", metavar="OUT", help="folder to upload (an exported model or a checkpoint)")
+    parser.add_argument("repo_id", metavar="REPO_ID", help="Hub repo, e.g. my-org/my-model (created if missing)")
+    parser.add_argument("--revision", default=None, help="branch to push to, e.g. step1000 (default: main)")
+    parser.add_argument("--private", action="store_true", help="create the repo as private if it does not exist")
+    parser.add_argument("--commit-message", default=None)
+    parser.add_argument("--max-retries", type=int, default=3, help="retries on transient Hub errors")
+    return parser
+
+
+def run_push(args: argparse.Namespace) -> int:
+    """Run `neox_hf push` from parsed arguments; print the commit URL and return the exit code."""
+    url = push_folder(
+        args.folder,
+        args.repo_id,
+        revision=args.revision,
+        private=args.private,
+        commit_message=args.commit_message,
+        max_retries=args.max_retries,
+    )
+    print(url)
+    return 0
