@@ -1,0 +1,41 @@
+"""Writing consolidated Hugging Face model folders atomically.
+
+Gap filled: `save_pretrained` writes straight into the target folder, so a crash leaves a half-written model that
+still looks loadable. We write into a staging folder beside the target and move the files in, `config.json` last,
+so a folder with a config always has complete weights.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def save_hf_folder(model, out_dir, *, state_dict=None, tokenizer=None, extra_files: dict[str, str] | None = None,
+                   max_shard_size: str = "5GB") -> Path:
+    """save_pretrained (safetensors, sharded above max_shard_size) + tokenizer + extra text files, atomically."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = out_dir / ".tmp-model"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(staging)
+    for name, text in (extra_files or {}).items():
+        (staging / name).write_text(text)
+    _remove_stale_weights(out_dir, keep={p.name for p in staging.iterdir()})
+    for path in sorted(staging.iterdir(), key=lambda p: p.name == "config.json"):
+        os.replace(path, out_dir / path.name)
+    staging.rmdir()
+    return out_dir
+
+
+def _remove_stale_weights(out_dir: Path, keep: set[str]) -> None:
+    """An earlier save with another shard count must not leave shards the new index does not list."""
+    if (out_dir / "config.json").exists():
+        os.remove(out_dir / "config.json")  # the folder is not loadable until the new files are all in
+    for pattern in ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin"):
+        for path in out_dir.glob(pattern):
+            if path.name not in keep:
+                path.unlink()

@@ -1,0 +1,32 @@
+"""Training: the loop, LR schedule, checkpoints and resume."""
+
+from __future__ import annotations
+
+import sys
+
+from neox_hf.errors import NeoXHFError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`run_clm_neox.py` entry: parse → (print config | train). Bad input exits 2 with the message."""
+    from neox_hf.train.args import parse_run_args
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parse_run_args(argv)
+    except NeoXHFError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(args.recipe.to_yaml(), end="")
+        for notice in args.notices:
+            print(f"# note: {notice}")
+        return 0
+    from neox_hf.train.loop import train
+
+    try:
+        train(args.recipe, notices=args.notices)
+    except NeoXHFError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,239 @@
+"""The training loop: recipe → tokenizer, model, data, Accelerator → steps → resumable checkpoints → HF folder.
+
+Read top to bottom: `train(recipe)` is the whole run; each helper below does one thing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from neox_hf.data import build_eval_loader, build_train_loader, gpt_neox_num_epochs, tokens_per_epoch
+from neox_hf.interop.hf_folder import save_hf_folder
+from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, load_tokenizer, padded_vocab_size
+from neox_hf.model import NeoXForCausalLM, config_from_recipe
+from neox_hf.parallel.accelerator import build_accelerator, uses_deepspeed
+from neox_hf.recipe import Recipe
+from neox_hf.train.checkpoint import TrainState, find_resume_checkpoint, load_checkpoint, save_checkpoint
+from neox_hf.train.schedule import build_lr_scheduler
+
+
+@dataclass
+class RunResult:
+    output_dir: Path
+    steps: int
+    train_losses: list[float]  # mean loss of every optimizer step (averaged over ranks)
+    eval_losses: list[tuple[int, float]]  # (step, loss)
+    final_eval_loss: float | None
+
+
+def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
+    """Run the recipe end to end; return where the model went and the losses seen."""
+    accelerator = build_accelerator(recipe, log_with="tensorboard" if recipe.output.tensorboard else None)
+    _set_seed(recipe.train.seed)
+    tokenizer = load_tokenizer(recipe.tokenizer.path, eos_token=recipe.tokenizer.eos_token, pad_token=recipe.tokenizer.pad_token)
+    model = build_model(recipe, tokenizer)
+    dp_rank, dp_size = accelerator.process_index, accelerator.num_processes
+    loader = build_train_loader(
+        recipe.data, tokenizer, seq_length=recipe.model.seq_length, micro_batch_size=recipe.train.micro_batch_size,
+        dp_rank=dp_rank, dp_size=dp_size, seed=recipe.data.seed,
+    )
+    eval_batches = build_eval_loader(
+        recipe.data, tokenizer, seq_length=recipe.model.seq_length, micro_batch_size=recipe.train.micro_batch_size,
+        max_batches=recipe.train.eval_iters, dp_rank=dp_rank, dp_size=dp_size,
+    )
+    optimizer = build_optimizer(model, recipe)
+    scheduler = build_lr_scheduler(optimizer, recipe.train)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    state = TrainState()
+    resume_from = find_resume_checkpoint(recipe.train.resume, recipe.output.dir)
+    if resume_from is not None:
+        state = load_checkpoint(accelerator, resume_from, scheduler=scheduler, data_loader=loader)
+        accelerator.print(f"resumed from {resume_from} at step {state.step}")
+    if accelerator.is_main_process:
+        _print_startup_report(accelerator, recipe, model, tokenizer, notices or [])
+    if recipe.output.tensorboard:
+        accelerator.init_trackers("neox_hf")
+    result = _run_steps(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, state)
+    final_eval = evaluate(accelerator, model, eval_batches) if eval_batches else None
+    if final_eval is not None:
+        result.eval_losses.append((state.step, final_eval))
+        accelerator.print(f"final eval loss {final_eval:.4f}  perplexity {math.exp(min(final_eval, 50)):.2f}")
+    out = save_final_model(accelerator, model, tokenizer, recipe)
+    accelerator.end_training()
+    accelerator.print(f"model saved to {out.resolve()}")
+    return RunResult(out, state.step, result.train_losses, result.eval_losses, final_eval)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _set_seed(seed: int) -> None:
+    from accelerate.utils import set_seed
+
+    set_seed(seed)
+
+
+def build_model(recipe: Recipe, tokenizer) -> NeoXForCausalLM:
+    """From a pretrained folder, or from scratch with GPT-NeoX init and the padded vocabulary."""
+    m = recipe.model
+    if m.from_pretrained:
+        model = NeoXForCausalLM.from_pretrained(m.from_pretrained, dtype=torch.float32, attn_implementation=m.attn_implementation)
+        check_vocab_covers_tokenizer(model.config.vocab_size, tokenizer, where=m.from_pretrained)
+    else:
+        vocab = m.vocab_size or padded_vocab_size(len(tokenizer), m.make_vocab_size_divisible_by, recipe.parallel.tensor_parallel)
+        check_vocab_covers_tokenizer(vocab, tokenizer, where="`model.vocab_size`")
+        config = config_from_recipe(
+            m, vocab_size=vocab, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        config._attn_implementation = m.attn_implementation
+        # _from_config builds under deepspeed.zero.Init when ZeRO-3 is active, so a 20B never sits whole on one rank.
+        model = NeoXForCausalLM._from_config(config, dtype=torch.float32)
+    if recipe.parallel.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model
+
+
+def build_optimizer(model, recipe: Recipe) -> torch.optim.Optimizer:
+    """AdamW; as GPT-NeoX, biases and norm weights get no weight decay."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 else decay).append(param)
+    t = recipe.train
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+
+
+def causal_lm_loss(model, batch: dict) -> tuple[torch.Tensor, int]:
+    """Mean cross-entropy over the batch's labelled tokens (labels are already aligned with inputs)."""
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    logits = model(**inputs, use_cache=False).logits
+    labels = batch["labels"]
+    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+    return loss, int((labels != -100).sum())
+
+
+def _to_device(batch: dict, device) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+@dataclass
+class _StepLog:
+    train_losses: list[float]
+    eval_losses: list[tuple[int, float]]
+
+
+def _run_steps(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, state: TrainState) -> _StepLog:
+    t = recipe.train
+    log = _StepLog([], [])
+    progress = tqdm(total=t.train_iters, initial=state.step, disable=not accelerator.is_main_process, desc="train")
+    batches = iter(loader)
+    window_loss, window_tokens, window_start = 0.0, 0, time.perf_counter()
+    model.train()
+    while state.step < t.train_iters:
+        step_loss, step_tokens, step_samples = 0.0, 0, 0
+        for _ in range(t.gradient_accumulation_steps):
+            batch = _to_device(next(batches), accelerator.device)
+            with accelerator.accumulate(model):
+                loss, tokens = causal_lm_loss(model, batch)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and t.clip_grad > 0 and not uses_deepspeed(accelerator):
+                    accelerator.clip_grad_norm_(model.parameters(), t.clip_grad)
+                optimizer.step()
+                optimizer.zero_grad()
+            step_loss += loss.detach().float() / t.gradient_accumulation_steps
+            step_tokens += tokens
+            step_samples += batch["input_ids"].shape[0]
+        scheduler.step()
+        state.step += 1
+        mean_loss = accelerator.reduce(step_loss.reshape(1), reduction="mean").item()
+        totals = accelerator.reduce(torch.tensor([step_tokens, step_samples], device=accelerator.device), reduction="sum")
+        state.consumed_tokens += int(totals[0])
+        state.consumed_samples += int(totals[1])
+        log.train_losses.append(mean_loss)
+        window_loss += mean_loss
+        window_tokens += int(totals[0])
+        progress.update(1)
+        if state.step % t.log_interval == 0 or state.step == t.train_iters:
+            elapsed = time.perf_counter() - window_start
+            n = t.log_interval if state.step % t.log_interval == 0 else state.step % t.log_interval
+            metrics = {"train/loss": window_loss / n, "train/lr": scheduler.get_last_lr()[0], "train/tokens_per_s": window_tokens / elapsed}
+            progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", lr=f"{metrics['train/lr']:.2e}")
+            accelerator.log(metrics, step=state.step)
+            window_loss, window_tokens, window_start = 0.0, 0, time.perf_counter()
+        if eval_batches and state.step % t.eval_interval == 0 and state.step < t.train_iters:
+            eval_loss = evaluate(accelerator, model, eval_batches)
+            log.eval_losses.append((state.step, eval_loss))
+            accelerator.log({"eval/loss": eval_loss, "eval/perplexity": math.exp(min(eval_loss, 50))}, step=state.step)
+            accelerator.print(f"step {state.step}: eval loss {eval_loss:.4f}")
+        if t.save_interval and state.step % t.save_interval == 0:
+            save_checkpoint(accelerator, output_dir=recipe.output.dir, state=state, scheduler=scheduler, data_loader=loader,
+                            keep_last_n=t.keep_last_n)
+    progress.close()
+    return log
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, eval_batches: list[dict]) -> float:
+    """Token-weighted mean loss over every rank's eval batches."""
+    model.eval()
+    total = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
+    for batch in eval_batches:
+        loss, tokens = causal_lm_loss(model, _to_device(batch, accelerator.device))
+        total += torch.tensor([loss.item() * tokens, tokens], device=accelerator.device, dtype=torch.float64)
+    model.train()
+    total = accelerator.reduce(total, reduction="sum")
+    return float(total[0] / total[1]) if total[1] > 0 else float("nan")
+
+
+def save_final_model(accelerator, model, tokenizer, recipe: Recipe) -> Path:
+    """Consolidated HF folder (ZeRO-3 partitions gathered) written by the main process, atomically."""
+    state_dict = accelerator.get_state_dict(model)  # collective under ZeRO-3: every rank must call it
+    out = Path(recipe.output.dir)
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        save_hf_folder(unwrapped, out, state_dict=state_dict, tokenizer=tokenizer,
+                       extra_files={"recipe.yaml": recipe.to_yaml()}, max_shard_size=recipe.output.max_shard_size)
+    accelerator.wait_for_everyone()
+    return out
+
+
+def _print_startup_report(accelerator, recipe: Recipe, model, tokenizer, notices: list[str]) -> None:
+    t, m = recipe.train, recipe.model
+    unwrapped = accelerator.unwrap_model(model)
+    n_params = sum(p.numel() for p in unwrapped.parameters())
+    if uses_deepspeed(accelerator) and recipe.parallel.zero_stage == 3:
+        n_params = sum(getattr(p, "ds_numel", p.numel()) for p in unwrapped.parameters())
+    dp = accelerator.num_processes
+    global_batch = t.micro_batch_size * t.gradient_accumulation_steps * dp
+    lines = [
+        f"neox_hf: {m.num_layers if not m.from_pretrained else unwrapped.config.num_hidden_layers} layers, "
+        f"{n_params / 1e6:.2f}M parameters, vocab {unwrapped.config.vocab_size} (tokenizer {len(tokenizer)})",
+        f"layout: {dp} data-parallel rank(s), tensor parallel {recipe.parallel.tensor_parallel}, "
+        f"ZeRO stage {recipe.parallel.zero_stage if uses_deepspeed(accelerator) else 'off'}, precision {t.precision}",
+        f"batch: micro {t.micro_batch_size} × accumulation {t.gradient_accumulation_steps} × dp {dp} = {global_batch} "
+        f"samples/step, mode {recipe.data.mode}, seq_length {m.seq_length}, {t.train_iters} steps",
+    ]
+    if recipe.data.mode == "pack":
+        epoch_tokens = tokens_per_epoch(recipe.data, tokenizer)
+        num_samples = t.train_iters * global_batch
+        if epoch_tokens:
+            epochs = gpt_neox_num_epochs(epoch_tokens, m.seq_length, num_samples)
+            lines.append(
+                f"data: {epoch_tokens:,} tokens per epoch; {num_samples:,} samples of seq_length+1 = {m.seq_length + 1} "
+                f"tokens need {epochs} epoch(s) (GPT-NeoX _num_epochs)"
+            )
+    lines += [f"note: {n}" for n in notices]
+    accelerator.print("\n".join(lines))
