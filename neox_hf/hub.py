@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import httpx2
-from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token
+from huggingface_hub import HfApi, ModelCard, ModelCardData
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
 from neox_hf.errors import HubError
@@ -42,6 +42,7 @@ LOGIN_FIX = "run `hf auth login` (formerly `huggingface-cli login`) or set HF_TO
 
 # 408/429 and 5xx are the Hub being busy or briefly down; anything else 4xx will fail the same way again.
 _TRANSIENT_STATUS = {408, 429}
+_MAX_BACKOFF_S = 60.0
 
 T = TypeVar("T")
 
@@ -112,7 +113,9 @@ def call_with_retries(
     for attempt in range(max_retries + 1):
         try:
             return action()
-        except Exception as err:
+        except (HfHubHTTPError, httpx2.TransportError, ConnectionError, TimeoutError, ValueError) as err:
+            # ValueError: the client's own refusals (bad repo id, invalid README.md metadata). Anything
+            # else is a bug, not a Hub failure, and propagates untouched.
             if not is_transient(err):
                 raise hub_error_for(err, target=target, token=token) from err
             if attempt == max_retries:
@@ -121,7 +124,7 @@ def call_with_retries(
                     f"pushing to {target} still failed after {attempt + 1} attempts ({reason}); "
                     "the Hub may be down: try again later"
                 ) from err
-            delay = backoff_s * 2**attempt
+            delay = min(backoff_s * 2**attempt, _MAX_BACKOFF_S)
             logger.warning(
                 "push to %s failed (%s); retry %d/%d in %.1fs",
                 target, describe_failure(err, token), attempt + 1, max_retries, delay,
@@ -172,8 +175,10 @@ def describe_failure(err: BaseException, token: str | None) -> str:
 
 
 def redact_token(text: str, token: str | None) -> str:
-    """`text` without the explicit token or the locally configured one."""
-    for secret in {token, get_token()}:
+    """`text` without the explicit token or the one in HF_TOKEN (defence in depth: no message we build
+    contains a token, but server messages and exception texts are not ours)."""
+    # Not huggingface_hub.get_token(): with HF_OIDC_RESOURCE set it performs a network token exchange.
+    for secret in {token, os.environ.get("HF_TOKEN")}:
         if secret:
             text = text.replace(secret, "***")
     return text

@@ -162,7 +162,9 @@ class FakeHub:
             return revision
         return None
 
-    def _write_commit(self, repo_id: str, branch: str, parent: str | None, files: dict[str, bytes], message: str) -> str:
+    def _write_commit(
+        self, repo_id: str, branch: str, parent: str | None, files: dict[str, bytes], message: str
+    ) -> str:
         listing = "".join(f"{path}\0{git_blob_oid(data)}\n" for path, data in sorted(files.items()))
         sha = hashlib.sha1(f"{parent}\n{branch}\n{message}\n{listing}".encode()).hexdigest()
         snapshot = self._snapshot_dir(repo_id, sha)

@@ -152,6 +152,25 @@ def test_bad_token_raises_hub_error_with_the_fix_and_without_the_token(hub, tmp_
     assert hub.branches(REPO) == []
 
 
+@pytest.mark.parametrize("status, fix", [(403, "HF_TOKEN"), (404, "check the repo id")])
+def test_forbidden_and_not_found_are_not_retried(hub, tmp_path, status, fix):
+    folder = make_model_folder(tmp_path / "m", layers=2, marker="m")
+    hub.fail_next("create_branch", times=1, status=status)
+
+    with pytest.raises(HubError, match=rf"'{REPO}' \(revision 'step1'\) \(HTTP {status}\).*{fix}"):
+        push_folder(folder, REPO, revision="step1", **FAST)
+    assert hub.count("create_branch") == 1
+
+
+def test_invalid_readme_metadata_is_a_hub_error(hub, tmp_path):
+    folder = make_model_folder(tmp_path / "m", layers=2, marker="m")
+    (folder / "README.md").write_text("---\nlicense: [unclosed\n---\n# card\n")
+
+    with pytest.raises(HubError, match="Invalid metadata in README.md"):
+        push_folder(folder, REPO, **FAST)
+    assert hub.commits == []
+
+
 def test_push_cli_pushes_to_the_given_revision_through_hf_endpoint(hub, tmp_path, capsys):
     folder = make_model_folder(tmp_path / "m", layers=2, marker="m")
     parser = add_push_arguments(argparse.ArgumentParser())
