@@ -3,8 +3,9 @@
 Nothing here mocks huggingface_hub: every push and download goes over HTTP to 127.0.0.1.
 """
 
-import argparse
 import math
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,9 +23,7 @@ from hub_server import FakeHub  # noqa: E402
 from neox_hf.errors import HubError  # noqa: E402
 from neox_hf.hub import (  # noqa: E402
     HubPusher,
-    add_push_arguments,
     push_folder,
-    run_push,
     write_model_card,
 )
 
@@ -171,15 +170,24 @@ def test_invalid_readme_metadata_is_a_hub_error(hub, tmp_path):
     assert hub.commits == []
 
 
-def test_push_cli_pushes_to_the_given_revision_through_hf_endpoint(hub, tmp_path, capsys):
+def test_push_cli_in_a_fresh_process_finds_the_hub_through_hf_endpoint(hub, tmp_path):
+    # A new interpreter reads HF_ENDPOINT at import, as a user's `neox_hf push` would: no patching there.
     folder = make_model_folder(tmp_path / "m", layers=2, marker="m")
-    parser = add_push_arguments(argparse.ArgumentParser())
+    script = (
+        "import argparse, sys\n"
+        "from neox_hf.hub import add_push_arguments, run_push\n"
+        "sys.exit(run_push(add_push_arguments(argparse.ArgumentParser()).parse_args(sys.argv[1:])))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
 
-    code = run_push(parser.parse_args([str(folder), REPO, "--revision", "step7"]))
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(folder), REPO, "--revision", "step7"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
 
-    assert code == 0
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith(f"{hub.endpoint}/{REPO}/commit/")
     assert hub.files(REPO, "step7") == local_files(folder)
-    assert capsys.readouterr().out.strip().startswith(f"{hub.endpoint}/{REPO}/commit/")
 
 
 # ---------------------------------------------------------------------------------------------------------
