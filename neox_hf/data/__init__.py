@@ -1,0 +1,16 @@
+"""Data layer: streamed corpora → per-rank batches for GPT-NeoX-class training. Knows a tokenizer, no model.
+
+    sources.py   local files / Hub / .bin-.idx → token rows; blending, per-rank split, validation hold-out
+    indexed.py   GPT-NeoX mmap `.bin/.idx` reader and writer
+    padding.py   dynamic padding, length bucketing, token budgets
+    packing.py   GPT-NeoX windows, document-isolated packing, the epoch arithmetic
+    loader.py    buffers → batches, infinite epochs, exact resume; the train loop's entry points
+"""
+
+from neox_hf.data.indexed import IndexedDataset, write_indexed_dataset
+from neox_hf.data.loader import DataLoader, build_eval_loader, build_train_loader, tokens_per_epoch
+from neox_hf.data.packing import gpt_neox_num_epochs
+from neox_hf.data.sources import document_stream
+
+__all__ = ["DataLoader", "IndexedDataset", "build_eval_loader", "build_train_loader", "document_stream",
+           "gpt_neox_num_epochs", "tokens_per_epoch", "write_indexed_dataset"]

@@ -1,0 +1,306 @@
+"""The train and eval loaders: documents → buffers → batches, infinite over epochs, resumable exactly.
+
+How resume is exact: batches are made buffer by buffer ("chunks" of `buffer_size` documents). The state is
+taken at the start of the current chunk: the upstream position (`IterableDataset.state_dict()`, exact
+because nothing upstream of us buffers: no `datasets` shuffle buffer is used, shuffling happens in our
+chunks with RNGs seeded by (seed, chunk index)), the examples or tokens carried over from the previous
+chunk, the stats so far and the number of batches of this chunk already emitted. `load_state_dict` rebuilds
+the chunk from that position, which is deterministic, and skips the emitted batches — at most one
+buffer of work, independent of how far into the epoch training is.
+
+Gap filled: `datasets`' state_dict loses shuffle-buffer contents, and torchdata's StatefulDataLoader
+restores worker iterators but not a length-bucketing buffer; neither packs.
+"""
+
+from __future__ import annotations
+
+import copy
+from itertools import islice
+from typing import Iterator, Optional
+
+import numpy as np
+
+from neox_hf.data import packing, padding
+from neox_hf.data.packing import TokenStream
+from neox_hf.data.sources import document_stream, resolve_files, source_format
+from neox_hf.errors import DataError
+from neox_hf.recipe import DataConfig
+
+STATE_VERSION = 1
+STAT_KEYS = ("documents", "skipped_empty", "skipped_undecodable", "truncated", "real_tokens", "padded_tokens")
+
+
+def empty_stats() -> dict:
+    return {key: 0 for key in STAT_KEYS}
+
+
+class _DocumentReader:
+    """This rank's usable documents, epoch after epoch (or one epoch when `cycle` is False), counting skips."""
+
+    def __init__(self, make_stream, *, epoch: int, upstream: Optional[dict], usable_in_epoch: int, stats: dict,
+                 cycle: bool, describe: str):
+        self._make_stream, self._cycle, self._describe, self.stats = make_stream, cycle, describe, stats
+        self.epoch, self.usable_in_epoch = epoch, usable_in_epoch
+        self._open(upstream)
+
+    def _open(self, upstream: Optional[dict]) -> None:
+        self._stream = self._make_stream(self.epoch)
+        if upstream is not None:
+            self._stream.load_state_dict(upstream)
+        self._rows = iter(self._stream)
+        self._pulled = upstream is not None
+
+    def position(self) -> dict:
+        """Where the next document comes from (None upstream = the start of the epoch)."""
+        upstream = copy.deepcopy(self._stream.state_dict()) if self._pulled else None
+        return {"epoch": self.epoch, "upstream": upstream, "usable_in_epoch": self.usable_in_epoch}
+
+    def take(self, n: int) -> list[tuple[list[int], int]]:
+        """Up to n usable (ids, prompt_length) documents; fewer only at the end of a finite stream."""
+        docs: list[tuple[list[int], int]] = []
+        while len(docs) < n:
+            row = next(self._rows, None)
+            if row is None:
+                if not self._next_epoch():
+                    break
+                continue
+            self._pulled = True
+            if row["skip"] == "":
+                self.stats["documents"] += 1
+                self.usable_in_epoch += 1
+                docs.append((row["input_ids"], row["prompt_length"]))
+            elif row["skip"] in ("empty", "undecodable"):
+                self.stats[f"skipped_{row['skip']}"] += 1
+        return docs
+
+    def _next_epoch(self) -> bool:
+        if self.usable_in_epoch == 0:
+            if not self._cycle:
+                return False
+            raise DataError(f"{self._describe}: a whole epoch gave this rank no usable document "
+                            f"({self.stats['skipped_empty']} empty, {self.stats['skipped_undecodable']} undecodable "
+                            "so far); check `text_key` / `template` field names, the paths, and that there are at "
+                            "least as many documents as data-parallel ranks")
+        if not self._cycle:
+            return False
+        self.epoch, self.usable_in_epoch = self.epoch + 1, 0
+        self._open(None)
+        return True
+
+
+class DataLoader:
+    """Iterator of batches (dicts of int64 tensors) with `state_dict()` / `load_state_dict()` and `stats`.
+
+    mode "pad": examples whole, bucketed by length inside each chunk (see `padding`), a fixed micro batch or
+    a token budget. mode "pack": GPT-NeoX windows (see `packing`). A chunk is `buffer_size` documents.
+    """
+
+    def __init__(self, data_cfg: DataConfig, tokenizer, *, seq_length: int, micro_batch_size: int, dp_rank: int,
+                 dp_size: int, seed: int, role: str, cycle: bool, sources=None):
+        self.cfg, self.tokenizer, self.seq_length, self.batch_size = data_cfg, tokenizer, seq_length, micro_batch_size
+        self.dp_rank, self.dp_size, self.seed, self.role, self.cycle = dp_rank, dp_size, seed, role, cycle
+        self.sources = list(data_cfg.sources if sources is None else sources)
+        self.max_length = data_cfg.max_length or seq_length
+        self.shuffle = data_cfg.shuffle and cycle  # eval batches are the stream in order
+        _check_batching(data_cfg, tokenizer, self.max_length, micro_batch_size, seq_length)
+        self._position = {"epoch": 0, "upstream": None, "usable_in_epoch": 0, "chunk_index": 0,
+                          "carry": None, "stats": empty_stats()}
+        self._emitted = 0
+        self.stats = empty_stats()
+        self._batches: Optional[Iterator[dict]] = None
+
+    # -- public -----------------------------------------------------------------------------------------------
+
+    def __iter__(self) -> "DataLoader":
+        return self
+
+    def __next__(self) -> dict:
+        if self._batches is None:
+            self._batches = self._generate(self._position, skip=self._emitted)
+        return next(self._batches)
+
+    def state_dict(self) -> dict:
+        """Plain, picklable position: the current chunk's start, how many of its batches were emitted."""
+        return copy.deepcopy({"version": STATE_VERSION, "fingerprint": self._fingerprint(),
+                              "position": self._position, "emitted": self._emitted})
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise DataError(f"data loader state version {state.get('version')} is not {STATE_VERSION}; "
+                            "this checkpoint's data position cannot be resumed by this version of neox_hf")
+        if state["fingerprint"] != self._fingerprint():
+            raise DataError(f"data loader state was saved with {state['fingerprint']} but this run has "
+                            f"{self._fingerprint()}; resume with the same data settings (or start fresh)")
+        self._position, self._emitted = copy.deepcopy(state["position"]), state["emitted"]
+        self.stats = dict(self._position["stats"])
+        self._batches = None
+
+    # -- internals --------------------------------------------------------------------------------------------
+
+    def _fingerprint(self) -> dict:
+        c = self.cfg
+        return {"mode": c.mode, "isolate_documents": c.isolate_documents, "seq_length": self.seq_length,
+                "micro_batch_size": self.batch_size, "max_tokens_per_batch": c.max_tokens_per_batch,
+                "buffer_size": c.buffer_size, "dp_rank": self.dp_rank, "dp_size": self.dp_size, "seed": self.seed,
+                "sources": [s.path for s in self.sources]}
+
+    def _make_stream(self, epoch: int):
+        return document_stream(self.sources, self.tokenizer, epoch=epoch, seed=self.seed, dp_rank=self.dp_rank,
+                               dp_size=self.dp_size, shuffle=self.shuffle, streaming=self.cfg.streaming,
+                               append_eod=self.cfg.append_eod, role=self.role, fraction=self.cfg.validation_fraction)
+
+    def _generate(self, start: dict, skip: int) -> Iterator[dict]:
+        self.stats = dict(start["stats"])
+        reader = _DocumentReader(self._make_stream, epoch=start["epoch"], upstream=start["upstream"],
+                                 usable_in_epoch=start["usable_in_epoch"], stats=self.stats, cycle=self.cycle,
+                                 describe=f"data sources {[s.path for s in self.sources]}")
+        chunk_index, carry = start["chunk_index"], start["carry"]
+        while True:
+            self._position = {**reader.position(), "chunk_index": chunk_index, "carry": carry,
+                              "stats": dict(self.stats)}
+            self._emitted = 0
+            docs = reader.take(self.cfg.buffer_size)
+            rng = np.random.default_rng([self.seed, chunk_index]) if self.shuffle else None
+            last = len(docs) < self.cfg.buffer_size  # only a finite (eval) stream runs short
+            makers, carry = self._chunk(docs, carry, rng, flush=last)
+            for i, make in enumerate(makers):
+                batch = make()
+                self._count(batch)
+                self._emitted = i + 1
+                if i >= skip:
+                    yield batch
+            skip, chunk_index = 0, chunk_index + 1
+            if last:
+                return
+
+    def _chunk(self, docs, carry, rng, flush: bool):
+        """(batch makers for this chunk, carry state for the next); makers are lazy so a resume skips cheaply."""
+        if self.cfg.mode == "pack":
+            return self._pack_chunk(docs, carry, rng)
+        return self._pad_chunk(docs, carry, rng, flush)
+
+    def _pad_chunk(self, docs, carry, rng, flush: bool):
+        examples = [(np.asarray(i, np.int64), np.asarray(l, np.int64)) for i, l in (carry or [])]
+        examples += [padding.example_from_document(ids, n) for ids, n in self._whole_examples(docs)]
+        lengths = [len(inputs) for inputs, _ in examples]
+        if self.cfg.max_tokens_per_batch:
+            groups, leftover = padding.token_budget_batches(
+                lengths, self.cfg.max_tokens_per_batch, self.cfg.pad_to_multiple_of, self.max_length), []
+        else:
+            groups, leftover = padding.fixed_size_batches(lengths, self.batch_size, rng)
+        if flush and leftover:
+            groups, leftover = groups + [leftover], []
+        if rng is not None:
+            groups = [groups[i] for i in rng.permutation(len(groups))]
+        pad = dict(pad_id=self.tokenizer.pad_token_id, multiple=self.cfg.pad_to_multiple_of, max_length=self.max_length)
+        makers = [lambda g=g: padding.pad_batch([examples[i] for i in g], **pad) for g in groups]
+        next_carry = [(examples[i][0].tolist(), examples[i][1].tolist()) for i in leftover]
+        return makers, next_carry
+
+    def _whole_examples(self, docs):
+        """Documents cut to max_length + 1 tokens (inputs of at most max_length); too short to predict → empty."""
+        for ids, prompt_length in docs:
+            if len(ids) < 2:
+                self.stats["skipped_empty"] += 1
+                self.stats["documents"] -= 1
+                continue
+            if len(ids) > self.max_length + 1:
+                self.stats["truncated"] += 1
+                ids = ids[: self.max_length + 1]
+            yield ids, prompt_length
+
+    def _pack_chunk(self, docs, carry, rng):
+        if rng is not None:
+            docs = [docs[i] for i in rng.permutation(len(docs))]
+        stream = packing.concat_documents(TokenStream.from_state(carry) if carry else TokenStream.empty(), docs)
+        windows, rest = packing.cut_batches(stream, self.seq_length, self.batch_size)
+        isolate = self.cfg.isolate_documents
+        makers = [lambda w=w: packing.pack_batch(w, isolate_documents=isolate) for w in windows]
+        return makers, rest.to_state()
+
+    def _count(self, batch: dict) -> None:
+        total = batch["input_ids"].numel()
+        real = int(batch["attention_mask"].sum()) if "attention_mask" in batch else total
+        self.stats["real_tokens"] += real
+        self.stats["padded_tokens"] += total - real
+
+
+def _check_batching(cfg: DataConfig, tokenizer, max_length: int, micro_batch_size: int, seq_length: int) -> None:
+    if micro_batch_size < 1 or seq_length < 1:
+        raise DataError(f"micro_batch_size ({micro_batch_size}) and seq_length ({seq_length}) must be ≥ 1")
+    if cfg.mode == "pad" and tokenizer.pad_token_id is None:
+        raise DataError("data.mode: pad needs a tokenizer pad token; set tokenizer.pad_token (e.g. '<|padding|>')")
+    if cfg.append_eod and tokenizer.eos_token_id is None:
+        raise DataError("data.append_eod: true needs a tokenizer eos token; set tokenizer.eos_token '<|endoftext|>'")
+    if cfg.mode == "pad" and cfg.max_tokens_per_batch:
+        widest = padding.padded_length(max_length, cfg.pad_to_multiple_of, max_length)
+        if widest > cfg.max_tokens_per_batch:
+            raise DataError(f"data.max_tokens_per_batch ({cfg.max_tokens_per_batch}) is below one example of "
+                            f"max_length {max_length}; raise it to ≥ {widest} or lower data.max_length")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The contract the train loop uses
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def build_train_loader(data_cfg: DataConfig, tokenizer, *, seq_length: int, micro_batch_size: int, dp_rank: int = 0,
+                       dp_size: int = 1, seed: int = 1234) -> DataLoader:
+    """Infinite training batches for this data-parallel rank (reshuffled each epoch with seed + epoch).
+    With tensor parallelism pass the DP rank, so every rank of a TP group gets the same batches."""
+    if not data_cfg.sources:
+        raise DataError("data.sources is empty: add at least one `- path: ...` under data.sources")
+    role = "train" if data_cfg.validation_fraction > 0 and not data_cfg.validation else "all"
+    return DataLoader(data_cfg, tokenizer, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                      dp_rank=dp_rank, dp_size=dp_size, seed=seed, role=role, cycle=True)
+
+
+def build_eval_loader(data_cfg: DataConfig, tokenizer, *, seq_length: int, micro_batch_size: int, max_batches: int,
+                      dp_rank: int = 0, dp_size: int = 1) -> list[dict]:
+    """At most `max_batches` deterministic validation batches (stream order, no shuffling): from
+    `data.validation` sources, else the documents `validation_fraction` holds out of `data.sources`."""
+    if data_cfg.validation:
+        sources, role = data_cfg.validation, "all"
+    elif data_cfg.validation_fraction > 0 and data_cfg.sources:
+        sources, role = data_cfg.sources, "validation"
+    else:
+        return []
+    loader = DataLoader(data_cfg, tokenizer, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                        dp_rank=dp_rank, dp_size=dp_size, seed=data_cfg.seed, role=role, cycle=False, sources=sources)
+    return list(islice(loader, max_batches))
+
+
+CHEAP_COUNT_BYTES = 256 * 2**20  # local corpora below this are tokenized once to count; above, too slow to guess
+
+
+def tokens_per_epoch(data_cfg: DataConfig, tokenizer) -> Optional[int]:
+    """Training tokens in one epoch (EOD included), for `gpt_neox_num_epochs`.
+
+    Exact from the index for `.bin/.idx` sources without a validation hold-out; counted in one tokenizing
+    pass for local files up to 256 MiB; None for Hub datasets, bigger files, and blends of several sources
+    (a weighted blend's epoch is set by the sampling, not by the corpus sizes).
+    """
+    from neox_hf.data.indexed import IndexedDataset
+
+    sources = data_cfg.sources
+    if len(sources) != 1:
+        return None
+    source = sources[0]
+    fmt = source_format(source)
+    if fmt == "hub":
+        return None
+    if fmt == "indexed" and (data_cfg.validation_fraction == 0 or data_cfg.validation):
+        return IndexedDataset(source.path).num_tokens
+    if fmt != "indexed" and sum(_file_size(f) for f in resolve_files(source)) > CHEAP_COUNT_BYTES:
+        return None
+    role = "train" if data_cfg.validation_fraction > 0 and not data_cfg.validation else "all"
+    stream = document_stream(sources, tokenizer, epoch=0, seed=data_cfg.seed, shuffle=False,
+                             streaming=data_cfg.streaming, append_eod=data_cfg.append_eod, role=role,
+                             fraction=data_cfg.validation_fraction)
+    return sum(len(row["input_ids"]) for row in stream if row["skip"] == "")
+
+
+def _file_size(path: str) -> int:
+    import os
+
+    return os.path.getsize(path)
