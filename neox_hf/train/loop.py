@@ -99,7 +99,7 @@ def build_model(recipe: Recipe, tokenizer) -> NeoXForCausalLM:
         # _from_config builds under deepspeed.zero.Init when ZeRO-3 is active, so a 20B never sits whole on one rank.
         model = NeoXForCausalLM._from_config(config, dtype=torch.float32)
     if recipe.parallel.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable()
     model.config.use_cache = False
     return model
 
