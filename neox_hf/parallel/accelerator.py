@@ -79,15 +79,19 @@ def _read_json(path: str) -> dict:
         raise RecipeError(f"`parallel.deepspeed_config` {location} is not valid JSON: {err}") from err
 
 
+def _launched_distributed() -> bool:
+    """torchrun / accelerate launch set WORLD_SIZE; a plain `python` run has none and needs no process group."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def build_accelerator(recipe: Recipe, *, log_with: str | None = None) -> Accelerator:
     """One Accelerator configured from the recipe (single process, DDP, or DeepSpeed ZeRO 0–3)."""
     train, parallel = recipe.train, recipe.parallel
+    use_deepspeed = wants_deepspeed(parallel)
     kwargs_handlers = []
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and (use_deepspeed or _launched_distributed()):
         kwargs_handlers.append(InitProcessGroupKwargs(backend="gloo"))
-    plugin = None
-    if wants_deepspeed(parallel):
-        plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(parallel, train))
+    plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(parallel, train)) if use_deepspeed else None
     project = ProjectConfiguration(project_dir=recipe.output.dir, logging_dir=str(Path(recipe.output.dir) / "runs"))
     return Accelerator(
         mixed_precision=_MIXED_PRECISION[train.precision],

@@ -60,7 +60,12 @@ def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
         _print_startup_report(accelerator, recipe, model, tokenizer, notices or [])
     if recipe.output.tensorboard:
         accelerator.init_trackers("neox_hf")
+    initial_eval = evaluate(accelerator, model, eval_batches) if eval_batches and state.step == 0 else None
+    if initial_eval is not None:
+        accelerator.print(f"step 0: eval loss {initial_eval:.4f}")
     result = _run_steps(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, state)
+    if initial_eval is not None:
+        result.eval_losses.insert(0, (0, initial_eval))
     final_eval = evaluate(accelerator, model, eval_batches) if eval_batches else None
     if final_eval is not None:
         result.eval_losses.append((state.step, final_eval))

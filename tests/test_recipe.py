@@ -1,0 +1,133 @@
+"""Recipes: our YAML, GPT-NeoX's own configs, overrides, --print-config, and errors that name the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from neox_hf.errors import RecipeError
+from neox_hf.neox_yaml import load_neox_recipe_dict, read_neox_files
+from neox_hf.recipe import recipe_from_dict
+from neox_hf.train.args import parse_run_args
+from tests.conftest import REPO, SHARED_DATA
+
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+NEOX_CONFIGS = sorted(SHARED_DATA.glob("neox-configs/**/*.yml"))
+
+
+def test_every_recipe_file_parses():
+    assert len(RECIPES) >= 11
+    for path in RECIPES:
+        parse_run_args([str(path)])
+
+
+@pytest.mark.skipif(not NEOX_CONFIGS, reason="shared/data/neox-configs not beside the repo")
+@pytest.mark.parametrize("path", NEOX_CONFIGS, ids=lambda p: p.name)
+def test_every_gpt_neox_config_parses(path):
+    args = parse_run_args([str(path)])
+    assert args.recipe.model.num_layers > 0 and args.recipe.train.lr > 0
+
+
+def test_20b_recipe_matches_gpt_neox_20b():
+    r = parse_run_args([str(REPO / "recipes" / "20b.yaml")]).recipe
+    m, t, p = r.model, r.train, r.parallel
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (44, 6144, 64, 2048)
+    assert m.rotary_pct == 0.25 and m.use_parallel_residual and not m.tie_word_embeddings
+    assert (t.lr, t.adam_beta1, t.adam_beta2, t.adam_eps, t.min_lr) == (9.7e-5, 0.9, 0.95, 1e-8, 9.7e-6)
+    assert (t.lr_decay_style, t.warmup, t.weight_decay, t.clip_grad) == ("cosine", 0.01, 0.01, 1.0)
+    assert (t.micro_batch_size, t.gradient_accumulation_steps, p.zero_stage, p.tensor_parallel) == (4, 32, 1, 2)
+    from neox_hf.interop.tokenizer import padded_vocab_size
+
+    assert padded_vocab_size(50277, m.make_vocab_size_divisible_by, p.tensor_parallel) == 50432
+
+
+@pytest.mark.skipif(not NEOX_CONFIGS, reason="shared/data/neox-configs not beside the repo")
+def test_neox_20b_config_translates_architecture_and_says_what_it_changed():
+    translation = load_neox_recipe_dict([SHARED_DATA / "neox-configs" / "20B.yml"])
+    recipe = recipe_from_dict(translation.recipe)
+    assert recipe.model.hidden_act == "gelu_new"  # bias_gelu_fusion computes the tanh GELU
+    assert recipe.parallel.tensor_parallel == 2 and recipe.train.precision == "fp16"
+    assert any("pipe_parallel_size: 4" in n for n in translation.notices)
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_gpt_neox_python_literals_dash_keys_and_merge(tmp_path):
+    a = _write(tmp_path, "a.yml", '{\n  # model\n  "num-layers": 2, "hidden_size": 64, "num-attention-heads": 4,\n  "gpt_j_residual": True,\n}\n')
+    b = _write(tmp_path, "b.yml", '{"seq-length": 32, "optimizer": {"type": "Adam", "params": {"lr": 3.0e-4, "betas": [0.9, 0.99],}},}')
+    recipe = parse_run_args([str(a), str(b)]).recipe
+    assert (recipe.model.num_layers, recipe.model.seq_length, recipe.train.lr, recipe.train.adam_beta2) == (2, 32, 3e-4, 0.99)
+    dup = _write(tmp_path, "dup.yml", '{"num_layers": 4}')
+    with pytest.raises(RecipeError, match="num_layers.*already set"):
+        read_neox_files([a, dup])
+
+
+@pytest.mark.parametrize(
+    "text,key",
+    [
+        ('{"num_layers": 2, "pos_emb": "alibi"}', "pos_emb"),
+        ('{"num_layers": 2, "norm": "rmsnorm"}', "norm"),
+        ('{"num_layers": 2, "activation": "swiglu"}', "activation"),
+        ('{"num_layers": 2, "attention_config": [[["sparse_fixed"], 2]]}', "attention_config"),
+        ('{"num_layers": 2, "optimizer": {"type": "lion"}}', "optimizer.type"),
+    ],
+)
+def test_inexpressible_gpt_neox_options_are_refused(tmp_path, text, key):
+    path = _write(tmp_path, "bad.yml", text)
+    with pytest.raises(RecipeError, match=key):
+        parse_run_args([str(path)])
+
+
+def test_dynamic_padding_switch_maps_to_pad_mode(tmp_path):
+    path = _write(tmp_path, "pad.yml", '{"num_layers": 2, "dynamic_padding": true}')
+    assert parse_run_args([str(path)]).recipe.data.mode == "pad"
+
+
+def test_overrides_are_validated_like_the_file():
+    tiny = str(REPO / "recipes" / "tiny.yaml")
+    recipe = parse_run_args([tiny, "--train.lr", "3e-4", "--parallel.zero_stage=2"]).recipe
+    assert recipe.train.lr == 3e-4 and recipe.parallel.zero_stage == 2
+    with pytest.raises(RecipeError, match=r"unknown key `train.lrr`; did you mean `lr`"):
+        parse_run_args([tiny, "--train.lrr", "1"])
+    with pytest.raises(RecipeError, match=r"`train.micro_batch_size` must be int, got 'four'"):
+        parse_run_args([tiny, "--train.micro_batch_size", "four"])
+    with pytest.raises(RecipeError, match=r"`parallel.zero_stage` must be 0, 1, 2 or 3, got 5"):
+        parse_run_args([tiny, "--parallel.zero_stage", "5"])
+    with pytest.raises(RecipeError, match=r"`data.mode` = 'padd' is not one of"):
+        parse_run_args([tiny, "--data.mode", "padd"])
+
+
+def test_zero3_with_tensor_parallel_is_refused_with_reason():
+    with pytest.raises(RecipeError, match="ZeRO-3 partitions every parameter"):
+        recipe_from_dict({"parallel": {"zero_stage": 3, "tensor_parallel": 2}})
+
+
+def test_missing_recipe_file_names_it(tmp_path):
+    with pytest.raises(RecipeError, match="recipe file not found: .*nope.yaml"):
+        parse_run_args([str(tmp_path / "nope.yaml")])
+
+
+def _run_cli(*args):
+    return subprocess.run([sys.executable, str(REPO / "run_clm_neox.py"), *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+
+
+def test_print_config_prints_resolved_yaml_and_exits_0():
+    done = _run_cli("recipes/tiny.yaml", "--train.lr", "1e-3", "--print-config")
+    assert done.returncode == 0, done.stderr
+    printed = yaml.safe_load(done.stdout)
+    assert printed["train"]["lr"] == 1e-3 and printed["model"]["num_layers"] == 2
+    assert recipe_from_dict(printed).train.lr == 1e-3  # the printed recipe is itself a valid recipe
+
+
+def test_print_config_of_bad_recipe_exits_nonzero_with_the_error():
+    done = _run_cli("recipes/tiny.yaml", "--model.hidden_size", "-1", "--print-config")
+    assert done.returncode != 0
+    assert "model.hidden_size" in done.stderr
