@@ -244,6 +244,13 @@ def test_layer_count_mismatch_names_the_missing_file(pipeline_tp2):
         load_neox_state_dict(root, tiny_config(num_hidden_layers=3))
 
 
+@pytest.mark.parametrize("layout", ["pipeline", "sequential"])
+def test_untied_checkpoint_read_with_tied_config_is_an_error(tmp_path, layout):
+    write_neox_checkpoint(random_neox_shards(tiny_config(tied=False), tp=1), tmp_path, layout)
+    with pytest.raises(CheckpointError, match=r"layer index\(es\) \[6\].*tie_word_embeddings=False"):
+        load_neox_state_dict(tmp_path, tiny_config(tied=True))
+
+
 def test_replicated_norm_disagreeing_across_ranks_is_an_error(pipeline_tp2):
     config, root, step_dir = pipeline_tp2
     path = step_dir / "layer_02-model_01-model_states.pt"

@@ -135,11 +135,20 @@ def _corrupt_file_error(path: Path, err: Exception) -> CheckpointError:
 def load_layer_shards(
     files: NeoXCheckpointFiles, layer_indices: list[int], *, trust_pickle: bool = False
 ) -> LayerShards:
-    """Return ``{idx: [rank 0 state dict, rank 1 ...]}`` for the requested pipeline indices."""
+    """Return ``{idx: [rank 0 state dict, rank 1 ...]}`` for the requested pipeline indices.
+
+    Weights at any other index are an error, not skipped: e.g. an untied checkpoint's
+    ``final_linear`` read with a tied config would otherwise vanish without a word.
+    """
     if files.layout == "pipeline":
-        return {idx: [_load_pipeline_file(files.layer_file(idx, r), trust_pickle) for r in range(files.tp_size)]
-                for idx in layer_indices}
+        stored = {int(m.group(1)) for m in map(PIPELINE_FILE.match, (p.name for p in files.step_dir.iterdir())) if m}
+        shards = {idx: [_load_pipeline_file(files.layer_file(idx, r), trust_pickle) for r in range(files.tp_size)]
+                  for idx in layer_indices}
+        _check_no_extra_layers(stored, layer_indices, files.step_dir / "layer_*-model_*-model_states.pt")
+        return shards
     per_rank = [_sequential_layers(files.rank_file(r), trust_pickle) for r in range(files.tp_size)]
+    for rank, layers in enumerate(per_rank):
+        _check_no_extra_layers(set(layers), layer_indices, files.rank_file(rank))
     shards: LayerShards = {}
     for idx in layer_indices:
         for rank, layers in enumerate(per_rank):
@@ -150,6 +159,16 @@ def load_layer_shards(
                 )
         shards[idx] = [layers[idx] for layers in per_rank]
     return shards
+
+
+def _check_no_extra_layers(stored: set[int], expected: list[int], where: Path) -> None:
+    extra = sorted(stored - set(expected))
+    if extra:
+        raise CheckpointError(
+            f"{where}: holds weights for layer index(es) {extra} that the config does not expect "
+            f"(expected {sorted(expected)}); check num_hidden_layers, and tie_word_embeddings=False "
+            "if the checkpoint has a final_linear (GPT-NeoX no_weight_tying: true)"
+        )
 
 
 def _load_pipeline_file(path: Path, trust_pickle: bool) -> dict[str, torch.Tensor]:
