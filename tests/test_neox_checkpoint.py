@@ -111,6 +111,8 @@ def test_converted_model_matches_neox_reference(tmp_path, layout, tp, parallel_r
 
     expected = neox_reference_logits(ranks, config, INPUT_IDS)
     torch.testing.assert_close(hf_logits(model, INPUT_IDS), expected, atol=1e-5, rtol=0)
+    # Tied means one parameter (fine-tuning must keep them equal), not two equal copies.
+    assert (model.lm_head.weight is model.gpt_neox.embed_in.weight) == tied
 
 
 def test_legacy_mlp_names_and_rotary_buffers_load_from_step_dir(tmp_path):

@@ -266,6 +266,8 @@ def neox_to_hf_model(
     # Random init is wasted work: every weight is overwritten below (and checked to be).
     with transformers.initialization.no_init_weights():
         model = model_class(config)
+    # no_init_weights also skips init_weights' tying, so a tied lm_head would be a copy.
+    model.tie_weights()
     model = model.to(dtype)
     result = model.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
