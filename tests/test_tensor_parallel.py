@@ -1,0 +1,262 @@
+"""Tensor parallelism: TP2 (and TP2 x DP2) must reproduce one stock GPTNeoXForCausalLM.
+
+Multi-rank checks run as torchrun + gloo workers (tests/workers/tp_*.py) that save their
+results; this process computes the stock single-process reference and compares (fp32,
+max abs difference <= 1e-5).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import GPTNeoXForCausalLM
+
+from neox_hf.errors import CheckpointError, NeoXHFError
+from neox_hf.parallel.tensor_parallel import (
+    apply_tensor_parallel,
+    check_tp_divisibility,
+    load_tp_shard_state_dict,
+    pad_vocab,
+    padded_vocab_size,
+    tp_causal_lm_loss,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = os.path.join(REPO, "tests", "workers")
+sys.path.insert(0, WORKERS)
+from tp_common import LR, STEPS, batch, tiny_config  # noqa: E402
+
+TOL = 1e-5
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, WORKERS]))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(nproc, worker, *args, timeout=240):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           os.path.join(WORKERS, worker), *map(str, args)]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+def rank_results(out_dir, name, nproc):
+    return [torch.load(os.path.join(out_dir, f"{name}.rank{r}.pt"), weights_only=False) for r in range(nproc)]
+
+
+def saved_tiny_model(folder, seed=0, **config):
+    torch.manual_seed(seed)
+    GPTNeoXForCausalLM(tiny_config(**config)).save_pretrained(folder)
+    return folder
+
+
+def stock(folder):
+    return GPTNeoXForCausalLM.from_pretrained(folder)
+
+
+def reference_step(model, input_ids, labels):
+    """(logits, loss, grads) of one stock forward/backward."""
+    model.zero_grad()
+    out = model(input_ids, labels=labels)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def max_diff(a, b):
+    return (a - b).abs().max().item()
+
+
+def assert_grads_close(tp_grads, ref_grads):
+    assert sorted(tp_grads) == sorted(ref_grads)
+    worst = max(ref_grads, key=lambda n: max_diff(tp_grads[n], ref_grads[n]))
+    assert max_diff(tp_grads[worst], ref_grads[worst]) <= TOL, worst
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    models = tmp_path_factory.mktemp("models")
+    saved_tiny_model(models / "untied")
+    saved_tiny_model(models / "tied", seed=1, tie_word_embeddings=True)
+    saved_tiny_model(models / "vocab251", seed=2, vocab_size=251)
+    out = tmp_path_factory.mktemp("tp2_out")
+    run_torchrun(2, "tp_tp2.py", models, out)
+    return models, out
+
+
+def test_tp2_forward_and_gradients_match_tp1(tp2):
+    models, out = tp2
+    ref_logits, ref_loss, ref_grads = reference_step(stock(models / "untied"), *batch())
+    for rank in rank_results(out, "untied", 2):
+        assert max_diff(rank["logits"], ref_logits) <= TOL
+        assert abs(rank["loss"] - ref_loss) <= TOL
+        assert abs(rank["hf_forward_loss"] - ref_loss) <= TOL  # stock forward on gathered logits
+        assert_grads_close(rank["grads"], ref_grads)
+
+
+def test_tp2_adamw_losses_and_saved_merge_match_tp1(tp2):
+    models, out = tp2
+    model = stock(models / "untied")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    input_ids, labels = batch()
+    ref_losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_losses.append(loss.item())
+    for rank in rank_results(out, "untied", 2):
+        assert max(abs(a - b) for a, b in zip(rank["losses"], ref_losses)) <= TOL
+        assert rank["merged_shapes"] == {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+    merged = stock(out / "merged")  # TP2 gather -> save_pretrained -> stock from_pretrained
+    with torch.no_grad():
+        assert max_diff(merged(input_ids).logits, model(input_ids).logits) <= TOL
+
+
+def test_tp2_reads_only_its_slices_from_a_stock_checkpoint(tp2):
+    _, out = tp2
+    for rank in rank_results(out, "untied", 2):
+        assert rank["shard_keys_match"]
+        assert rank["shard_max_diff"] == 0.0
+
+
+def test_tied_embeddings_share_one_shard_and_match_tp1(tp2):
+    models, out = tp2
+    ref_logits, ref_loss, ref_grads = reference_step(stock(models / "tied"), *batch())
+    for rank in rank_results(out, "tied", 2):
+        assert rank["still_tied"]
+        assert max_diff(rank["logits"], ref_logits) <= TOL
+        assert abs(rank["loss"] - ref_loss) <= TOL
+        assert_grads_close(rank["grads"], ref_grads)
+
+
+def test_padded_vocab_keeps_real_token_logits_and_loss(tp2):
+    models, out = tp2
+    ref_logits, ref_loss, ref_grads = reference_step(stock(models / "vocab251"), *batch(vocab=251))
+    for rank in rank_results(out, "padding", 2):
+        assert "pad_vocab(model, padded_vocab_size(251" in rank["refusal"]
+        assert rank["logits"].shape[-1] == 256
+        assert max_diff(rank["logits"][..., :251], ref_logits) <= TOL
+        assert abs(rank["loss"] - ref_loss) <= TOL  # real_vocab_size masks the 5 fake tokens
+        padded = {n: g[:251] if n in ("gpt_neox.embed_in.weight", "lm_head.weight") else g
+                  for n, g in rank["grads"].items()}
+        assert_grads_close(padded, ref_grads)
+
+
+def test_vocab_parallel_cross_entropy_equals_cross_entropy_on_gathered_logits(tp2):
+    _, out = tp2
+    for rank in rank_results(out, "cross_entropy", 2):
+        for real_vocab in (None, 200):
+            logits = rank["full_logits"][..., :real_vocab].clone().requires_grad_()
+            labels = rank[f"labels_{real_vocab}"]
+            expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+            expected.backward()
+            assert abs(rank[f"loss_{real_vocab}"] - expected.detach()) <= TOL
+            grad = rank[f"grad_{real_vocab}"]
+            assert max_diff(grad[..., :real_vocab], logits.grad) <= TOL
+            assert torch.all(grad[..., logits.shape[-1]:] == 0)  # padded columns get no gradient
+
+
+def test_tp2_dp2_matches_one_process_with_the_global_batch(tmp_path):
+    folder = saved_tiny_model(tmp_path / "model")
+    run_torchrun(4, "tp_dp.py", folder, tmp_path)
+    model = stock(folder)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    input_ids, labels = batch(batch_size=4, ignore_some=False)
+    ref_losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_losses.append(loss.item())
+    results = rank_results(tmp_path, "tp_dp", 4)
+    assert [(r["tp_rank"], r["dp_rank"]) for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    for rank in results:
+        assert "must divide the world size 4" in rank["refusal"]
+        assert max(abs(a - b) for a, b in zip(rank["plain_losses"], ref_losses)) <= TOL
+        ds = rank["deepspeed"]
+        assert (ds["dp_world_size"], ds["mp_world_size"]) == (2, 2)
+        assert max(abs(a - b) for a, b in zip(ds["losses"], ref_losses)) <= TOL
+
+
+def memory_report(model_dir, mode, tp_size=4):
+    out = model_dir.parent / f"memory_{mode}.json"
+    subprocess.run([sys.executable, os.path.join(WORKERS, "tp_memory.py"), str(model_dir), str(tp_size), mode, str(out)],
+                   env=_env(), check=True, timeout=120, capture_output=True)
+    return json.loads(out.read_text())
+
+
+def test_loading_one_rank_slice_needs_a_fraction_of_the_memory(tmp_path):
+    config = tiny_config(hidden_size=512, num_attention_heads=8, num_hidden_layers=4,
+                         intermediate_size=2048, vocab_size=8192)
+    GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "model", max_shard_size="30MB")
+    assert (tmp_path / "model" / "model.safetensors.index.json").exists()
+    shard, full = memory_report(tmp_path / "model", "shard"), memory_report(tmp_path / "model", "full")
+    print(f"\nTP4 rank-0 slice: {shard}\nfull checkpoint: {full}")
+    assert shard["slices_match"]
+    assert full["loaded_weights_mb"] > 60 and full["peak_rss_growth_mb"] > 0.9 * full["loaded_weights_mb"]
+    # Not 1/4: a column slice of a row-parallel weight touches every page of the tensor.
+    assert shard["peak_rss_growth_mb"] < 0.65 * full["peak_rss_growth_mb"]
+
+
+def test_tp1_without_distributed_matches_stock_loss(tmp_path):
+    folder = saved_tiny_model(tmp_path / "model")
+    input_ids, labels = batch()
+    ref = stock(folder)(input_ids, labels=labels).loss
+    model = apply_tensor_parallel(stock(folder), tp_group=None)
+    assert abs(tp_causal_lm_loss(model, input_ids, labels) - ref) <= TOL
+
+
+def test_pad_vocab_keeps_real_token_logits(tmp_path):
+    folder = saved_tiny_model(tmp_path / "model", vocab_size=251)
+    input_ids, _ = batch(vocab=251)
+    with torch.no_grad():
+        ref = stock(folder)(input_ids).logits
+        for init in ("zeros", "mean"):
+            padded = pad_vocab(stock(folder), padded_vocab_size(251, 128, 2), init=init)
+            assert padded.config.vocab_size == 256
+            assert max_diff(padded(input_ids).logits[..., :251], ref) == 0.0
+
+    state = stock(folder).state_dict()
+    padded_state = pad_vocab(state, 256)
+    assert padded_state["lm_head.weight"].shape[0] == 256 and state["lm_head.weight"].shape[0] == 251
+    assert padded_state["gpt_neox.embed_in.weight"][251:].abs().max() == 0.0
+
+
+def test_padded_vocab_size_follows_gpt_neox_rule():
+    assert padded_vocab_size(50277, 128, 1) == 50304
+    assert padded_vocab_size(50277, 128, 2) == 50432
+    assert padded_vocab_size(256, 128, 2) == 256
+
+
+def test_refuses_shapes_that_do_not_split():
+    model = GPTNeoXForCausalLM(tiny_config())
+    with pytest.raises(NeoXHFError, match="num_attention_heads=4 is not divisible by tensor parallel size 3"):
+        check_tp_divisibility(model, 3)
+    with pytest.raises(NeoXHFError, match=r"pad_vocab\(model, padded_vocab_size\(251"):
+        check_tp_divisibility(GPTNeoXForCausalLM(tiny_config(vocab_size=251)), 2)
+    with pytest.raises(NeoXHFError, match="GPTNeoXForCausalLM"):
+        apply_tensor_parallel(torch.nn.Linear(2, 2), None)
+    with pytest.raises(NeoXHFError, match="shrink"):
+        pad_vocab(model, 100)
+
+
+def test_refuses_a_folder_without_safetensors(tmp_path):
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_tp_shard_state_dict(str(tmp_path), tiny_config(), 0, 2)
