@@ -49,8 +49,8 @@ def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
         max_batches=recipe.train.eval_iters, dp_rank=dp_rank, dp_size=dp_size,
     )
     optimizer = build_optimizer(model, recipe)
-    scheduler = build_lr_scheduler(optimizer, recipe.train)
     model, optimizer = accelerator.prepare(model, optimizer)
+    scheduler = build_lr_scheduler(optimizer, recipe.train)
     state = TrainState()
     resume_from = find_resume_checkpoint(recipe.train.resume, recipe.output.dir)
     if resume_from is not None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from neox_hf.recipe import TrainConfig
 
 
@@ -32,6 +30,39 @@ def lr_at(step: int, train: TrainConfig) -> float:
     return train.min_lr + (train.lr - train.min_lr) * factor
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR on the raw optimizer; the loop steps it once per optimizer step (not per micro-batch)."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, train) / train.lr)
+class GPTNeoXLRScheduler:
+    """Sets `lr_at(step)` on every param group of the live optimizer, once per optimizer step.
+
+    Not a torch LambdaLR: DeepSpeed ZeRO rebuilds the optimizer's param groups (ZeRO-3 merges and flattens them), so a
+    scheduler that remembers one base lr per group at construction breaks. Setting the lr on whatever groups exist is
+    what DeepSpeed's own schedulers do.
+    """
+
+    def __init__(self, optimizer, train: TrainConfig):
+        self.optimizer = optimizer
+        self.train = train
+        self.step_count = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step_count, self.train)
+
+    def step(self) -> None:
+        self.step_count += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        return [lr_at(self.step_count, self.train)]
+
+    def state_dict(self) -> dict:
+        return {"step_count": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count = int(state["step_count"])
+        self._apply()
+
+
+def build_lr_scheduler(optimizer, train: TrainConfig) -> GPTNeoXLRScheduler:
+    """Build it on the optimizer returned by `accelerator.prepare` (the one DeepSpeed really steps)."""
+    return GPTNeoXLRScheduler(optimizer, train)
