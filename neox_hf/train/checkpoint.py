@@ -41,7 +41,8 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, data_loader, keep_last_n: int) -> Path:
+def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, data_loader, keep_last_n: int,
+                    model_config=None, tokenizer=None) -> Path:
     """Write a complete checkpoint atomically; return its folder. Collective: every rank must call it."""
     root = checkpoint_root(output_dir)
     final = root / checkpoint_name(state.step)
@@ -59,6 +60,11 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
     _atomic_torch_save(trainer_state, staging / f"trainer_state_rank{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        # config + tokenizer make the checkpoint self-describing for `neox_hf export`.
+        if model_config is not None:
+            model_config.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
         _atomic_write_text(root / LATEST, final.name)

@@ -5,6 +5,7 @@ Read top to bottom: `train(recipe)` is the whole run; each helper below does one
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
     initial_eval = evaluate(accelerator, model, eval_batches) if eval_batches and state.step == 0 else None
     if initial_eval is not None:
         accelerator.print(f"step 0: eval loss {initial_eval:.4f}")
-    result = _run_steps(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, state)
+    result = _run_steps(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, state, tokenizer)
     if initial_eval is not None:
         result.eval_losses.insert(0, (0, initial_eval))
     final_eval = evaluate(accelerator, model, eval_batches) if eval_batches else None
@@ -140,7 +141,7 @@ class _StepLog:
     eval_losses: list[tuple[int, float]]
 
 
-def _run_steps(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, state: TrainState) -> _StepLog:
+def _run_steps(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, state: TrainState, tokenizer) -> _StepLog:
     t = recipe.train
     log = _StepLog([], [])
     progress = tqdm(total=t.train_iters, initial=state.step, disable=not accelerator.is_main_process, desc="train")
@@ -161,6 +162,7 @@ def _run_steps(accelerator, recipe, model, optimizer, scheduler, loader, eval_ba
             step_loss += loss.detach().float() / t.gradient_accumulation_steps
             step_tokens += tokens
             step_samples += batch["input_ids"].shape[0]
+        step_lr = scheduler.get_last_lr()[0]  # the lr this step used
         scheduler.step()
         state.step += 1
         mean_loss = accelerator.reduce(step_loss.reshape(1), reduction="mean").item()
@@ -168,13 +170,15 @@ def _run_steps(accelerator, recipe, model, optimizer, scheduler, loader, eval_ba
         state.consumed_tokens += int(totals[0])
         state.consumed_samples += int(totals[1])
         log.train_losses.append(mean_loss)
+        if accelerator.is_main_process:
+            _append_step_log(recipe.output.dir, state, mean_loss, step_lr)
         window_loss += mean_loss
         window_tokens += int(totals[0])
         progress.update(1)
         if state.step % t.log_interval == 0 or state.step == t.train_iters:
             elapsed = time.perf_counter() - window_start
             n = t.log_interval if state.step % t.log_interval == 0 else state.step % t.log_interval
-            metrics = {"train/loss": window_loss / n, "train/lr": scheduler.get_last_lr()[0], "train/tokens_per_s": window_tokens / elapsed}
+            metrics = {"train/loss": window_loss / n, "train/lr": step_lr, "train/tokens_per_s": window_tokens / elapsed}
             progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", lr=f"{metrics['train/lr']:.2e}")
             accelerator.log(metrics, step=state.step)
             window_loss, window_tokens, window_start = 0.0, 0, time.perf_counter()
@@ -185,9 +189,18 @@ def _run_steps(accelerator, recipe, model, optimizer, scheduler, loader, eval_ba
             accelerator.print(f"step {state.step}: eval loss {eval_loss:.4f}")
         if t.save_interval and state.step % t.save_interval == 0:
             save_checkpoint(accelerator, output_dir=recipe.output.dir, state=state, scheduler=scheduler, data_loader=loader,
-                            keep_last_n=t.keep_last_n)
+                            keep_last_n=t.keep_last_n, model_config=accelerator.unwrap_model(model).config, tokenizer=tokenizer)
     progress.close()
     return log
+
+
+def _append_step_log(output_dir, state: TrainState, loss: float, lr: float) -> None:
+    """One JSON line per optimizer step (train_log.jsonl): the exact per-step losses, also across resumes."""
+    path = Path(output_dir) / "train_log.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as log_file:
+        log_file.write(json.dumps({"step": state.step, "loss": loss, "lr": lr, "consumed_samples": state.consumed_samples,
+                                   "consumed_tokens": state.consumed_tokens}) + "\n")
 
 
 @torch.no_grad()

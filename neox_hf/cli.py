@@ -1,0 +1,122 @@
+"""`neox_hf` subcommands → library calls. Each subcommand's module owns its arguments; this file only routes.
+
+    neox_hf train RECIPE [overrides]                 same as run_clm_neox.py
+    neox_hf convert-neox CKPT --config YML OUT       GPT-NeoX checkpoint → HF folder
+    neox_hf export-neox HF_FOLDER OUT [--tp N]       HF folder → GPT-NeoX sequential checkpoint
+    neox_hf export CHECKPOINT OUT                    resumable training checkpoint → HF folder
+    neox_hf preprocess JSONL... --tokenizer T OUT    jsonl → GPT-NeoX .bin/.idx
+    neox_hf push OUT REPO_ID [--revision R]          upload a folder to the Hub
+    neox_hf merge BASE ADAPTER OUT                   LoRA adapter merged into a plain GPTNeoX folder
+    neox_hf eval MODEL --data FILE                   loss / perplexity
+    neox_hf generate MODEL --prompt ...              text generation
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from neox_hf.errors import NeoXHFError
+
+# subcommand → (module, add-arguments function, run function, help)
+_COMMANDS = {
+    "convert-neox": ("neox_hf.cli", "_add_convert_neox", "_run_convert_neox", "import a GPT-NeoX-native checkpoint"),
+    "export-neox": ("neox_hf.cli", "_add_export_neox", "_run_export_neox", "write an HF folder as a GPT-NeoX checkpoint"),
+    "export": ("neox_hf.cli", "_add_export", "_run_export", "consolidate a training checkpoint into an HF folder"),
+    "preprocess": ("neox_hf.cli", "_add_preprocess", "_run_preprocess", "tokenize jsonl into GPT-NeoX .bin/.idx"),
+    "push": ("neox_hf.hub", "add_push_arguments", "run_push", "upload a folder to the Hugging Face Hub"),
+    "merge": ("neox_hf.finetune", "add_merge_arguments", "run_merge", "merge a LoRA adapter into its base model"),
+    "eval": ("neox_hf.evaluation", "add_eval_arguments", "run_eval", "loss and perplexity of a model on a file"),
+    "generate": ("neox_hf.generation", "add_generate_arguments", "run_generate", "generate text with a model"),
+}
+
+
+def _add_convert_neox(parser):
+    parser.add_argument("checkpoint", help="GPT-NeoX checkpoint: global_stepN/ or the folder with `latest`")
+    parser.add_argument("--config", nargs="+", required=True, help="the GPT-NeoX YAML file(s) it was trained with")
+    parser.add_argument("out", help="output HF folder")
+    parser.add_argument("--tokenizer", default=None, help="tokenizers JSON / HF folder (default: the config's vocab_file)")
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="allow full unpickling (RNG state, args) for checkpoint files you trust")
+
+
+def _run_convert_neox(args) -> int:
+    from neox_hf.interop.convert import convert_neox_checkpoint
+
+    out = convert_neox_checkpoint(args.checkpoint, args.config, args.out, tokenizer_path=args.tokenizer, trust_pickle=args.trust_pickle)
+    print(f"converted {args.checkpoint} → {out}")
+    return 0
+
+
+def _add_export_neox(parser):
+    parser.add_argument("hf_folder")
+    parser.add_argument("out")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the GPT-NeoX run that will load it")
+    parser.add_argument("--step", type=int, default=0)
+
+
+def _run_export_neox(args) -> int:
+    from neox_hf.interop.convert import export_hf_to_neox
+
+    print(f"wrote {export_hf_to_neox(args.hf_folder, args.out, tp_size=args.tp, step=args.step)}")
+    return 0
+
+
+def _add_export(parser):
+    parser.add_argument("checkpoint", help="a checkpoints/step_* folder (or checkpoints/ itself for the latest)")
+    parser.add_argument("out")
+
+
+def _run_export(args) -> int:
+    from neox_hf.interop.convert import export_training_checkpoint
+
+    print(f"exported {args.checkpoint} → {export_training_checkpoint(args.checkpoint, args.out)}")
+    return 0
+
+
+def _add_preprocess(parser):
+    parser.add_argument("inputs", nargs="+", help=".jsonl / .jsonl.gz / .jsonl.zst files")
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--text-key", default="text")
+    parser.add_argument("--append-eod", action="store_true")
+    parser.add_argument("--workers", type=int, default=1)
+
+
+def _run_preprocess(args) -> int:
+    from neox_hf.data import write_indexed_dataset
+    from neox_hf.interop.tokenizer import load_tokenizer
+
+    bin_path, idx_path = write_indexed_dataset(args.inputs, load_tokenizer(args.tokenizer), args.output_prefix,
+                                               text_key=args.text_key, append_eod=args.append_eod, workers=args.workers)
+    print(f"wrote {bin_path} and {idx_path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="neox_hf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("train", help="train from a recipe (same as run_clm_neox.py)", add_help=False)
+    for name, (module, add, _, help_text) in _COMMANDS.items():
+        getattr(importlib.import_module(module), add)(sub.add_parser(name, help=help_text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        from neox_hf.train import main as train_main
+
+        return train_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    module, _, run, _ = _COMMANDS[args.command]
+    try:
+        return getattr(importlib.import_module(module), run)(args)
+    except NeoXHFError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Whole-folder conversions behind the CLI: GPT-NeoX checkpoint → HF folder, HF folder → GPT-NeoX checkpoint,
+resumable training checkpoint → consolidated HF folder.
+
+Each reads one format, builds our model, and writes through `save_hf_folder` (atomic, stock-loadable).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from neox_hf.errors import CheckpointError
+from neox_hf.interop.hf_folder import save_hf_folder
+from neox_hf.interop.neox_checkpoint import export_neox_checkpoint, neox_to_hf_model
+from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, load_tokenizer, padded_vocab_size
+from neox_hf.model import NeoXConfig, NeoXForCausalLM, config_from_recipe
+
+
+def neox_config_to_hf(neox_config_paths: list[str], tokenizer=None) -> tuple[NeoXConfig, object]:
+    """HF config (and the tokenizer, when one can be found) from GPT-NeoX YAML files, vocab padded as GPT-NeoX did."""
+    from neox_hf.neox_yaml import load_neox_recipe_dict
+    from neox_hf.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict(load_neox_recipe_dict(neox_config_paths).recipe, source=", ".join(map(str, neox_config_paths)))
+    if tokenizer is None:
+        if not Path(recipe.tokenizer.path).is_file():
+            raise CheckpointError(
+                f"the GPT-NeoX config's vocab_file {recipe.tokenizer.path!r} is not here; pass --tokenizer PATH "
+                "(the tokenizers JSON the model was trained with) so the vocabulary size and tokenizer are known"
+            )
+        tokenizer = load_tokenizer(recipe.tokenizer.path)
+    vocab = padded_vocab_size(len(tokenizer), recipe.model.make_vocab_size_divisible_by, recipe.parallel.tensor_parallel)
+    config = config_from_recipe(recipe.model, vocab_size=vocab, bos_token_id=tokenizer.bos_token_id,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return config, tokenizer
+
+
+def convert_neox_checkpoint(checkpoint_dir, neox_config_paths: list[str], out_dir, *, tokenizer_path: str | None = None,
+                            trust_pickle: bool = False) -> Path:
+    """GPT-NeoX `global_stepN/` (pipeline or sequential layout, any TP) → an HF folder with its tokenizer."""
+    tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
+    config, tokenizer = neox_config_to_hf(neox_config_paths, tokenizer)
+    model = neox_to_hf_model(checkpoint_dir, config, model_class=NeoXForCausalLM, trust_pickle=trust_pickle)
+    check_vocab_covers_tokenizer(model.config.vocab_size, tokenizer, where=str(checkpoint_dir))
+    return save_hf_folder(model, out_dir, tokenizer=tokenizer)
+
+
+def export_hf_to_neox(hf_folder, out_dir, *, tp_size: int = 1, step: int = 0) -> str:
+    """HF GPTNeoX folder → GPT-NeoX sequential-layout checkpoint for `tp_size` ranks."""
+    model = NeoXForCausalLM.from_pretrained(hf_folder, dtype="auto")
+    return export_neox_checkpoint(model, model.config, out_dir, tp_size=tp_size, step=step)
+
+
+def training_checkpoint_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """Full weights from an accelerate/DeepSpeed training checkpoint (ZeRO partitions gathered on CPU)."""
+    deepspeed_tag = checkpoint_dir / "pytorch_model"
+    if deepspeed_tag.is_dir():
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag="pytorch_model")
+    weights = checkpoint_dir / "model.safetensors"
+    if weights.is_file():
+        from safetensors.torch import load_file
+
+        return load_file(weights)
+    raise CheckpointError(f"{checkpoint_dir} holds neither a DeepSpeed checkpoint (pytorch_model/) nor model.safetensors; "
+                          "give a checkpoints/step_* folder written by neox_hf")
+
+
+def export_training_checkpoint(checkpoint_dir, out_dir) -> Path:
+    """`neox_hf export`: a resumable checkpoint (any ZeRO stage) → consolidated HF folder with tokenizer."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if (checkpoint_dir / "latest").is_file():
+        checkpoint_dir = checkpoint_dir / (checkpoint_dir / "latest").read_text().strip()
+    if not (checkpoint_dir / "config.json").is_file():
+        raise CheckpointError(f"{checkpoint_dir / 'config.json'} is missing: not a neox_hf training checkpoint")
+    config = NeoXConfig.from_pretrained(checkpoint_dir)
+    model = NeoXForCausalLM(config)
+    state = training_checkpoint_state_dict(checkpoint_dir)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise CheckpointError(f"{checkpoint_dir}: weights do not match its config (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    tokenizer = load_tokenizer(str(checkpoint_dir)) if (checkpoint_dir / "tokenizer.json").is_file() else None
+    return save_hf_folder(model, out_dir, tokenizer=tokenizer)

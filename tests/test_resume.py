@@ -1,0 +1,65 @@
+"""Resume after SIGKILL: 10 steps straight vs 5 steps, kill -9, `--resume`, 5 more — steps 6–10 match ≤ 1e-6."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.test_train import SMALL, free_port, launch, shakespeare_sources
+
+
+def step_losses(output_dir: Path) -> dict[int, float]:
+    """Last logged loss of every step (a killed run may have logged steps the resumed run redoes)."""
+    losses = {}
+    for line in (output_dir / "train_log.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        losses[record["step"]] = record["loss"]
+    return losses
+
+
+def launch_and_kill_after_checkpoint(args: list[str], output_dir: Path, *, zero_stage: int) -> None:
+    """Start a 2-process run, SIGKILL the whole process group once the step-5 checkpoint is complete."""
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", str(zero_stage),
+        "--main_process_port", str(free_port()), str(REPO / "run_clm_neox.py"), *args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    latest = output_dir / "checkpoints" / "latest"
+    deadline = time.time() + 600
+    try:
+        while not latest.is_file():
+            assert process.poll() is None, "the run ended before writing its checkpoint"
+            assert time.time() < deadline, "no checkpoint within 10 minutes"
+            time.sleep(0.2)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # not a clean exit: no flush, no atexit
+        process.wait()
+
+
+@pytest.mark.parametrize("zero_stage", [2])
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, zero_stage):
+    common = [str(REPO / "recipes" / "tiny.yaml"), *SMALL, "--train.train_iters", "10", "--train.save_interval", "5",
+              "--train.eval_iters", "0", "--data.sources", shakespeare_sources(), "--parallel.zero_stage", str(zero_stage)]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    launch([*common, "--output.dir", str(straight)], zero_stage=zero_stage)
+    launch_and_kill_after_checkpoint([*common, "--output.dir", str(resumed)], resumed, zero_stage=zero_stage)
+    assert (resumed / "checkpoints" / "latest").read_text() == "step_00000005"
+    assert not (resumed / "config.json").exists()  # the killed run never reached its final save
+    done = launch([*common, "--output.dir", str(resumed), "--resume"], zero_stage=zero_stage)
+    assert "resumed from" in done.stdout and "step 5" in done.stdout
+    expected, got = step_losses(straight), step_losses(resumed)
+    assert sorted(got) == list(range(1, 11))
+    for step in range(6, 11):
+        assert abs(got[step] - expected[step]) <= 1e-6, (step, got[step], expected[step])
+    assert abs(got[5] - expected[5]) <= 1e-6
