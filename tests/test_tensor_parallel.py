@@ -76,6 +76,20 @@ def reference_step(model, input_ids, labels):
     return out.logits.detach(), out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def reference_adamw_losses(model, input_ids, labels, clip_norm=None):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids, labels=labels).loss
+        loss.backward()
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def max_diff(a, b):
     return (a - b).abs().max().item()
 
@@ -110,15 +124,8 @@ def test_tp2_forward_and_gradients_match_tp1(tp2):
 def test_tp2_adamw_losses_and_saved_merge_match_tp1(tp2):
     models, out = tp2
     model = stock(models / "untied")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     input_ids, labels = batch()
-    ref_losses = []
-    for _ in range(STEPS):
-        loss = model(input_ids, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses = reference_adamw_losses(model, input_ids, labels)
     for rank in rank_results(out, "untied", 2):
         assert max(abs(a - b) for a, b in zip(rank["losses"], ref_losses)) <= TOL
         assert rank["merged_shapes"] == {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -172,24 +179,28 @@ def test_vocab_parallel_cross_entropy_equals_cross_entropy_on_gathered_logits(tp
             assert torch.all(grad[..., logits.shape[-1]:] == 0)  # padded columns get no gradient
 
 
-def test_tp2_dp2_matches_one_process_with_the_global_batch(tmp_path):
-    folder = saved_tiny_model(tmp_path / "model")
-    run_torchrun(4, "tp_dp.py", folder, tmp_path)
-    model = stock(folder)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    input_ids, labels = batch(batch_size=4, ignore_some=False)
-    ref_losses = []
-    for _ in range(STEPS):
-        loss = model(input_ids, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        ref_losses.append(loss.item())
-    results = rank_results(tmp_path, "tp_dp", 4)
+@pytest.fixture(scope="module")
+def tp2_dp2(tmp_path_factory):
+    folder = saved_tiny_model(tmp_path_factory.mktemp("dp_model") / "model")
+    out = tmp_path_factory.mktemp("tp_dp_out")
+    run_torchrun(4, "tp_dp.py", folder, out)
+    return folder, rank_results(out, "tp_dp", 4)
+
+
+def test_tp2_dp2_matches_one_process_with_the_global_batch(tp2_dp2):
+    folder, results = tp2_dp2
+    ref_losses = reference_adamw_losses(stock(folder), *batch(batch_size=4, ignore_some=False))
+    # Megatron layout: consecutive ranks share a TP group.
     assert [(r["tp_rank"], r["dp_rank"]) for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     for rank in results:
         assert "must divide the world size 4" in rank["refusal"]
         assert max(abs(a - b) for a, b in zip(rank["plain_losses"], ref_losses)) <= TOL
+
+
+def test_tp2_dp2_under_deepspeed_zero1_with_our_mpu_matches_one_process(tp2_dp2):
+    folder, results = tp2_dp2
+    ref_losses = reference_adamw_losses(stock(folder), *batch(batch_size=4, ignore_some=False), clip_norm=1.0)
+    for rank in results:
         ds = rank["deepspeed"]
         assert (ds["dp_world_size"], ds["mp_world_size"]) == (2, 2)
         assert max(abs(a - b) for a, b in zip(ds["losses"], ref_losses)) <= TOL

@@ -1,6 +1,6 @@
 """TP=2 x DP=2 worker (4 ranks): 5 AdamW steps on a global batch of 4 sequences, each DP
 rank taking 2. Runs twice: plain torch with the DP gradient mean done here, and DeepSpeed
-ZeRO-1 given our mpu so it reduces over the DP group only. Usage:
+ZeRO-1 given our mpu so it reduces over the DP group only (and clips at norm 1.0). Usage:
     torchrun --nproc_per_node 4 tests/workers/tp_dp.py <model_dir> <out_dir>
 """
 
@@ -59,6 +59,9 @@ def deepspeed_losses(model_dir, groups):
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": 1},
         "zero_allow_untested_optimizer": True,
+        # Clipping makes the test check that DeepSpeed's global grad norm, given our mpu and
+        # the tensor_model_parallel flags, counts each TP shard once (the reference clips too).
+        "gradient_clipping": 1.0,
     }
     engine, *_ = deepspeed.initialize(
         model=model,
