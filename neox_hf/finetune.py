@@ -1,0 +1,251 @@
+"""PEFT fine-tuning: LoRA wrapping from the recipe, adapter saves that survive ZeRO-3, merging, loading for inference.
+
+Gaps filled over peft:
+- `get_peft_model` silently accepts a `target_modules` name that matches nothing as long as another name matches,
+  so a typo trains fewer layers than asked; we refuse a name that wraps no module, naming `peft.target_modules`.
+- `PeftModel.save_pretrained` on a DeepSpeed ZeRO-3 engine's module saves the local partitions (empty tensors);
+  `save_adapter` gathers first (`accelerator.get_state_dict`, collective) and writes from the main process,
+  atomically (adapter_config.json last, so a folder with a config always has its weights).
+- `save_embedding_layers="auto"` asks the Hub whether the base model's vocabulary changed; we never train the
+  embedding, so we pass False and stay offline.
+- merging writes a stock GPTNeoX folder (`architectures: ["GPTNeoXForCausalLM"]`) with the tokenizer, via
+  `save_hf_folder`, and bad folders raise `CheckpointError` instead of a deep OSError / size-mismatch trace.
+- `load_for_inference` opens either a full model folder or an adapter folder (base + adapter) with its tokenizer,
+  so `neox_hf eval` and `neox_hf generate` accept both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+from transformers import AutoTokenizer, GPTNeoXForCausalLM
+
+from neox_hf.errors import CheckpointError, RecipeError
+from neox_hf.interop.hf_folder import save_hf_folder
+from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, load_tokenizer
+from neox_hf.recipe import PeftConfig, Recipe
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+MERGED_SUBDIR = "merged"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Wrapping
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def lora_config(peft_cfg: PeftConfig) -> LoraConfig:
+    """peft's LoraConfig from the recipe's `peft` section."""
+    if peft_cfg.method != "lora":
+        raise RecipeError(f"`peft.method` = {peft_cfg.method!r}: only 'lora' is supported")
+    return LoraConfig(task_type=TaskType.CAUSAL_LM, r=peft_cfg.r, lora_alpha=peft_cfg.alpha,
+                      lora_dropout=peft_cfg.dropout, target_modules=list(peft_cfg.target_modules))
+
+
+def wrap_with_peft(model, peft_cfg: PeftConfig) -> PeftModel:
+    """The model with LoRA adapters on `peft.target_modules`; only adapter weights require grad.
+
+    Call before `accelerator.prepare`, so the optimizer and DeepSpeed see only the adapter as trainable.
+    Idempotent: an already wrapped model is returned as is (the loop and a caller may both wrap).
+    """
+    if isinstance(model, PeftModel):
+        return model
+    _check_targets_exist(model, peft_cfg.target_modules)
+    return get_peft_model(model, lora_config(peft_cfg))
+
+
+def _check_targets_exist(model, targets: list[str]) -> None:
+    """peft matches a name exactly or as a dotted suffix ("dense" wraps `attention.dense`, not `dense_h_to_4h`)."""
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise RecipeError(f"`peft.target_modules` {missing} match no module of the model; "
+                          f"GPTNeoX's linear layers are {leaves}")
+
+
+def trainable_parameters_report(model) -> str:
+    """'trainable N / total M parameters (p%)': the start-up line that shows the base is frozen.
+
+    Under ZeRO-3 a parameter's local tensor is a partition; `ds_numel` is its full size.
+    """
+    trainable = total = 0
+    for param in model.parameters():
+        n = getattr(param, "ds_numel", param.numel())
+        total += n
+        trainable += n if param.requires_grad else 0
+    return f"peft: trainable {trainable:,} / total {total:,} parameters ({100.0 * trainable / max(total, 1):.4f}%)"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Saving
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def save_adapter(accelerator, model, out_dir, *, tokenizer=None, extra_files: dict[str, str] | None = None) -> Path:
+    """adapter_config.json + adapter_model.safetensors (+ tokenizer) in `out_dir`. Collective: every rank calls it."""
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 partitions; every rank must take part
+    out = Path(out_dir)
+    if accelerator.is_main_process:
+        peft_model = accelerator.unwrap_model(model)
+        _save_adapter_atomically(peft_model, out, state_dict, tokenizer, extra_files or {})
+    accelerator.wait_for_everyone()
+    return out
+
+
+def _save_adapter_atomically(peft_model: PeftModel, out: Path, state_dict, tokenizer, extra_files: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    staging = out / ".tmp-adapter"
+    shutil.rmtree(staging, ignore_errors=True)
+    _record_absolute_base_path(peft_model)
+    # state_dict holds base weights too; peft keeps only the adapter's keys.
+    peft_model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(staging)
+    for name, text in extra_files.items():
+        (staging / name).write_text(text)
+    if (out / ADAPTER_CONFIG).exists():
+        os.remove(out / ADAPTER_CONFIG)  # not loadable until the new weights are in
+    for path in sorted(staging.iterdir(), key=lambda p: p.name == ADAPTER_CONFIG):
+        os.replace(path, out / path.name)
+    staging.rmdir()
+
+
+def _record_absolute_base_path(peft_model: PeftModel) -> None:
+    """A relative `model.from_pretrained` would make the adapter loadable only from the training directory."""
+    for config in peft_model.peft_config.values():
+        base = config.base_model_name_or_path
+        if base and Path(base).is_dir():
+            config.base_model_name_or_path = str(Path(base).resolve())
+
+
+def save_finetuned(accelerator, model, tokenizer, recipe: Recipe) -> Path:
+    """End of a PEFT run: the adapter in `output.dir`, and with `peft.merge` a merged plain folder in
+    `output.dir/merged`. Returns the folder to load for inference. Collective."""
+    out = save_adapter(accelerator, model, recipe.output.dir, tokenizer=tokenizer,
+                       extra_files={"recipe.yaml": recipe.to_yaml()})
+    if not recipe.peft.merge:
+        return out
+    merged = out / MERGED_SUBDIR
+    if accelerator.is_main_process:
+        merge_adapter(_base_model_path(recipe), out, merged)
+    accelerator.wait_for_everyone()
+    return merged
+
+
+def _base_model_path(recipe: Recipe) -> str:
+    if not recipe.model.from_pretrained:
+        raise RecipeError("`peft.merge: true` needs `model.from_pretrained` (the base folder the adapter is merged into)")
+    return recipe.model.from_pretrained
+
+
+def check_peft_recipe(recipe: Recipe) -> None:
+    """Refuse before training what would only fail at the end: a merge without a base folder."""
+    if recipe.peft.method is not None and recipe.peft.merge:
+        _base_model_path(recipe)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading and merging
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def is_adapter_folder(path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def load_base_model(path) -> GPTNeoXForCausalLM:
+    """Stock GPTNeoXForCausalLM in fp32 from a model folder, or CheckpointError naming the folder."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"model folder {folder} has no config.json: give a folder written by save_pretrained "
+                              "(e.g. a training run's output.dir or `neox_hf merge` output)")
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    if model_type != "gpt_neox":
+        raise CheckpointError(f"{folder}/config.json has model_type {model_type!r}; neox_hf loads only 'gpt_neox' models")
+    try:
+        return GPTNeoXForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    except (OSError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"cannot load the model in {folder}: {err}") from err
+
+
+def load_adapter_model(base_path, adapter_path) -> PeftModel:
+    """Base folder + adapter folder → PeftModel (inference mode)."""
+    adapter = Path(adapter_path)
+    if not is_adapter_folder(adapter):
+        raise CheckpointError(f"{adapter} has no {ADAPTER_CONFIG}: give the folder a LoRA run (or save_adapter) wrote")
+    base = load_base_model(base_path)
+    try:
+        return PeftModel.from_pretrained(base, adapter)
+    except (OSError, ValueError, RuntimeError) as err:  # size mismatch when the adapter was trained on another base
+        raise CheckpointError(f"adapter {adapter} does not fit base model {base_path}: {err}") from err
+
+
+def adapter_base_path(adapter_path) -> str:
+    """The base model folder an adapter folder records (adapter_config.json `base_model_name_or_path`)."""
+    config = json.loads((Path(adapter_path) / ADAPTER_CONFIG).read_text())
+    base = config.get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").is_file():
+        raise CheckpointError(f"{adapter_path}/{ADAPTER_CONFIG} names base model {base!r}, which is not a local model "
+                              "folder; merge it first (`neox_hf merge BASE ADAPTER OUT`) and use the merged folder")
+    return base
+
+
+def merge_adapter(base_path, adapter_path, out_dir) -> Path:
+    """base + adapter merged into plain weights (`merge_and_unload`), saved as a stock GPTNeoX folder with the
+    tokenizer of the adapter folder, else of the base folder, when one is there."""
+    merged = load_adapter_model(base_path, adapter_path).merge_and_unload()
+    tokenizer = _folder_tokenizer(adapter_path) or _folder_tokenizer(base_path)
+    return save_hf_folder(merged, out_dir, tokenizer=tokenizer)
+
+
+def _folder_tokenizer(folder):
+    if not (Path(folder) / "tokenizer.json").is_file() and not (Path(folder) / "tokenizer_config.json").is_file():
+        return None
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def load_for_inference(model_path, tokenizer_path: str | None = None):
+    """(model in eval mode, tokenizer) from a model folder or an adapter folder; checks the vocab covers the tokenizer."""
+    folder = Path(model_path)
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder not found: {folder}")
+    if is_adapter_folder(folder):
+        model = load_adapter_model(adapter_base_path(folder), folder)
+    else:
+        model = load_base_model(folder)
+    tokenizer = _inference_tokenizer(folder, tokenizer_path)
+    check_vocab_covers_tokenizer(model.config.vocab_size, tokenizer, where=str(folder))
+    model.eval()
+    return model, tokenizer
+
+
+def _inference_tokenizer(folder: Path, tokenizer_path: str | None):
+    if tokenizer_path:
+        return load_tokenizer(tokenizer_path)
+    if _folder_tokenizer(folder) is None:
+        raise CheckpointError(f"{folder} has no tokenizer files; pass --tokenizer PATH (a tokenizers JSON or HF folder)")
+    return load_tokenizer(str(folder))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# `neox_hf merge BASE ADAPTER OUT`
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def add_merge_arguments(parser) -> None:
+    parser.add_argument("base", help="base model folder the adapter was trained on")
+    parser.add_argument("adapter", help="adapter folder (adapter_config.json + adapter_model.safetensors)")
+    parser.add_argument("out", help="output folder for the merged GPTNeoX model")
+
+
+def run_merge(args) -> int:
+    out = merge_adapter(args.base, args.adapter, args.out)
+    print(f"merged model written to {out}")
+    return 0
