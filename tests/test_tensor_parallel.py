@@ -197,11 +197,12 @@ def test_tp2_dp2_matches_one_process_with_the_global_batch(tp2_dp2):
         assert max(abs(a - b) for a, b in zip(rank["plain_losses"], ref_losses)) <= TOL
 
 
-def test_tp2_dp2_under_deepspeed_zero1_with_our_mpu_matches_one_process(tp2_dp2):
+@pytest.mark.parametrize("driver", ["deepspeed", "accelerate"])
+def test_tp2_dp2_under_deepspeed_zero1_with_our_mpu_matches_one_process(tp2_dp2, driver):
     folder, results = tp2_dp2
     ref_losses = reference_adamw_losses(stock(folder), *batch(batch_size=4, ignore_some=False), clip_norm=1.0)
     for rank in results:
-        ds = rank["deepspeed"]
+        ds = rank[driver]
         assert (ds["dp_world_size"], ds["mp_world_size"]) == (2, 2)
         assert max(abs(a - b) for a, b in zip(ds["losses"], ref_losses)) <= TOL
 

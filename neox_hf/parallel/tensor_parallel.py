@@ -38,7 +38,12 @@ from neox_hf.parallel.tp_checkpoint import (
     pad_vocab,
     padded_vocab_size,
 )
-from neox_hf.parallel.tp_groups import DeepSpeedMPU, ParallelGroups, build_parallel_groups
+from neox_hf.parallel.tp_groups import (
+    DeepSpeedMPU,
+    ParallelGroups,
+    build_parallel_groups,
+    deepspeed_initialize_with_mpu,
+)
 from neox_hf.parallel.tp_plan import TP_PLAN, layer_kind
 
 __all__ = [
@@ -54,6 +59,7 @@ __all__ = [
     "ParallelGroups",
     "build_parallel_groups",
     "DeepSpeedMPU",
+    "deepspeed_initialize_with_mpu",
     "gather_full_state_dict",
     "load_tp_shard_state_dict",
     "pad_vocab",

@@ -5,6 +5,8 @@ every layer, so they should share a node), and ranks with the same TP rank form 
 With world 4 and tp 2: TP groups [0,1] [2,3]; DP groups [0,2] [1,3].
 """
 
+import functools
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -110,3 +112,31 @@ class DeepSpeedMPU:
 
     def get_pipe_parallel_rank(self) -> int:
         return 0
+
+
+@contextmanager
+def deepspeed_initialize_with_mpu(mpu: DeepSpeedMPU):
+    """Within the block, `deepspeed.initialize` receives `mpu=mpu` unless given one.
+
+    Fills a gap in accelerate 1.16: `Accelerator._prepare_deepspeed` calls
+    `deepspeed.initialize(model=..., config_params=...)` and passes an mpu only for its own
+    Ulysses sequence parallelism. It looks `deepspeed.initialize` up at call time, so
+    wrapping `accelerator.prepare(model, optimizer)` in this block is enough. Presetting
+    `deepspeed.utils.groups.mpu` instead is not: DeepSpeedConfig only divides the world
+    by the TP size when handed the mpu, so its batch-size check fails (4 != 2 * 1 * 4).
+    """
+    import deepspeed
+
+    original = deepspeed.initialize
+
+    @functools.wraps(original)
+    def initialize(*args, **kwargs):
+        if kwargs.get("mpu") is None:
+            kwargs["mpu"] = mpu
+        return original(*args, **kwargs)
+
+    deepspeed.initialize = initialize
+    try:
+        yield
+    finally:
+        deepspeed.initialize = original
