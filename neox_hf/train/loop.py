@@ -64,7 +64,7 @@ def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
     initial_eval = evaluate(accelerator, model, eval_batches) if eval_batches and state.step == 0 else None
     if initial_eval is not None:
         accelerator.print(f"step 0: eval loss {initial_eval:.4f}")
-    result = _run_steps(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, state, tokenizer)
+    result = run_steps(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, state, tokenizer)
     if initial_eval is not None:
         result.eval_losses.insert(0, (0, initial_eval))
     final_eval = evaluate(accelerator, model, eval_batches) if eval_batches else None
@@ -141,7 +141,7 @@ class _StepLog:
     eval_losses: list[tuple[int, float]]
 
 
-def _run_steps(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, state: TrainState, tokenizer) -> _StepLog:
+def run_steps(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, state: TrainState, tokenizer) -> _StepLog:
     t = recipe.train
     log = _StepLog([], [])
     progress = tqdm(total=t.train_iters, initial=state.step, disable=not accelerator.is_main_process, desc="train")
