@@ -113,8 +113,11 @@ def tp2(tmp_path_factory):
 
 def test_tp2_forward_and_gradients_match_tp1(tp2):
     models, out = tp2
-    ref_logits, ref_loss, ref_grads = reference_step(stock(models / "untied"), *batch())
+    model = stock(models / "untied")
+    ref_generated = model.generate(batch()[0][:1, :8], max_new_tokens=5, do_sample=False)
+    ref_logits, ref_loss, ref_grads = reference_step(model, *batch())
     for rank in rank_results(out, "untied", 2):
+        assert torch.equal(rank["generated"], ref_generated)  # stock generate() on the TP model
         assert max_diff(rank["logits"], ref_logits) <= TOL
         assert abs(rank["loss"] - ref_loss) <= TOL
         assert abs(rank["hf_forward_loss"] - ref_loss) <= TOL  # stock forward on gathered logits

@@ -40,10 +40,11 @@ def load_tp_shard_state_dict(folder_or_file: str, config: GPTNeoXConfig, tp_rank
     one, or a folder with `model.safetensors.index.json`), keyed like the state dict of a
     model after `apply_tensor_parallel`. Only the sliced bytes are read into memory."""
     key_to_file = _safetensors_key_files(folder_or_file)
+    expected = _expected_keys(config)
     shard = {}
     with ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in set(key_to_file.values())}
-        for key in _expected_keys(config):
+        for key in expected:
             stored = next((k for k in _STORED_ALIASES.get(key, (key,)) if k in key_to_file), None)
             if stored is None:
                 continue  # reported below, after tied weights are resolved
@@ -51,7 +52,7 @@ def load_tp_shard_state_dict(folder_or_file: str, config: GPTNeoXConfig, tp_rank
             shard[key] = _read_rank_slice(tensor_slice, partition_dim(key), tp_rank, tp_size, stored)
     if config.tie_word_embeddings and "gpt_neox.embed_in.weight" in shard:
         shard.setdefault("lm_head.weight", shard["gpt_neox.embed_in.weight"])
-    missing = [k for k in _expected_keys(config) if k not in shard]
+    missing = [k for k in expected if k not in shard]
     if missing:
         raise CheckpointError(f"{folder_or_file} lacks {missing[:5]}{'...' if len(missing) > 5 else ''}; "
                               f"is it a GPTNeoXForCausalLM checkpoint saved with save_pretrained?")

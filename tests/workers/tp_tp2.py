@@ -49,6 +49,7 @@ def untied_checks(models_dir, out_dir, groups):
     input_ids, labels = batch()
     result.update(forward_backward(model, groups, input_ids, labels))
     result["hf_forward_loss"] = model(input_ids, labels=labels).loss.detach()
+    result["generated"] = model.generate(input_ids[:1, :8], max_new_tokens=5, do_sample=False)
 
     model.zero_grad()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
