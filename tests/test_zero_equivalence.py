@@ -1,5 +1,5 @@
-"""One process (plain PyTorch AdamW through Accelerate) vs 2 processes with DeepSpeed ZeRO-1/2/3 through
-Accelerate's plugin: same global batch and seed → per-step losses equal to ≤ 1e-5 over 5 steps."""
+"""One process (plain PyTorch AdamW through Accelerate) vs DeepSpeed layouts through Accelerate's plugin and our
+training loop: DP2 ZeRO-1/2/3, TP2, TP2×DP2 (ZeRO-1). Same global batch and seed → per-step losses ≤ 1e-5 over 5 steps."""
 
 from __future__ import annotations
 
@@ -39,12 +39,17 @@ def one_process_losses(model_dir, tmp_path_factory):
     return step_losses(out)
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
-def test_dp2_zero_matches_one_process(model_dir, one_process_losses, tmp_path, zero_stage):
+@pytest.mark.parametrize(
+    "zero_stage,tensor_parallel,processes",
+    [(1, 1, 2), (2, 1, 2), (3, 1, 2), (1, 2, 2), (1, 2, 4)],
+    ids=["dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2", "tp2xdp2-zero1"],
+)
+def test_layout_matches_one_process(model_dir, one_process_losses, tmp_path, zero_stage, tensor_parallel, processes):
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", str(zero_stage),
         "--main_process_port", str(free_port()), str(WORKER), str(model_dir), str(tmp_path), str(zero_stage),
+        str(tensor_parallel),
     ]
     done = subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -52,4 +57,4 @@ def test_dp2_zero_matches_one_process(model_dir, one_process_losses, tmp_path, z
     assert sorted(got) == sorted(one_process_losses) == [1, 2, 3, 4, 5]
     assert got[5] < got[1]  # it trains
     for step, expected in one_process_losses.items():
-        assert abs(got[step] - expected) <= 1e-5, (zero_stage, step, got[step], expected)
+        assert abs(got[step] - expected) <= 1e-5, (zero_stage, tensor_parallel, step, got[step], expected)

@@ -5,6 +5,7 @@ Read top to bottom: `train(recipe)` is the whole run; each helper below does one
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -20,6 +21,15 @@ from neox_hf.interop.hf_folder import save_hf_folder
 from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, load_tokenizer, padded_vocab_size
 from neox_hf.model import NeoXForCausalLM, config_from_recipe
 from neox_hf.parallel.accelerator import build_accelerator, uses_deepspeed
+from neox_hf.parallel.tensor_parallel import (
+    DeepSpeedMPU,
+    VocabParallelLMHead,
+    apply_tensor_parallel,
+    build_parallel_groups,
+    deepspeed_initialize_with_mpu,
+    gather_full_state_dict,
+    vocab_parallel_cross_entropy,
+)
 from neox_hf.recipe import Recipe
 from neox_hf.train.checkpoint import TrainState, find_resume_checkpoint, load_checkpoint, save_checkpoint
 from neox_hf.train.schedule import build_lr_scheduler
@@ -39,8 +49,9 @@ def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
     accelerator = build_accelerator(recipe, log_with="tensorboard" if recipe.output.tensorboard else None)
     _set_seed(recipe.train.seed)
     tokenizer = load_tokenizer(recipe.tokenizer.path, eos_token=recipe.tokenizer.eos_token, pad_token=recipe.tokenizer.pad_token)
-    model = build_model(recipe, tokenizer)
-    dp_rank, dp_size = accelerator.process_index, accelerator.num_processes
+    model, optimizer, groups = prepare_model_and_optimizer(accelerator, recipe, build_model(recipe, tokenizer))
+    # Every rank of a tensor-parallel group must see the same batch, so data is split over data-parallel ranks only.
+    dp_rank, dp_size = (groups.dp_rank, groups.dp_size) if groups else (accelerator.process_index, accelerator.num_processes)
     loader = build_train_loader(
         recipe.data, tokenizer, seq_length=recipe.model.seq_length, micro_batch_size=recipe.train.micro_batch_size,
         dp_rank=dp_rank, dp_size=dp_size, seed=recipe.data.seed,
@@ -49,8 +60,6 @@ def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
         recipe.data, tokenizer, seq_length=recipe.model.seq_length, micro_batch_size=recipe.train.micro_batch_size,
         max_batches=recipe.train.eval_iters, dp_rank=dp_rank, dp_size=dp_size,
     )
-    optimizer = build_optimizer(model, recipe)
-    model, optimizer = accelerator.prepare(model, optimizer)
     scheduler = build_lr_scheduler(optimizer, recipe.train)
     state = TrainState()
     resume_from = find_resume_checkpoint(recipe.train.resume, recipe.output.dir)
@@ -58,7 +67,7 @@ def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
         state = load_checkpoint(accelerator, resume_from, scheduler=scheduler, data_loader=loader)
         accelerator.print(f"resumed from {resume_from} at step {state.step}")
     if accelerator.is_main_process:
-        _print_startup_report(accelerator, recipe, model, tokenizer, notices or [])
+        _print_startup_report(accelerator, recipe, model, tokenizer, notices or [], dp_size)
     if recipe.output.tensorboard:
         accelerator.init_trackers("neox_hf")
     initial_eval = evaluate(accelerator, model, eval_batches) if eval_batches and state.step == 0 else None
@@ -71,7 +80,7 @@ def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
     if final_eval is not None:
         result.eval_losses.append((state.step, final_eval))
         accelerator.print(f"final eval loss {final_eval:.4f}  perplexity {math.exp(min(final_eval, 50)):.2f}")
-    out = save_final_model(accelerator, model, tokenizer, recipe)
+    out = save_final_model(accelerator, model, tokenizer, recipe, groups)
     accelerator.end_training()
     accelerator.print(f"model saved to {out.resolve()}")
     return RunResult(out, state.step, result.train_losses, result.eval_losses, final_eval)
@@ -110,6 +119,21 @@ def build_model(recipe: Recipe, tokenizer) -> NeoXForCausalLM:
     return model
 
 
+def prepare_model_and_optimizer(accelerator, recipe: Recipe, model):
+    """Apply tensor parallelism (if any), build AdamW, and let Accelerate/DeepSpeed wrap both.
+
+    Returns (model, optimizer, ParallelGroups or None)."""
+    groups = None
+    if recipe.parallel.tensor_parallel > 1:
+        groups = build_parallel_groups(recipe.parallel.tensor_parallel)
+        model = apply_tensor_parallel(model, groups.tp_group)
+    optimizer = build_optimizer(model, recipe)
+    # With TP, DeepSpeed must be handed our groups so ZeRO reduces gradients over the data-parallel group only.
+    with deepspeed_initialize_with_mpu(DeepSpeedMPU(groups)) if groups else contextlib.nullcontext():
+        model, optimizer = accelerator.prepare(model, optimizer)
+    return model, optimizer, groups
+
+
 def build_optimizer(model, recipe: Recipe) -> torch.optim.Optimizer:
     """AdamW; as GPT-NeoX, biases and norm weights get no weight decay."""
     decay, no_decay = [], []
@@ -123,12 +147,20 @@ def build_optimizer(model, recipe: Recipe) -> torch.optim.Optimizer:
 
 
 def causal_lm_loss(model, batch: dict) -> tuple[torch.Tensor, int]:
-    """Mean cross-entropy over the batch's labelled tokens (labels are already aligned with inputs)."""
+    """Mean cross-entropy over the batch's labelled tokens (labels are already aligned with inputs).
+
+    A tensor-parallel model computes it vocab-parallel: no rank ever holds the full [batch, seq, vocab] logits.
+    """
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-    logits = model(**inputs, use_cache=False).logits
     labels = batch["labels"]
-    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-    return loss, int((labels != -100).sum())
+    tokens = int((labels != -100).sum())
+    module = getattr(model, "module", model)  # a DeepSpeed engine wraps the HF model
+    head = module.get_output_embeddings()
+    if isinstance(head, VocabParallelLMHead):
+        hidden = module.base_model(**inputs, use_cache=False).last_hidden_state
+        return vocab_parallel_cross_entropy(head.forward_shard(hidden), labels, head.group, head.vocab_start), tokens
+    logits = model(**inputs, use_cache=False).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100), tokens
 
 
 def _to_device(batch: dict, device) -> dict:
@@ -166,7 +198,9 @@ def run_steps(accelerator, recipe, model, optimizer, scheduler, loader, eval_bat
         scheduler.step()
         state.step += 1
         mean_loss = accelerator.reduce(step_loss.reshape(1), reduction="mean").item()
+        # Summed over every process; the ranks of one tensor-parallel group saw the same batch, so count it once.
         totals = accelerator.reduce(torch.tensor([step_tokens, step_samples], device=accelerator.device), reduction="sum")
+        totals = totals // recipe.parallel.tensor_parallel
         state.consumed_tokens += int(totals[0])
         state.consumed_samples += int(totals[1])
         log.train_losses.append(mean_loss)
@@ -212,13 +246,16 @@ def evaluate(accelerator, model, eval_batches: list[dict]) -> float:
         loss, tokens = causal_lm_loss(model, _to_device(batch, accelerator.device))
         total += torch.tensor([loss.item() * tokens, tokens], device=accelerator.device, dtype=torch.float64)
     model.train()
-    total = accelerator.reduce(total, reduction="sum")
+    total = accelerator.reduce(total, reduction="sum")  # TP ranks repeat their group's sums: the ratio is unchanged
     return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
 
-def save_final_model(accelerator, model, tokenizer, recipe: Recipe) -> Path:
-    """Consolidated HF folder (ZeRO-3 partitions gathered) written by the main process, atomically."""
-    state_dict = accelerator.get_state_dict(model)  # collective under ZeRO-3: every rank must call it
+def save_final_model(accelerator, model, tokenizer, recipe: Recipe, groups=None) -> Path:
+    """Consolidated HF folder (ZeRO-3 partitions gathered, TP shards merged) written by the main process, atomically."""
+    if groups is not None:
+        state_dict = gather_full_state_dict(accelerator.unwrap_model(model), groups)  # collective over TP ranks
+    else:
+        state_dict = accelerator.get_state_dict(model)  # collective under ZeRO-3: every rank must call it
     out = Path(recipe.output.dir)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
@@ -228,13 +265,13 @@ def save_final_model(accelerator, model, tokenizer, recipe: Recipe) -> Path:
     return out
 
 
-def _print_startup_report(accelerator, recipe: Recipe, model, tokenizer, notices: list[str]) -> None:
+def _print_startup_report(accelerator, recipe: Recipe, model, tokenizer, notices: list[str], dp: int) -> None:
     t, m = recipe.train, recipe.model
     unwrapped = accelerator.unwrap_model(model)
     n_params = sum(p.numel() for p in unwrapped.parameters())
     if uses_deepspeed(accelerator) and recipe.parallel.zero_stage == 3:
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in unwrapped.parameters())
-    dp = accelerator.num_processes
+    n_params *= recipe.parallel.tensor_parallel if recipe.parallel.tensor_parallel > 1 else 1  # roughly: norms are replicated
     global_batch = t.micro_batch_size * t.gradient_accumulation_steps * dp
     lines = [
         f"neox_hf: {m.num_layers if not m.from_pretrained else unwrapped.config.num_hidden_layers} layers, "
