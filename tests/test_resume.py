@@ -1,4 +1,5 @@
-"""Resume after SIGKILL: 10 steps straight vs 5 steps, kill -9, `--resume`, 5 more — steps 6–10 match ≤ 1e-6."""
+"""Resume after SIGKILL: 10 steps straight vs 5 steps, kill -9, `--resume`, 5 more — steps 6–10 match ≤ 1e-6
+(DP2 ZeRO-2 and TP2), and the TP2 run's final folder loads in stock transformers."""
 
 from __future__ import annotations
 
@@ -61,10 +62,11 @@ def kill_process_tree(process: subprocess.Popen) -> None:
     psutil.wait_procs([p for p in psutil.process_iter() if p.pid in family[1:]], timeout=30)
 
 
-@pytest.mark.parametrize("zero_stage", [2])
-def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, zero_stage):
+@pytest.mark.parametrize("zero_stage,tensor_parallel", [(2, 1), (1, 2)], ids=["dp2-zero2", "tp2"])
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, zero_stage, tensor_parallel):
     common = [str(REPO / "recipes" / "tiny.yaml"), *SMALL, "--train.train_iters", "10", "--train.save_interval", "5",
-              "--train.eval_iters", "0", "--data.sources", shakespeare_sources(), "--parallel.zero_stage", str(zero_stage)]
+              "--train.eval_iters", "0", "--data.sources", shakespeare_sources(), "--parallel.zero_stage", str(zero_stage),
+              "--parallel.tensor_parallel", str(tensor_parallel)]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     launch([*common, "--output.dir", str(straight)], zero_stage=zero_stage)
     launch_and_kill_after_checkpoint([*common, "--output.dir", str(resumed)], resumed, zero_stage=zero_stage)
@@ -77,3 +79,17 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, zero_stage):
     for step in range(6, 11):
         assert abs(got[step] - expected[step]) <= 1e-6, (step, got[step], expected[step])
     assert abs(got[5] - expected[5]) <= 1e-6
+
+
+def test_tp2_run_saves_a_merged_folder_stock_transformers_loads(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import GPTNeoXForCausalLM
+
+    out = tmp_path / "tp2"
+    done = launch([str(REPO / "recipes" / "tiny.yaml"), *SMALL, "--parallel.tensor_parallel", "2", "--parallel.zero_stage", "1",
+                   "--data.sources", shakespeare_sources(), "--output.dir", str(out)], zero_stage=1)
+    assert "tensor parallel 2" in done.stdout
+    assert "vocab 50432" in done.stdout  # padded to a multiple of 128 × TP 2, as GPT-NeoX does
+    model = GPTNeoXForCausalLM.from_pretrained(out)
+    assert load_file(out / "model.safetensors")["embed_out.weight"].shape == (50432, 64)
+    assert model.gpt_neox.layers[0].attention.query_key_value.weight.shape == (192, 64)  # all heads merged back
