@@ -374,7 +374,15 @@ def model_card_body(
     return "\n\n".join(sections) + "\n"
 
 
+def with_legacy_rotary_keys(model_config: dict) -> dict:
+    """transformers 5 configs keep the rotary fraction and base in `rope_parameters`; the card shows GPT-NeoX's names."""
+    rope = model_config.get("rope_parameters") or {}
+    legacy = {"rotary_pct": rope.get("partial_rotary_factor"), "rotary_emb_base": rope.get("rope_theta")}
+    return {**{k: v for k, v in legacy.items() if v is not None}, **model_config}
+
+
 def architecture_table(model_config: dict) -> str:
+    model_config = with_legacy_rotary_keys(model_config)
     missing = [key for key, _ in _ARCHITECTURE_FIELDS if key not in model_config]
     if missing:
         raise HubError(f"model_config lacks {', '.join(missing)}; pass the GPTNeoXConfig as a dict (config.to_dict())")

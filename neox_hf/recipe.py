@@ -325,6 +325,11 @@ def validate(recipe: Recipe) -> None:
         _require(s.weight > 0, f"data source `{s.path}`: `weight` must be > 0, got {s.weight}")
     if recipe.peft.method is not None:
         _require(recipe.peft.r > 0, f"`peft.r` must be > 0, got {recipe.peft.r}")
+        _require(
+            p.tensor_parallel == 1,
+            "`peft.method` with `parallel.tensor_parallel > 1` is refused: LoRA wraps nn.Linear layers, which tensor "
+            "parallelism replaces; fine-tune adapters with ZeRO data parallelism (tensor_parallel: 1)",
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from huggingface_hub import constants, hf_hub_download, snapshot_download
 from huggingface_hub import ModelCard
@@ -307,3 +308,50 @@ def test_model_card_names_the_missing_config_key(tmp_path):
             tmp_path, recipe_yaml=RECIPE, model_config=config, num_parameters=1, tokens_trained=1,
             data_sources=SOURCES, eval_loss=None,
         )
+
+
+def test_model_card_reads_the_rotary_fraction_of_a_transformers_5_config(tmp_path):
+    from transformers import GPTNeoXConfig
+
+    config = GPTNeoXConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=256,
+                           vocab_size=512, rotary_pct=0.5).to_dict()
+    assert "rotary_pct" not in config  # transformers 5 moved it into rope_parameters
+    card = write_model_card(tmp_path, recipe_yaml="model: {}\n", model_config=config, num_parameters=10,
+                            tokens_trained=20, data_sources=[{"path": "a.jsonl", "weight": 1.0}], eval_loss=None)
+    assert "| Rotary fraction (rotary_pct) | 0.5 |" in card.read_text()
+
+
+
+def test_training_run_pushes_pythia_step_branches_and_final_main(hub, tmp_path):
+    """`train.push_to_hub` end to end: step checkpoints land on branches step{N}, the final model and card on main,
+    and `from_pretrained(repo, revision="step4")` returns the step-4 weights."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from transformers import GPTNeoXForCausalLM
+
+    from neox_hf.train.args import parse_run_args
+    from neox_hf.train.loop import train
+
+    repo_root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    args = parse_run_args([
+        str(repo_root / "recipes" / "tiny.yaml"), "--model.hidden_size", "32", "--model.seq_length", "32",
+        "--train.train_iters", "8", "--train.save_interval", "4", "--train.eval_iters", "2",
+        "--train.micro_batch_size", "2", "--output.dir", str(out), "--output.tensorboard", "false",
+        "--train.push_to_hub", "{repo_id: " + REPO + ", revision_per_step: true}",
+    ])
+    try:
+        train(args.recipe)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+    assert {"step4", "step8"} <= set(hub.branches(REPO))
+    main_files = hub.files(REPO, "main")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", "recipe.yaml"} <= set(main_files)
+    card = main_files["README.md"].decode()
+    assert "library_name: transformers" in card and "Tokens trained" in card and "tinyshakespeare" in card
+    step4 = GPTNeoXForCausalLM.from_pretrained(REPO, revision="step4")
+    local4 = GPTNeoXForCausalLM.from_pretrained(out / "hub_steps" / "step4")
+    final = GPTNeoXForCausalLM.from_pretrained(REPO)
+    assert all(torch.equal(a, b) for a, b in zip(step4.state_dict().values(), local4.state_dict().values()))
+    assert not torch.equal(step4.gpt_neox.embed_in.weight, final.gpt_neox.embed_in.weight)  # step 4 ≠ step 8

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from neox_hf.finetune import check_peft_recipe, save_finetuned, trainable_parameters_report, wrap_with_peft
 from neox_hf.data import build_eval_loader, build_train_loader, gpt_neox_num_epochs, tokens_per_epoch
 from neox_hf.interop.hf_folder import save_hf_folder
 from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, load_tokenizer, padded_vocab_size
@@ -48,8 +49,13 @@ def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
     """Run the recipe end to end; return where the model went and the losses seen."""
     accelerator = build_accelerator(recipe, log_with="tensorboard" if recipe.output.tensorboard else None)
     _set_seed(recipe.train.seed)
+    check_peft_recipe(recipe)
     tokenizer = load_tokenizer(recipe.tokenizer.path, eos_token=recipe.tokenizer.eos_token, pad_token=recipe.tokenizer.pad_token)
-    model, optimizer, groups = prepare_model_and_optimizer(accelerator, recipe, build_model(recipe, tokenizer))
+    model = build_model(recipe, tokenizer)
+    if recipe.peft.method is not None:
+        model = wrap_with_peft(model, recipe.peft)  # before prepare: only adapter weights reach the optimizer
+        accelerator.print(trainable_parameters_report(model))
+    model, optimizer, groups = prepare_model_and_optimizer(accelerator, recipe, model)
     # Every rank of a tensor-parallel group must see the same batch, so data is split over data-parallel ranks only.
     dp_rank, dp_size = (groups.dp_rank, groups.dp_size) if groups else (accelerator.process_index, accelerator.num_processes)
     loader = build_train_loader(
@@ -73,14 +79,24 @@ def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
     initial_eval = evaluate(accelerator, model, eval_batches) if eval_batches and state.step == 0 else None
     if initial_eval is not None:
         accelerator.print(f"step 0: eval loss {initial_eval:.4f}")
-    result = run_steps(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, state, tokenizer)
+    pusher = _hub_pusher(recipe) if accelerator.is_main_process else None
+    run = TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, tokenizer, groups, pusher)
+    result = run_steps(run, state)
     if initial_eval is not None:
         result.eval_losses.insert(0, (0, initial_eval))
     final_eval = evaluate(accelerator, model, eval_batches) if eval_batches else None
     if final_eval is not None:
         result.eval_losses.append((state.step, final_eval))
         accelerator.print(f"final eval loss {final_eval:.4f}  perplexity {math.exp(min(final_eval, 50)):.2f}")
-    out = save_final_model(accelerator, model, tokenizer, recipe, groups)
+    if recipe.peft.method is not None:
+        out = save_finetuned(accelerator, model, tokenizer, recipe)
+    else:
+        out = save_final_model(accelerator, model, tokenizer, recipe, groups)
+    if accelerator.is_main_process:
+        _write_card(accelerator, recipe, model, state, final_eval, Path(recipe.output.dir))
+        if pusher is not None:
+            pusher.push_final(recipe.output.dir)
+            pusher.close()  # waits for every queued upload; re-raises the first failure
     accelerator.end_training()
     accelerator.print(f"model saved to {out.resolve()}")
     return RunResult(out, state.step, result.train_losses, result.eval_losses, final_eval)
@@ -173,7 +189,25 @@ class _StepLog:
     eval_losses: list[tuple[int, float]]
 
 
-def run_steps(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, state: TrainState, tokenizer) -> _StepLog:
+@dataclass
+class TrainingRun:
+    """Everything the step loop touches, built once by `train` (or by a test harness)."""
+
+    accelerator: object
+    recipe: Recipe
+    model: object
+    optimizer: object
+    scheduler: object
+    loader: object
+    eval_batches: list
+    tokenizer: object = None
+    groups: object = None  # ParallelGroups with tensor parallelism
+    pusher: object = None  # HubPusher on the main process when train.push_to_hub is set
+
+
+def run_steps(run: TrainingRun, state: TrainState) -> _StepLog:
+    accelerator, recipe, model, optimizer = run.accelerator, run.recipe, run.model, run.optimizer
+    scheduler, loader, eval_batches = run.scheduler, run.loader, run.eval_batches
     t = recipe.train
     log = _StepLog([], [])
     progress = tqdm(total=t.train_iters, initial=state.step, disable=not accelerator.is_main_process, desc="train")
@@ -223,7 +257,10 @@ def run_steps(accelerator, recipe, model, optimizer, scheduler, loader, eval_bat
             accelerator.print(f"step {state.step}: eval loss {eval_loss:.4f}")
         if t.save_interval and state.step % t.save_interval == 0:
             save_checkpoint(accelerator, output_dir=recipe.output.dir, state=state, scheduler=scheduler, data_loader=loader,
-                            keep_last_n=t.keep_last_n, model_config=accelerator.unwrap_model(model).config, tokenizer=tokenizer)
+                            keep_last_n=t.keep_last_n, model_config=accelerator.unwrap_model(model).config,
+                            tokenizer=run.tokenizer)
+            if t.push_to_hub is not None and t.push_to_hub.revision_per_step and recipe.peft.method is None:
+                _push_step_folder(run, state)
     progress.close()
     return log
 
@@ -250,13 +287,13 @@ def evaluate(accelerator, model, eval_batches: list[dict]) -> float:
     return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
 
-def save_final_model(accelerator, model, tokenizer, recipe: Recipe, groups=None) -> Path:
+def save_final_model(accelerator, model, tokenizer, recipe: Recipe, groups=None, out_dir=None) -> Path:
     """Consolidated HF folder (ZeRO-3 partitions gathered, TP shards merged) written by the main process, atomically."""
     if groups is not None:
         state_dict = gather_full_state_dict(accelerator.unwrap_model(model), groups)  # collective over TP ranks
     else:
         state_dict = accelerator.get_state_dict(model)  # collective under ZeRO-3: every rank must call it
-    out = Path(recipe.output.dir)
+    out = Path(out_dir or recipe.output.dir)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
         save_hf_folder(unwrapped, out, state_dict=state_dict, tokenizer=tokenizer,
@@ -265,13 +302,45 @@ def save_final_model(accelerator, model, tokenizer, recipe: Recipe, groups=None)
     return out
 
 
+def _hub_pusher(recipe: Recipe):
+    if recipe.train.push_to_hub is None:
+        return None
+    from neox_hf.hub import HubPusher
+
+    hub = recipe.train.push_to_hub
+    return HubPusher(hub.repo_id, private=hub.private, revision_per_step=hub.revision_per_step)
+
+
+def _push_step_folder(run: TrainingRun, state: TrainState) -> None:
+    """Pythia convention: an HF folder of step N on branch `step{N}`, uploaded in the background."""
+    folder = Path(run.recipe.output.dir) / "hub_steps" / f"step{state.step}"
+    save_final_model(run.accelerator, run.model, run.tokenizer, run.recipe, run.groups, out_dir=folder)
+    if run.pusher is not None:
+        run.pusher.push_step(folder, state.step)
+
+
+def _write_card(accelerator, recipe: Recipe, model, state: TrainState, eval_loss: float | None, folder: Path) -> None:
+    from neox_hf.hub import write_model_card
+
+    unwrapped = accelerator.unwrap_model(model)
+    config = unwrapped.get_base_model().config if hasattr(unwrapped, "get_base_model") else unwrapped.config
+    write_model_card(
+        folder, recipe_yaml=recipe.to_yaml(), model_config=config.to_dict(),
+        num_parameters=_parameter_count(accelerator, recipe, unwrapped), tokens_trained=state.consumed_tokens,
+        data_sources=[{"path": s.path, "weight": s.weight} for s in recipe.data.sources], eval_loss=eval_loss,
+    )
+
+
+def _parameter_count(accelerator, recipe: Recipe, unwrapped) -> int:
+    """Full-model parameter count whatever the layout (ZeRO-3 partitions, TP shards)."""
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in unwrapped.parameters())
+    return n_params * recipe.parallel.tensor_parallel  # TP: roughly, the replicated norms are counted TP times
+
+
 def _print_startup_report(accelerator, recipe: Recipe, model, tokenizer, notices: list[str], dp: int) -> None:
     t, m = recipe.train, recipe.model
     unwrapped = accelerator.unwrap_model(model)
-    n_params = sum(p.numel() for p in unwrapped.parameters())
-    if uses_deepspeed(accelerator) and recipe.parallel.zero_stage == 3:
-        n_params = sum(getattr(p, "ds_numel", p.numel()) for p in unwrapped.parameters())
-    n_params *= recipe.parallel.tensor_parallel if recipe.parallel.tensor_parallel > 1 else 1  # roughly: norms are replicated
+    n_params = _parameter_count(accelerator, recipe, unwrapped)
     global_batch = t.micro_batch_size * t.gradient_accumulation_steps * dp
     lines = [
         f"neox_hf: {m.num_layers if not m.from_pretrained else unwrapped.config.num_hidden_layers} layers, "

@@ -16,7 +16,7 @@ from neox_hf.model import NeoXForCausalLM
 from neox_hf.parallel.accelerator import build_accelerator
 from neox_hf.recipe import recipe_from_dict
 from neox_hf.train.checkpoint import TrainState
-from neox_hf.train.loop import prepare_model_and_optimizer, run_steps
+from neox_hf.train.loop import TrainingRun, prepare_model_and_optimizer, run_steps
 from neox_hf.train.schedule import build_lr_scheduler
 
 GLOBAL_BATCH, SEQ, STEPS, VOCAB = 8, 32, 5, 512
@@ -46,7 +46,7 @@ def main(model_dir: str, out_dir: str, zero_stage: int, tensor_parallel: int = 1
     model, optimizer, groups = prepare_model_and_optimizer(accelerator, recipe, NeoXForCausalLM.from_pretrained(model_dir))
     scheduler = build_lr_scheduler(optimizer, recipe.train)
     loader = fixed_batches(groups.dp_rank, groups.dp_size) if groups else fixed_batches(accelerator.process_index, world)
-    run_steps(accelerator, recipe, model, optimizer, scheduler, loader, [], TrainState(), tokenizer=None)
+    run_steps(TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader, [], groups=groups), TrainState())
 
 
 if __name__ == "__main__":
