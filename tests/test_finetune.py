@@ -132,22 +132,13 @@ def test_prompt_tokens_are_masked_and_never_reach_the_loss(base, tokenizer, tmp_
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _patch_loop_for_peft(monkeypatch):
-    """Until the loop wraps PEFT itself: wrap after build_model and save the adapter at the end (both idempotent
-    with a loop that already does it)."""
-    original = loop.build_model
-    monkeypatch.setattr(loop, "build_model", lambda r, t: finetune.wrap_with_peft(original(r, t), r.peft))
-    monkeypatch.setattr(loop, "save_final_model", finetune.save_finetuned)
-
-
 def _lora_weights(folder: Path) -> dict:
     from safetensors.torch import load_file
 
     return load_file(folder / finetune.ADAPTER_WEIGHTS)
 
 
-def test_lora_run_resumes_exactly_and_merges(base, tmp_path, monkeypatch):
-    _patch_loop_for_peft(monkeypatch)
+def test_lora_run_resumes_exactly_and_merges(base, tmp_path):
     schedule = {"train_iters": 4, "lr_decay_iters": 4}
     straight = loop.train(lora_recipe(base, tmp_path / "straight", train=schedule,
                                       peft={"merge": True}))

@@ -1,8 +1,7 @@
 """Worker: a LoRA run through the real train loop under `accelerate launch --use_deepspeed` (ZeRO-2 or ZeRO-3).
 
-argv: BASE_FOLDER OUT_DIR ZERO_STAGE. Until the loop wraps PEFT itself, `build_model` and the final save are
-patched here with neox_hf.finetune's functions (wrap_with_peft is idempotent, so this stays correct after).
-Just before the final save (the loop ends the process group afterwards), every rank gathers the LoRA parameters
+argv: BASE_FOLDER OUT_DIR ZERO_STAGE. The loop wraps the model (`peft.method: lora`) and saves the adapter with
+`save_finetuned`. Just before that final save (the loop ends the process group afterwards), every rank gathers the LoRA parameters
 (collective under ZeRO-3) and rank 0 writes them to OUT_DIR/trained_lora.pt, so the test compares the saved
 adapter with what was actually trained.
 """
@@ -17,11 +16,6 @@ from neox_hf.train import loop
 from peft_common import lora_recipe
 
 captured = {}
-loop_build_model = loop.build_model
-
-
-def build_and_wrap(recipe, tokenizer):
-    return finetune.wrap_with_peft(loop_build_model(recipe, tokenizer), recipe.peft)
 
 
 def gather_then_save(accelerator, model, tokenizer, recipe):
@@ -45,8 +39,7 @@ def main() -> None:
     torch.set_num_threads(1)
     base, out, stage = sys.argv[1], sys.argv[2], int(sys.argv[3])
     recipe = lora_recipe(base, out, steps=3, zero_stage=stage)
-    loop.build_model = build_and_wrap
-    loop.save_final_model = gather_then_save
+    loop.save_finetuned = gather_then_save
     result = loop.train(recipe)
     if int(os.environ["RANK"]) == 0:
         torch.save({"lora": captured["lora"], "losses": result.train_losses, "report": captured["report"]},
