@@ -34,7 +34,8 @@ _COMMANDS = {
 
 def _add_convert_neox(parser):
     parser.add_argument("checkpoint", help="GPT-NeoX checkpoint: global_stepN/ or the folder with `latest`")
-    parser.add_argument("--config", nargs="+", required=True, help="the GPT-NeoX YAML file(s) it was trained with")
+    parser.add_argument("--config", action="append", required=True,
+                        help="a GPT-NeoX YAML file it was trained with (repeat --config for several, merged as GPT-NeoX does)")
     parser.add_argument("out", help="output HF folder")
     parser.add_argument("--tokenizer", default=None, help="tokenizers JSON / HF folder (default: the config's vocab_file)")
     parser.add_argument("--trust-pickle", action="store_true",

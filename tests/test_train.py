@@ -99,7 +99,8 @@ def _eval_losses(stdout: str) -> tuple[float, float]:
 def test_two_process_deepspeed_run_saves_full_weights(tmp_path, zero_stage):
     out = tmp_path / f"zero{zero_stage}"
     done = launch([str(REPO / "recipes" / "tiny.yaml"), *SMALL, "--parallel.zero_stage", str(zero_stage),
-                   "--data.sources", shakespeare_sources(), "--output.dir", str(out)], zero_stage=zero_stage)
+                   "--train.save_interval", "12", "--data.sources", shakespeare_sources(), "--output.dir", str(out)],
+                  zero_stage=zero_stage)
     assert "2 data-parallel rank(s)" in done.stdout and f"ZeRO stage {zero_stage}" in done.stdout
     first, last = _eval_losses(done.stdout)
     assert last < first - 0.5
@@ -121,3 +122,12 @@ def test_two_process_deepspeed_run_saves_full_weights(tmp_path, zero_stage):
     with torch.no_grad():
         losses = [causal_lm_loss(model, b)[0].item() for b in batches]
     assert abs(sum(losses) / len(losses) - last) < 0.3
+
+    # `neox_hf export` of the step-12 training checkpoint (DeepSpeed partitions) gives the same weights.
+    exported = tmp_path / "exported"
+    cli = subprocess.run([sys.executable, "-m", "neox_hf.cli", "export", str(out / "checkpoints"), str(exported)],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    again = load_file(exported / "model.safetensors")
+    assert set(again) == set(weights) and all(torch.equal(again[k], weights[k]) for k in weights)
+    assert AutoTokenizer.from_pretrained(exported).eos_token == "<|endoftext|>"

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 
 import torch
 import transformers
+from transformers import initialization as hf_init
 
 from neox_hf.errors import CheckpointError
 from neox_hf.interop.neox_files import (
@@ -264,7 +265,7 @@ def neox_to_hf_model(
     """Return a ``model_class`` (in eval mode, ``dtype``) holding the GPT-NeoX checkpoint's weights."""
     state = load_neox_state_dict(checkpoint_dir, config, trust_pickle=trust_pickle)
     # Random init is wasted work: every weight is overwritten below (and checked to be).
-    with transformers.initialization.no_init_weights():
+    with hf_init.no_init_weights():
         model = model_class(config)
     # no_init_weights also skips init_weights' tying, so a tied lm_head would be a copy.
     model.tie_weights()
