@@ -350,8 +350,9 @@ def test_training_run_pushes_pythia_step_branches_and_final_main(hub, tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", "recipe.yaml"} <= set(main_files)
     card = main_files["README.md"].decode()
     assert "library_name: transformers" in card and "Tokens trained" in card and "tinyshakespeare" in card
-    step4 = GPTNeoXForCausalLM.from_pretrained(REPO, revision="step4")
+    cache = tmp_path / "hf-cache"  # the repo name recurs across tests: never read another test's download
+    step4 = GPTNeoXForCausalLM.from_pretrained(REPO, revision="step4", cache_dir=cache)
     local4 = GPTNeoXForCausalLM.from_pretrained(out / "hub_steps" / "step4")
-    final = GPTNeoXForCausalLM.from_pretrained(REPO)
+    final = GPTNeoXForCausalLM.from_pretrained(REPO, cache_dir=cache)
     assert all(torch.equal(a, b) for a, b in zip(step4.state_dict().values(), local4.state_dict().values()))
     assert not torch.equal(step4.gpt_neox.embed_in.weight, final.gpt_neox.embed_in.weight)  # step 4 ≠ step 8

@@ -18,6 +18,7 @@ from neox_hf.errors import CheckpointError, NeoXHFError
 from neox_hf.parallel.mappings import gather_along_dim
 from neox_hf.parallel.tp_groups import ParallelGroups
 from neox_hf.parallel.tp_plan import partition_dim
+from neox_hf.interop.tokenizer import padded_vocab_size  # one rule for the whole package (GPT-NeoX's)
 
 # transformers saves lm_head.weight under the original GPT-NeoX name and renames it on load.
 _STORED_ALIASES = {"lm_head.weight": ("lm_head.weight", "embed_out.weight")}
@@ -57,12 +58,6 @@ def load_tp_shard_state_dict(folder_or_file: str, config: GPTNeoXConfig, tp_rank
         raise CheckpointError(f"{folder_or_file} lacks {missing[:5]}{'...' if len(missing) > 5 else ''}; "
                               f"is it a GPTNeoXForCausalLM checkpoint saved with save_pretrained?")
     return shard
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """GPT-NeoX's rule: the smallest multiple of `divisible_by * tp` that holds `vocab_size`."""
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
 
 
 def pad_vocab(model_or_state_dict, new_size: int, init: str = "zeros"):

@@ -171,12 +171,23 @@ def causal_lm_loss(model, batch: dict) -> tuple[torch.Tensor, int]:
     labels = batch["labels"]
     tokens = int((labels != -100).sum())
     module = getattr(model, "module", model)  # a DeepSpeed engine wraps the HF model
+    if isinstance(module.get_output_embeddings(), VocabParallelLMHead):
+        hidden = module.base_model(**inputs, use_cache=False).last_hidden_state
+        return loss_from_hidden(module, hidden, labels), tokens
+    logits = model(**inputs, use_cache=False).logits
+    return _cross_entropy(logits, labels), tokens
+
+
+def loss_from_hidden(module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The head + cross-entropy part of the loss from the final hidden states (vocab-parallel under TP)."""
     head = module.get_output_embeddings()
     if isinstance(head, VocabParallelLMHead):
-        hidden = module.base_model(**inputs, use_cache=False).last_hidden_state
-        return vocab_parallel_cross_entropy(head.forward_shard(hidden), labels, head.group, head.vocab_start), tokens
-    logits = model(**inputs, use_cache=False).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100), tokens
+        return vocab_parallel_cross_entropy(head.forward_shard(hidden), labels, head.group, head.vocab_start)
+    return _cross_entropy(head(hidden), labels)
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
 def _to_device(batch: dict, device) -> dict:

@@ -4,24 +4,17 @@ small generated files, and what a batch's rows say about the documents in it."""
 from __future__ import annotations
 
 import json
-import os
+import sys
 from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the suite-wide conftest helpers
+from conftest import SHARED_DATA  # noqa: E402
+from conftest import shared as shared_path  # noqa: E402
+
 GSM8K_TEMPLATE = "Question: {question}\nAnswer: {answer}"
 GSM8K_PROMPT = "Question: {question}\nAnswer: "
-
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def shared_path(relative: str) -> Path:
-    path = SHARED_DATA / relative
-    if not path.exists():
-        pytest.skip(f"{path} not found: clone the repo beside shared/ to run the data tests on real files")
-    return path
 
 
 def neox_tokenizer():

@@ -1,0 +1,204 @@
+"""Memory per rank and step time of each parallel layout, on a ~120M-parameter GPTNeoX, on CPU (gloo).
+
+    python benchmarks/parallel_memory.py [--steps 2] [--layers 6] [--hidden 768]
+
+Runs our training step (neox_hf.train.loop: build_model → prepare_model_and_optimizer → causal_lm_loss) under
+`accelerate launch` for: 1 process (no DeepSpeed), DP2 ZeRO-1/2/3, TP2 (ZeRO-1), TP2×DP2 (ZeRO-1, 4 processes),
+and prints per rank 0:
+- model states: bytes of every tensor alive between steps (parameters, gradients, fp32 masters, Adam moments —
+  whatever the layout keeps), found by walking the live tensors and counting each storage once;
+- parameters: bytes of the parameters this rank holds (ZeRO-3: its partition);
+- loss peak: the peak bytes of tensors alive while the head + cross-entropy run (from the last hidden state to the
+  loss, forward and backward), tracked exactly by a TorchDispatchMode — this is where a gathered-logits TP would
+  hold [batch, seq, vocab];
+- step time (seconds, mean of the timed steps; 2 cores shared by every rank, so not a speed claim).
+Ratios are against the 1-process run of the same invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+REPO = Path(__file__).resolve().parents[1]
+LAYOUTS = [  # name, processes, zero stage, tensor parallel
+    ("1 process", 1, 0, 1),
+    ("DP2 ZeRO-1", 2, 1, 1),
+    ("DP2 ZeRO-2", 2, 2, 1),
+    ("DP2 ZeRO-3", 2, 3, 1),
+    ("TP2 (ZeRO-1)", 2, 1, 2),
+    ("TP2×DP2 ZeRO-1", 4, 1, 2),
+]
+MICRO_BATCH, SEQ = 2, 256
+
+
+class PeakTensorBytes(TorchDispatchMode):
+    """Peak bytes of tensors created inside the block and still alive (CPU has no allocator statistics)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor):
+                self._track(tensor)
+        return out
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._seen or storage.nbytes() == 0:
+            return
+        self._seen.add(key)
+        self.live += storage.nbytes()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._release, key, storage.nbytes())
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+
+def live_tensor_bytes() -> int:
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        except Exception:  # half-built objects, meta tensors
+            continue
+    return sum(storages.values())
+
+
+def loss_computation_peak(module, batch: dict) -> int:
+    """Peak bytes of the head + cross-entropy, forward and backward to the hidden states (a measurement pass: no
+    parameter gradients are accumulated)."""
+    from neox_hf.train.loop import loss_from_hidden
+
+    with torch.no_grad():
+        hidden = module.base_model(input_ids=batch["input_ids"], use_cache=False).last_hidden_state
+    hidden.requires_grad_(True)
+    with PeakTensorBytes() as tracker:
+        loss = loss_from_hidden(module, hidden, batch["labels"])
+        torch.autograd.grad(loss, [hidden])
+    return tracker.peak
+
+
+def rank_parameter_bytes(model) -> int:
+    module = getattr(model, "module", model)
+    return sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size() for p in module.parameters())
+
+
+def worker(args) -> None:
+    from neox_hf.interop.tokenizer import load_tokenizer
+    from neox_hf.parallel.accelerator import build_accelerator
+    from neox_hf.recipe import recipe_from_dict
+    from neox_hf.train.loop import build_model, causal_lm_loss, prepare_model_and_optimizer
+
+    recipe = recipe_from_dict({
+        "model": {"num_layers": args.layers, "hidden_size": args.hidden, "num_attention_heads": 12, "seq_length": SEQ},
+        "tokenizer": {"path": str(REPO / "examples/data/gpt-neox-20b-tokenizer.json")},
+        "parallel": {"zero_stage": args.zero, "tensor_parallel": args.tp, "use_deepspeed": args.processes > 1},
+        "train": {"micro_batch_size": MICRO_BATCH},
+        "output": {"dir": tempfile.mkdtemp(), "tensorboard": False},
+    })
+    accelerator = build_accelerator(recipe)
+    tokenizer = load_tokenizer(recipe.tokenizer.path)
+    model, optimizer, _ = prepare_model_and_optimizer(accelerator, recipe, build_model(recipe, tokenizer))
+    generator = torch.Generator().manual_seed(0)
+    module = getattr(model, "module", model)
+    timings, loss_peaks = [], []
+    for step in range(args.steps + 1):
+        ids = torch.randint(2, 50000, (MICRO_BATCH, SEQ + 1), generator=generator)
+        batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+        start = time.perf_counter()
+        loss, _ = causal_lm_loss(model, batch)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step > 0:  # the first step allocates optimizer states
+            timings.append(time.perf_counter() - start)
+        del loss
+        loss_peaks.append(loss_computation_peak(module, batch))
+    result = {"model_states": live_tensor_bytes(), "parameters": rank_parameter_bytes(model),
+              "loss_peak": max(loss_peaks), "step_s": sum(timings) / len(timings)}
+    if accelerator.is_main_process:
+        Path(args.out).write_text(json.dumps(result))
+    accelerator.wait_for_everyone()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_layout(processes: int, zero: int, tp: int, args) -> dict:
+    out = Path(tempfile.mkdtemp()) / "result.json"
+    worker_args = ["--worker", "--processes", str(processes), "--zero", str(zero), "--tp", str(tp), "--out", str(out),
+                   "--steps", str(args.steps), "--layers", str(args.layers), "--hidden", str(args.hidden)]
+    if processes == 1:
+        command = [sys.executable, __file__, *worker_args]
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--num_machines", "1",
+                   "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", str(zero),
+                   "--main_process_port", str(free_port()), __file__, *worker_args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    subprocess.run(command, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--processes", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--zero", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    results = {name: run_layout(p, z, tp, args) for name, p, z, tp in LAYOUTS}
+    base = results["1 process"]
+    mib = 2**20
+    print(f"GPTNeoX {args.layers} layers × hidden {args.hidden}, vocab 50304, micro batch {MICRO_BATCH} × {SEQ}, fp32 AdamW, "
+          "CPU/gloo; per rank 0; ratios vs 1 process")
+    print(f"| {'layout':16} | {'model states MiB':>16} | {'ratio':>5} | {'params MiB':>10} | {'ratio':>5} | "
+          f"{'loss peak MiB':>13} | {'ratio':>5} | {'step s':>6} |")
+    print("|" + "|".join("-" * (w + 2) for w in (16, 16, 5, 10, 5, 13, 5, 6)) + "|")
+    for name, r in results.items():
+        print(f"| {name:16} | {r['model_states'] / mib:16.1f} | {r['model_states'] / base['model_states']:5.2f} | "
+              f"{r['parameters'] / mib:10.1f} | {r['parameters'] / base['parameters']:5.2f} | "
+              f"{r['loss_peak'] / mib:13.1f} | {r['loss_peak'] / base['loss_peak']:5.2f} | {r['step_s']:6.2f} |")
+    checks = [
+        ("ZeRO-3 DP2 model states ≤ 0.6× one process", results["DP2 ZeRO-3"]["model_states"] / base["model_states"], 0.6),
+        ("TP2 parameters ≤ 0.55× TP1", results["TP2 (ZeRO-1)"]["parameters"] / base["parameters"], 0.55),
+        ("TP2 loss peak ≤ 0.6× TP1", results["TP2 (ZeRO-1)"]["loss_peak"] / base["loss_peak"], 0.6),
+    ]
+    for label, ratio, target in checks:
+        print(f"{label}: {ratio:.2f} — {'met' if ratio <= target else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
