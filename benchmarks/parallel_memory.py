@@ -110,6 +110,7 @@ def rank_parameter_bytes(model) -> int:
 def worker(args) -> None:
     from neox_hf.interop.tokenizer import load_tokenizer
     from neox_hf.parallel.accelerator import build_accelerator
+    from neox_hf.parallel.tensor_parallel import build_parallel_groups
     from neox_hf.recipe import recipe_from_dict
     from neox_hf.train.loop import build_model, causal_lm_loss, prepare_model_and_optimizer
 
@@ -122,7 +123,8 @@ def worker(args) -> None:
     })
     accelerator = build_accelerator(recipe)
     tokenizer = load_tokenizer(recipe.tokenizer.path)
-    model, optimizer, _ = prepare_model_and_optimizer(accelerator, recipe, build_model(recipe, tokenizer))
+    groups = build_parallel_groups(args.tp) if args.tp > 1 else None
+    model, optimizer = prepare_model_and_optimizer(accelerator, recipe, build_model(recipe, tokenizer, groups), groups)
     generator = torch.Generator().manual_seed(0)
     module = getattr(model, "module", model)
     timings, loss_peaks = [], []
@@ -162,7 +164,9 @@ def run_layout(processes: int, zero: int, tp: int, args) -> dict:
                    "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", str(zero),
                    "--main_process_port", str(free_port()), __file__, *worker_args]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    subprocess.run(command, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    done = subprocess.run(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"layout processes={processes} zero={zero} tp={tp} failed:\n{done.stderr[-4000:]}")
     return json.loads(out.read_text())
 
 

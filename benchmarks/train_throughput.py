@@ -1,11 +1,13 @@
 """Training-step throughput on the Pythia-70M shape at 8 × 512 tokens, against the machine's matmul peak.
 
-    python benchmarks/train_throughput.py [--steps 4] [--warmup 1] [--threads N]
+    python benchmarks/train_throughput.py [--steps 2] [--warmup 1] [--threads N] [--precision fp32|bf16]
 
 Measured in one run: the fp32 and bf16 matmul peak (square GEMMs), stock transformers GPTNeoXForCausalLM trained by a
-plain PyTorch loop (AdamW, bf16 autocast, HF's own loss), and our training step (`neox_hf.train.loop.causal_lm_loss`
-under an Accelerator from a recipe with precision bf16). Prints tokens/s, achieved FLOP/s and MFU (model FLOPs over
-the bf16 matmul peak measured here) for each, and our ratio to stock. Model FLOPs per token follow the PaLM
+plain PyTorch loop (AdamW, HF's own loss; bf16 autocast with --precision bf16), and our training step
+(`neox_hf.train.loop.causal_lm_loss` under an Accelerator built from a recipe with the same precision). Prints
+tokens/s, achieved FLOP/s and MFU against the matmul peak of the precision trained, and our ratio to stock.
+Default fp32: on CPUs without native bf16 (AVX2 only, like this project's machines) bf16 GEMMs are emulated and a
+bf16 step of this model takes many minutes; pass --precision bf16 where the CPU has AMX / AVX-512 BF16. Model FLOPs per token follow the PaLM
 appendix: 6·N (N = parameters that take part in matmuls: everything except the input embedding) + 12·L·H·T.
 """
 
@@ -22,7 +24,7 @@ PYTHIA_70M = dict(num_hidden_layers=6, hidden_size=512, num_attention_heads=8, i
                   max_position_embeddings=2048, rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False)
 
 
-def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
+def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     torch.matmul(a, b)
     start = time.perf_counter()
@@ -52,7 +54,7 @@ def time_steps(step, warmup: int, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def stock_step_time(config, warmup, steps) -> tuple[float, object]:
+def stock_step_time(config, warmup, steps, precision: str) -> tuple[float, object]:
     torch.manual_seed(0)
     model = GPTNeoXForCausalLM(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -60,7 +62,7 @@ def stock_step_time(config, warmup, steps) -> tuple[float, object]:
 
     def step():
         ids, _ = next(data)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
@@ -69,13 +71,13 @@ def stock_step_time(config, warmup, steps) -> tuple[float, object]:
     return time_steps(step, warmup, steps), model
 
 
-def ours_step_time(config, warmup, steps) -> float:
+def ours_step_time(config, warmup, steps, precision: str) -> float:
     from neox_hf.model import NeoXConfig, NeoXForCausalLM
     from neox_hf.parallel.accelerator import build_accelerator
     from neox_hf.recipe import recipe_from_dict
     from neox_hf.train.loop import build_optimizer, causal_lm_loss
 
-    recipe = recipe_from_dict({"train": {"precision": "bf16", "micro_batch_size": BATCH}, "output": {"tensorboard": False}})
+    recipe = recipe_from_dict({"train": {"precision": precision, "micro_batch_size": BATCH}, "output": {"tensorboard": False}})
     accelerator = build_accelerator(recipe)
     torch.manual_seed(0)
     model = NeoXForCausalLM(NeoXConfig(**config.to_dict())).train()
@@ -95,28 +97,29 @@ def ours_step_time(config, warmup, steps) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     config = GPTNeoXConfig(**PYTHIA_70M)
-    peak32, peak16 = matmul_peak(torch.float32), matmul_peak(torch.bfloat16)
-    stock_time, stock_model = stock_step_time(config, args.warmup, args.steps)
-    ours_time = ours_step_time(config, args.warmup, args.steps)
+    peak32 = matmul_peak(torch.float32)
+    peak16 = matmul_peak(torch.bfloat16, n=2048 if args.precision == "bf16" else 256, repeats=5 if args.precision == "bf16" else 2)
+    peak = peak16 if args.precision == "bf16" else peak32
+    stock_time, stock_model = stock_step_time(config, args.warmup, args.steps, args.precision)
+    ours_time = ours_step_time(config, args.warmup, args.steps, args.precision)
     flops_token = model_flops_per_token(config, stock_model)
     tokens = BATCH * SEQ
-    rows = [("matmul peak fp32 (2048² GEMM)", None, peak32), ("matmul peak bf16 (2048² GEMM)", None, peak16)]
-    for name, seconds in (("stock transformers + PyTorch loop (bf16 autocast)", stock_time), ("neox_hf training step (bf16)", ours_time)):
-        rows.append((name, tokens / seconds, flops_token * tokens / seconds))
-    print(f"Pythia-70M shape, {BATCH}×{SEQ} tokens/step, {args.threads} threads, {args.steps} timed steps; "
+    print(f"Pythia-70M shape, {BATCH}×{SEQ} tokens/step, {args.threads} threads, {args.steps} timed steps, {args.precision}; "
           f"model FLOPs/token {flops_token / 1e6:.1f}M")
-    print(f"| {'what':52} | {'tokens/s':>9} | {'GFLOP/s':>8} | {'MFU vs bf16 peak':>16} |")
-    print(f"|{'-' * 54}|{'-' * 11}|{'-' * 10}|{'-' * 18}|")
-    for name, tps, flops in rows:
-        tps_text = f"{tps:9.0f}" if tps else f"{'':9}"
-        mfu = f"{100 * flops / peak16:15.1f}%" if tps else f"{'':16}"
-        print(f"| {name:52} | {tps_text} | {flops / 1e9:8.1f} | {mfu} |")
+    print(f"| {'what':46} | {'tokens/s':>9} | {'GFLOP/s':>8} | {'MFU vs ' + args.precision + ' peak':>17} |")
+    print(f"|{'-' * 48}|{'-' * 11}|{'-' * 10}|{'-' * 19}|")
+    print(f"| {'matmul peak fp32 (2048² GEMM)':46} | {'':9} | {peak32 / 1e9:8.1f} | {'':17} |")
+    print(f"| {'matmul peak bf16 (square GEMM)':46} | {'':9} | {peak16 / 1e9:8.1f} | {'':17} |")
+    for name, seconds in ((f"stock transformers + PyTorch loop", stock_time), ("neox_hf training step", ours_time)):
+        flops = flops_token * tokens / seconds
+        print(f"| {name:46} | {tokens / seconds:9.0f} | {flops / 1e9:8.1f} | {100 * flops / peak:16.1f}% |")
     print(f"ratio neox_hf / stock tokens/s: {stock_time / ours_time:.2f}×")
 
 

@@ -47,6 +47,7 @@ from neox_hf.parallel.tp_groups import (
 from neox_hf.parallel.tp_plan import TP_PLAN, layer_kind
 
 __all__ = [
+    "from_pretrained_tensor_parallel",
     "apply_tensor_parallel",
     "check_tp_divisibility",
     "tp_causal_lm_loss",
@@ -175,3 +176,31 @@ def _rank_and_size(group) -> tuple[int, int]:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def from_pretrained_tensor_parallel(model_class, folder: str, groups: ParallelGroups, **config_kwargs):
+    """A tensor-parallel model from an HF folder, reading only this rank's slices from the safetensors files.
+
+    The full model is never materialised: it is built on the meta device, split, then filled with this rank's
+    slices (`load_tp_shard_state_dict`), so a rank's peak memory while loading is about one shard, not the model.
+    Gap filled: transformers' `from_pretrained` materialises every weight before any splitting we can apply.
+    """
+    config = model_class.config_class.from_pretrained(folder, **config_kwargs)
+    with torch.device("meta"):
+        model = model_class(config)
+    model = apply_tensor_parallel(model, groups.tp_group)
+    tied = model.lm_head.weight is model.gpt_neox.embed_in.weight
+    # Materialising meta parameters creates new Parameter objects: keep the TP flags DeepSpeed reads for gradient
+    # clipping (`tensor_model_parallel`, `partition_dim`) and the tie, or clipping would count shards wrongly.
+    flags = {name: dict(vars(param)) for name, param in model.named_parameters()}
+    model.to_empty(device="cpu")  # shard-sized, uninitialised; filled just below
+    for name, param in model.named_parameters():
+        for key, value in flags[name].items():
+            setattr(param, key, value)
+    if tied:
+        model.lm_head.weight = model.gpt_neox.embed_in.weight
+    model.load_state_dict(load_tp_shard_state_dict(folder, config, groups.tp_rank, groups.tp_size), strict=True)
+    # Non-persistent buffers (the rotary inv_freq) were built on meta and are not in the checkpoint: rebuild them.
+    rotary = model.gpt_neox.rotary_emb
+    model.gpt_neox.rotary_emb = type(rotary)(config=config)
+    return model.eval()

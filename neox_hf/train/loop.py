@@ -20,13 +20,15 @@ from neox_hf.finetune import check_peft_recipe, save_finetuned, trainable_parame
 from neox_hf.data import build_eval_loader, build_train_loader, gpt_neox_num_epochs, tokens_per_epoch
 from neox_hf.interop.hf_folder import save_hf_folder
 from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, load_tokenizer, padded_vocab_size
-from neox_hf.model import NeoXForCausalLM, config_from_recipe
+from neox_hf.model import NeoXConfig, NeoXForCausalLM, config_from_recipe
 from neox_hf.parallel.accelerator import build_accelerator, uses_deepspeed
 from neox_hf.parallel.tensor_parallel import (
     DeepSpeedMPU,
     VocabParallelLMHead,
     apply_tensor_parallel,
     build_parallel_groups,
+    from_pretrained_tensor_parallel,
+    pad_vocab,
     deepspeed_initialize_with_mpu,
     gather_full_state_dict,
     vocab_parallel_cross_entropy,
@@ -51,11 +53,12 @@ def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
     _set_seed(recipe.train.seed)
     check_peft_recipe(recipe)
     tokenizer = load_tokenizer(recipe.tokenizer.path, eos_token=recipe.tokenizer.eos_token, pad_token=recipe.tokenizer.pad_token)
-    model = build_model(recipe, tokenizer)
+    groups = build_parallel_groups(recipe.parallel.tensor_parallel) if recipe.parallel.tensor_parallel > 1 else None
+    model = build_model(recipe, tokenizer, groups)
     if recipe.peft.method is not None:
         model = wrap_with_peft(model, recipe.peft)  # before prepare: only adapter weights reach the optimizer
         accelerator.print(trainable_parameters_report(model))
-    model, optimizer, groups = prepare_model_and_optimizer(accelerator, recipe, model)
+    model, optimizer = prepare_model_and_optimizer(accelerator, recipe, model, groups)
     # Every rank of a tensor-parallel group must see the same batch, so data is split over data-parallel ranks only.
     dp_rank, dp_size = (groups.dp_rank, groups.dp_size) if groups else (accelerator.process_index, accelerator.num_processes)
     loader = build_train_loader(
@@ -113,12 +116,21 @@ def _set_seed(seed: int) -> None:
     set_seed(seed)
 
 
-def build_model(recipe: Recipe, tokenizer) -> NeoXForCausalLM:
-    """From a pretrained folder, or from scratch with GPT-NeoX init and the padded vocabulary."""
+def build_model(recipe: Recipe, tokenizer, groups=None) -> NeoXForCausalLM:
+    """From a pretrained folder, or from scratch with GPT-NeoX init and the padded vocabulary.
+
+    With tensor parallelism (`groups`), a local safetensors folder whose vocabulary splits evenly is loaded slice by
+    slice, already split; otherwise the model is built whole and split by `prepare_model_and_optimizer`.
+    """
     m = recipe.model
-    if m.from_pretrained:
+    if m.from_pretrained and groups is not None and _splits_evenly(m.from_pretrained, groups.tp_size):
+        model = from_pretrained_tensor_parallel(NeoXForCausalLM, m.from_pretrained, groups,
+                                                attn_implementation=m.attn_implementation)
+        check_vocab_covers_tokenizer(model.config.vocab_size, tokenizer, where=m.from_pretrained)
+    elif m.from_pretrained:
         model = NeoXForCausalLM.from_pretrained(m.from_pretrained, dtype=torch.float32, attn_implementation=m.attn_implementation)
         check_vocab_covers_tokenizer(model.config.vocab_size, tokenizer, where=m.from_pretrained)
+        model = _pad_vocab_for_tp(model, recipe)
     else:
         vocab = m.vocab_size or padded_vocab_size(len(tokenizer), m.make_vocab_size_divisible_by, recipe.parallel.tensor_parallel)
         check_vocab_covers_tokenizer(vocab, tokenizer, where="`model.vocab_size`")
@@ -135,19 +147,38 @@ def build_model(recipe: Recipe, tokenizer) -> NeoXForCausalLM:
     return model
 
 
-def prepare_model_and_optimizer(accelerator, recipe: Recipe, model):
-    """Apply tensor parallelism (if any), build AdamW, and let Accelerate/DeepSpeed wrap both.
+def _splits_evenly(folder: str, tp_size: int) -> bool:
+    """A local safetensors folder whose vocabulary divides by TP can be read rank slice by rank slice."""
+    path = Path(folder)
+    has_safetensors = (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    if not has_safetensors:
+        return False
+    return NeoXConfig.from_pretrained(folder).vocab_size % tp_size == 0
 
-    Returns (model, optimizer, ParallelGroups or None)."""
-    groups = None
-    if recipe.parallel.tensor_parallel > 1:
-        groups = build_parallel_groups(recipe.parallel.tensor_parallel)
+
+def _pad_vocab_for_tp(model, recipe: Recipe):
+    """GPT-NeoX pads the vocabulary to make_vocab_size_divisible_by × TP; a checkpoint that does not divide is padded
+    with zero rows (real-token logits unchanged) and the new size is recorded in its config."""
+    tp = recipe.parallel.tensor_parallel
+    vocab = model.config.vocab_size
+    if tp == 1 or vocab % tp == 0:
+        return model
+    padded = padded_vocab_size(vocab, recipe.model.make_vocab_size_divisible_by, tp)
+    model = pad_vocab(model, padded)
+    model.config.vocab_size = padded
+    print(f"note: vocabulary {vocab} padded to {padded} rows for tensor parallel {tp} (zero rows, real logits unchanged)")
+    return model
+
+
+def prepare_model_and_optimizer(accelerator, recipe: Recipe, model, groups=None):
+    """Apply tensor parallelism (if `groups` and not done at load), build AdamW, let Accelerate/DeepSpeed wrap both."""
+    if groups is not None and not isinstance(model.get_output_embeddings(), VocabParallelLMHead):
         model = apply_tensor_parallel(model, groups.tp_group)
     optimizer = build_optimizer(model, recipe)
     # With TP, DeepSpeed must be handed our groups so ZeRO reduces gradients over the data-parallel group only.
     with deepspeed_initialize_with_mpu(DeepSpeedMPU(groups)) if groups else contextlib.nullcontext():
         model, optimizer = accelerator.prepare(model, optimizer)
-    return model, optimizer, groups
+    return model, optimizer
 
 
 def build_optimizer(model, recipe: Recipe) -> torch.optim.Optimizer:

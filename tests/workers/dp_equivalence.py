@@ -12,14 +12,24 @@ import sys
 
 import torch
 
-from neox_hf.model import NeoXForCausalLM
 from neox_hf.parallel.accelerator import build_accelerator
 from neox_hf.recipe import recipe_from_dict
 from neox_hf.train.checkpoint import TrainState
-from neox_hf.train.loop import TrainingRun, prepare_model_and_optimizer, run_steps
+from neox_hf.parallel.tensor_parallel import build_parallel_groups
+from neox_hf.train.loop import TrainingRun, build_model, prepare_model_and_optimizer, run_steps
 from neox_hf.train.schedule import build_lr_scheduler
 
 GLOBAL_BATCH, SEQ, STEPS, VOCAB = 8, 32, 5, 512
+
+
+class _SmallTokenizer:
+    """build_model only checks the model's vocabulary covers the tokenizer."""
+
+    def __len__(self):
+        return VOCAB
+
+
+TOKENIZER = _SmallTokenizer()
 
 
 def fixed_batches(rank: int, world: int):
@@ -43,7 +53,10 @@ def main(model_dir: str, out_dir: str, zero_stage: int, tensor_parallel: int = 1
         "output": {"dir": out_dir, "tensorboard": False},
     })
     accelerator = build_accelerator(recipe)
-    model, optimizer, groups = prepare_model_and_optimizer(accelerator, recipe, NeoXForCausalLM.from_pretrained(model_dir))
+    groups = build_parallel_groups(tensor_parallel) if tensor_parallel > 1 else None
+    # TP layouts load through the loop's sharded path: each rank reads only its slices of the folder.
+    model = build_model(recipe_from_dict({**recipe.to_dict(), "model": {"from_pretrained": model_dir}}), TOKENIZER, groups)
+    model, optimizer = prepare_model_and_optimizer(accelerator, recipe, model, groups)
     scheduler = build_lr_scheduler(optimizer, recipe.train)
     loader = fixed_batches(groups.dp_rank, groups.dp_size) if groups else fixed_batches(accelerator.process_index, world)
     run_steps(TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader, [], groups=groups), TrainState())
