@@ -55,8 +55,12 @@ class PeakTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # Views and in-place results share an input's storage: nothing new was allocated. Skipping them also keeps
+        # tensors that existed before the block (the head's weight, seen first through its `.t()` view) out of the count.
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
         for tensor in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(tensor, torch.Tensor):
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in inputs:
                 self._track(tensor)
         return out
 

@@ -135,7 +135,12 @@ def test_tp2_adamw_losses_and_saved_merge_match_tp1(tp2):
 
     merged = stock(out / "merged")  # TP2 gather -> save_pretrained -> stock from_pretrained
     with torch.no_grad():
-        assert max_diff(merged(input_ids).logits, model(input_ids).logits) <= TOL
+        merged_logits, tp1_logits = merged(input_ids).logits, model(input_ids).logits
+    # Gather + save + stock load adds no error of its own.
+    assert max_diff(merged_logits, rank["trained_logits"]) <= 1e-6
+    # Against TP1 trained alongside: 5 Adam steps divide each gradient by its own running RMS, so ~1e-7 reduction-order
+    # differences in near-zero gradients move weights by up to lr; the logits stay within a few 1e-5 (CPU-dependent).
+    assert max_diff(merged_logits, tp1_logits) <= 1e-4
 
 
 def test_tp2_reads_only_its_slices_from_a_stock_checkpoint(tp2):

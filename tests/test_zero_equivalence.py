@@ -3,6 +3,8 @@ training loop: DP2 ZeRO-1/2/3, TP2, TP2×DP2 (ZeRO-1). Same global batch and see
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -35,26 +37,56 @@ def _env():
 @pytest.fixture(scope="module")
 def one_process_losses(model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
-    subprocess.run([sys.executable, str(WORKER), str(model_dir), str(out), "0"], check=True, env=_env(), cwd=REPO, timeout=300)
+    subprocess.run([sys.executable, str(WORKER), str(model_dir), str(out), "0"], check=True, env=_env(), cwd=REPO,
+                   timeout=300)
     return step_losses(out)
 
 
-@pytest.mark.parametrize(
-    "zero_stage,tensor_parallel,processes",
-    [(1, 1, 2), (2, 1, 2), (3, 1, 2), (1, 2, 2), (1, 2, 4)],
-    ids=["dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2", "tp2xdp2-zero1"],
-)
-def test_layout_matches_one_process(model_dir, one_process_losses, tmp_path, zero_stage, tensor_parallel, processes):
+def _launch(model_dir, out_dir, processes: int, zero_stage: int, tensor_parallel: int, *options: str):
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", str(zero_stage),
-        "--main_process_port", str(free_port()), str(WORKER), str(model_dir), str(tmp_path), str(zero_stage),
-        str(tensor_parallel),
+        "--main_process_port", str(free_port()), str(WORKER), str(model_dir), str(out_dir), str(zero_stage),
+        str(tensor_parallel), *options,
     ]
     done = subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.mark.parametrize(
+    "zero_stage,tensor_parallel,processes,options",
+    [(1, 1, 2, ()), (2, 1, 2, ()), (3, 1, 2, ()), (1, 2, 2, ()), (1, 2, 4, ()),
+     (2, 1, 2, ("--offload-optimizer",)), (2, 2, 2, ("--activation-checkpointing",))],
+    ids=["dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2", "tp2xdp2-zero1", "dp2-zero2-cpu-offload",
+         "tp2-zero2-activation-checkpointing"],
+)
+def test_layout_matches_one_process(model_dir, one_process_losses, tmp_path, zero_stage, tensor_parallel, processes,
+                                    options):
+    _launch(model_dir, tmp_path, processes, zero_stage, tensor_parallel, *options)
     got = step_losses(tmp_path)
     assert sorted(got) == sorted(one_process_losses) == [1, 2, 3, 4, 5]
     assert got[5] < got[1]  # it trains
     for step, expected in one_process_losses.items():
         assert abs(got[step] - expected) <= 1e-5, (zero_stage, tensor_parallel, step, got[step], expected)
+
+
+def test_fp16_dynamic_loss_scaling_skips_overflowing_steps_and_holds_the_lr(model_dir, one_process_losses, tmp_path):
+    """DeepSpeed's dynamic loss scaler, started far too high through a raw DeepSpeed JSON override: the first steps
+    overflow, are skipped (no update, LR held, as GPT-NeoX does), the scale falls, then training proceeds."""
+    override = tmp_path / "ds.json"
+    override.write_text(json.dumps({"fp16": {"initial_scale_power": 21}}))
+    out = tmp_path / "run"
+    _launch(model_dir, out, 2, 2, 1, "--precision", "fp16", "--steps", "12", "--deepspeed-config", str(override))
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 13))
+    skipped = [r for r in log if r["skipped"]]
+    applied = [r for r in log if not r["skipped"]]
+    assert log[0]["skipped"] and log[0]["loss_scale"] == 2.0**21
+    assert 2 <= len(skipped) and len(applied) >= 5
+    scales = [r["loss_scale"] for r in log]
+    assert scales[-1] < 2.0**21 and all(b <= a for a, b in zip(scales, scales[1:]))  # only falls within 12 steps
+    # The LR schedule does not advance over skipped steps: the first applied step uses the step-1 LR.
+    assert {r["lr"] for r in skipped} | {applied[0]["lr"]} == {log[0]["lr"]}
+    # Same model and batch as the fp32 run's first step, computed in fp16.
+    assert abs(log[0]["loss"] - one_process_losses[1]) <= 1e-2
+    assert all(math.isfinite(r["loss"]) for r in log)

@@ -1,4 +1,4 @@
-"""All tensor-parallel communication, as four autograd functions plus two no-grad helpers.
+"""All tensor-parallel communication, as four autograd functions plus three no-grad helpers.
 
 Every collective neox_hf's TP layers perform lives here, so a reader who wants to know
 "where do ranks talk?" reads one file. The four mappings come in mirrored pairs: each
@@ -46,6 +46,12 @@ def gather_along_dim(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     parts = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(parts, tensor, group=group)
     return torch.cat(parts, dim=dim)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Element-wise sum over the group, outside autograd (for custom autograd functions that
+    write their own backward, such as the vocab-parallel cross-entropy)."""
+    return _all_reduce_sum(tensor.detach(), group)
 
 
 def all_reduce_max(tensor: torch.Tensor, group) -> torch.Tensor:

@@ -16,6 +16,7 @@ from torch import nn
 
 from neox_hf.parallel.mappings import (
     all_reduce_max,
+    all_reduce_sum,
     copy_to_tp_region,
     gather_from_tp_region,
     reduce_from_tp_region,
@@ -110,29 +111,62 @@ def vocab_parallel_cross_entropy(
     `labels` must already be aligned with `logits_shard` (shape `logits_shard.shape[:-1]`),
     exactly as for `F.cross_entropy`; `tp_causal_lm_loss` does the causal shift.
     `vocab_start` defaults to `rank * shard_width`. Columns at or beyond `real_vocab_size`
-    (vocabulary padding) are excluded from the softmax.
+    (vocabulary padding) are excluded from the softmax. `logits_shard` is not modified.
 
     Never builds the [*, vocab] tensor: three all-reduces of [*]-shaped tensors (max,
     sum of exponentials, target logit) give log(sum_v e^{z_v}) - z_target.
     """
-    logits = logits_shard.float()
-    width = logits.shape[-1]
+    width = logits_shard.shape[-1]
     if vocab_start is None:
         vocab_start = _group_rank(group) * width
-    if real_vocab_size is not None:
-        column_ids = torch.arange(vocab_start, vocab_start + width, device=logits.device)
-        logits = logits.masked_fill(column_ids >= real_vocab_size, float("-inf"))
+    return _VocabParallelCrossEntropy.apply(logits_shard, labels, group, vocab_start, real_vocab_size, ignore_index)
 
-    # The max only shifts the exponent for stability; its value cancels, so no gradient.
-    shifted = logits - all_reduce_max(logits.max(dim=-1).values, group).unsqueeze(-1)
-    sum_exp = reduce_from_tp_region(shifted.exp().sum(dim=-1), group)
 
-    local_labels = labels - vocab_start
-    foreign = (local_labels < 0) | (local_labels >= width)
-    picked = shifted.gather(-1, local_labels.masked_fill(foreign, 0).unsqueeze(-1)).squeeze(-1)
-    target_logit = reduce_from_tp_region(picked.masked_fill(foreign, 0.0), group)
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over a vocab-sharded softmax as one autograd node (Megatron's layout of the computation).
 
-    keep = labels != ignore_index
-    token_losses = (sum_exp.log() - target_logit).masked_fill(~keep, 0.0)
-    # Labels are replicated over TP, so the count needs no communication.
-    return token_losses.sum() / keep.sum().clamp(min=1)
+    Written from autograd ops, the same math keeps about eight shard-sized [*, vocab / TP] intermediates alive
+    (shifted logits, exponentials, masks, their gradients), which at a 50k vocabulary is more than the fused
+    `F.cross_entropy` of the unsharded model keeps for the whole vocabulary. Here one fp32 working buffer becomes the
+    softmax in forward, is the only thing saved, and is turned into the gradient in place in backward; so the loss
+    needs the logits shard plus one buffer of the same size at its peak. Backward may therefore run only once.
+    """
+
+    @staticmethod
+    def forward(ctx, logits_shard, labels, group, vocab_start, real_vocab_size, ignore_index):
+        probs = torch.empty(logits_shard.shape, dtype=torch.float32, device=logits_shard.device)
+        probs.copy_(logits_shard)  # contiguous, so backward can index it flat
+        width = probs.shape[-1]
+        if real_vocab_size is not None and real_vocab_size < vocab_start + width:
+            probs[..., max(real_vocab_size - vocab_start, 0):] = float("-inf")
+        # The max only shifts the exponent for stability; its value cancels.
+        probs.sub_(all_reduce_max(probs.max(dim=-1).values, group).unsqueeze(-1))
+
+        local_labels = labels - vocab_start
+        on_this_rank = (local_labels >= 0) & (local_labels < width)
+        local_labels = local_labels.masked_fill(~on_this_rank, 0)
+        picked = probs.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(~on_this_rank, 0.0)
+        target_logit = all_reduce_sum(picked, group)
+
+        probs.exp_()
+        sum_exp = all_reduce_sum(probs.sum(dim=-1), group)
+        probs.div_(sum_exp.unsqueeze(-1))
+
+        keep = labels != ignore_index
+        # Labels are replicated over TP, so the count needs no communication.
+        count = keep.sum().clamp(min=1)
+        loss = (sum_exp.log() - target_logit).masked_fill(~keep, 0.0).sum() / count
+        ctx.save_for_backward(probs, local_labels, on_this_rank, keep, count)
+        ctx.logits_dtype = logits_shard.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        probs, local_labels, on_this_rank, keep, count = ctx.saved_tensors
+        # d loss_t / d z_v = softmax_v - [v == target_t], for each kept token t, averaged over the kept tokens.
+        grad = probs
+        flat = grad.view(-1, grad.shape[-1])
+        rows = torch.arange(flat.shape[0], device=flat.device)
+        flat[rows, local_labels.reshape(-1)] -= on_this_rank.reshape(-1).to(flat.dtype)
+        grad.mul_((keep.to(grad.dtype) * (grad_loss / count)).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None, None, None

@@ -31,6 +31,7 @@ class TrainState:
     step: int = 0  # optimizer steps done
     consumed_samples: int = 0  # over all data-parallel ranks
     consumed_tokens: int = 0  # real (non-padding) tokens over all ranks
+    skipped_steps: int = 0  # fp16 overflows: counted as iterations (as GPT-NeoX does), no update, LR held
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:

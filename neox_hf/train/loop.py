@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from neox_hf.finetune import check_peft_recipe, save_finetuned, trainable_parameters_report, wrap_with_peft
@@ -218,7 +217,9 @@ def loss_from_hidden(module, hidden: torch.Tensor, labels: torch.Tensor) -> torc
 
 
 def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+    # The vocab-parallel function with no group is a fused cross-entropy: one fp32 buffer becomes the softmax and then,
+    # in place, the gradient; F.cross_entropy keeps two more logits-sized tensors and was slower on CPU.
+    return vocab_parallel_cross_entropy(logits, labels, group=None)
 
 
 def _to_device(batch: dict, device) -> dict:
@@ -271,7 +272,11 @@ def run_steps(run: TrainingRun, state: TrainState) -> _StepLog:
             step_tokens += tokens
             step_samples += batch["input_ids"].shape[0]
         step_lr = scheduler.get_last_lr()[0]  # the lr this step used
-        scheduler.step()
+        skipped = _step_was_skipped(accelerator, model)
+        if skipped:
+            state.skipped_steps += 1
+        else:
+            scheduler.step()  # GPT-NeoX (through DeepSpeed) holds the LR on an overflow-skipped step
         state.step += 1
         mean_loss = accelerator.reduce(step_loss.reshape(1), reduction="mean").item()
         # Summed over every process; the ranks of one tensor-parallel group saw the same batch, so count it once.
@@ -281,7 +286,7 @@ def run_steps(run: TrainingRun, state: TrainState) -> _StepLog:
         state.consumed_samples += int(totals[1])
         log.train_losses.append(mean_loss)
         if accelerator.is_main_process:
-            _append_step_log(recipe.output.dir, state, mean_loss, step_lr)
+            _append_step_log(recipe.output.dir, state, mean_loss, step_lr, skipped, _loss_scale(accelerator, model))
         window_loss += mean_loss
         window_tokens += int(totals[0])
         progress.update(1)
@@ -307,13 +312,33 @@ def run_steps(run: TrainingRun, state: TrainState) -> _StepLog:
     return log
 
 
-def _append_step_log(output_dir, state: TrainState, loss: float, lr: float) -> None:
+def _step_was_skipped(accelerator, model) -> bool:
+    """fp16 dynamic loss scaling skips the update when gradients overflowed (and lowers the scale)."""
+    if uses_deepspeed(accelerator):
+        return not model.was_step_applied()
+    return accelerator.optimizer_step_was_skipped
+
+
+def _loss_scale(accelerator, model) -> float | None:
+    """The current fp16 loss scale (DeepSpeed's dynamic scaler or torch's GradScaler); None in fp32/bf16."""
+    if accelerator.mixed_precision != "fp16":
+        return None
+    if uses_deepspeed(accelerator):
+        return float(model.optimizer.loss_scale)
+    return float(accelerator.scaler.get_scale())
+
+
+def _append_step_log(output_dir, state: TrainState, loss: float, lr: float, skipped: bool = False,
+                     loss_scale: float | None = None) -> None:
     """One JSON line per optimizer step (train_log.jsonl): the exact per-step losses, also across resumes."""
     path = Path(output_dir) / "train_log.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
+    entry = {"step": state.step, "loss": loss, "lr": lr, "consumed_samples": state.consumed_samples,
+             "consumed_tokens": state.consumed_tokens}
+    if loss_scale is not None:
+        entry.update(skipped=skipped, loss_scale=loss_scale)
     with path.open("a") as log_file:
-        log_file.write(json.dumps({"step": state.step, "loss": loss, "lr": lr, "consumed_samples": state.consumed_samples,
-                                   "consumed_tokens": state.consumed_tokens}) + "\n")
+        log_file.write(json.dumps(entry) + "\n")
 
 
 @torch.no_grad()

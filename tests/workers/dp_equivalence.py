@@ -1,14 +1,18 @@
 """One optimizer run of our training loop on fixed batches; used to compare 1 process vs DP2 ZeRO-1/2/3.
 
-    python tests/workers/dp_equivalence.py MODEL_DIR OUT_DIR ZERO_STAGE [TP]     (1 process, no DeepSpeed when 0)
-    accelerate launch --num_processes N --use_deepspeed ... dp_equivalence.py MODEL_DIR OUT_DIR ZERO_STAGE [TP]
+    python tests/workers/dp_equivalence.py MODEL_DIR OUT_DIR ZERO_STAGE [TP] [options]   (1 process: no DeepSpeed)
+    accelerate launch --num_processes N --use_deepspeed ... dp_equivalence.py MODEL_DIR OUT_DIR ZERO_STAGE [TP] [options]
+
+Options (recipe switches): --offload-optimizer, --activation-checkpointing, --precision fp16, --steps N,
+--deepspeed-config FILE (raw DeepSpeed JSON merged over the recipe's).
 
 Every run sees the same global batch of 8 sequences per step; data-parallel rank r of D = N / TP takes rows
 [r·8/D, (r+1)·8/D), so both ranks of a tensor-parallel group see the same rows. The per-step losses (averaged over
 ranks by the loop) land in OUT_DIR/train_log.jsonl.
 """
 
-import sys
+import argparse
+import os
 
 import torch
 
@@ -40,22 +44,39 @@ def fixed_batches(rank: int, world: int):
         yield {"input_ids": ids[rows, :-1], "labels": ids[rows, 1:]}
 
 
-def main(model_dir: str, out_dir: str, zero_stage: int, tensor_parallel: int = 1) -> None:
-    import os
+def parse_args():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("out_dir")
+    parser.add_argument("zero_stage", type=int)
+    parser.add_argument("tensor_parallel", type=int, nargs="?", default=1)
+    parser.add_argument("--offload-optimizer", action="store_true")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--deepspeed-config")
+    return parser.parse_args()
 
+
+def main(args) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    data_parallel = world // tensor_parallel
+    data_parallel = world // args.tensor_parallel
     recipe = recipe_from_dict({
         "model": {"num_attention_heads": 4},
-        "train": {"train_iters": STEPS, "micro_batch_size": GLOBAL_BATCH // data_parallel, "lr": 1e-3, "min_lr": 1e-4,
-                  "warmup": 0.2, "clip_grad": 1.0, "log_interval": 1, "eval_interval": 100},
-        "parallel": {"zero_stage": zero_stage, "use_deepspeed": world > 1, "tensor_parallel": tensor_parallel},
-        "output": {"dir": out_dir, "tensorboard": False},
+        "train": {"train_iters": args.steps, "micro_batch_size": GLOBAL_BATCH // data_parallel, "lr": 1e-3,
+                  "min_lr": 1e-4, "warmup": 0.2, "clip_grad": 1.0, "log_interval": 1, "eval_interval": 100,
+                  "precision": args.precision},
+        "parallel": {"zero_stage": args.zero_stage, "use_deepspeed": world > 1, "tensor_parallel": args.tensor_parallel,
+                     "offload_optimizer": args.offload_optimizer,
+                     "activation_checkpointing": args.activation_checkpointing,
+                     "deepspeed_config": args.deepspeed_config},
+        "output": {"dir": args.out_dir, "tensorboard": False},
     })
     accelerator = build_accelerator(recipe)
-    groups = build_parallel_groups(tensor_parallel) if tensor_parallel > 1 else None
+    groups = build_parallel_groups(args.tensor_parallel) if args.tensor_parallel > 1 else None
     # TP layouts load through the loop's sharded path: each rank reads only its slices of the folder.
-    model = build_model(recipe_from_dict({**recipe.to_dict(), "model": {"from_pretrained": model_dir}}), TOKENIZER, groups)
+    pretrained = recipe_from_dict({**recipe.to_dict(), "model": {**recipe.to_dict()["model"], "from_pretrained": args.model_dir}})
+    model = build_model(pretrained, TOKENIZER, groups)
     model, optimizer = prepare_model_and_optimizer(accelerator, recipe, model, groups)
     scheduler = build_lr_scheduler(optimizer, recipe.train)
     loader = fixed_batches(groups.dp_rank, groups.dp_size) if groups else fixed_batches(accelerator.process_index, world)
@@ -63,4 +84,4 @@ def main(model_dir: str, out_dir: str, zero_stage: int, tensor_parallel: int = 1
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 1)
+    main(parse_args())

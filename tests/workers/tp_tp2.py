@@ -61,6 +61,7 @@ def untied_checks(models_dir, out_dir, groups):
         optimizer.zero_grad()
         losses.append(loss.item())
     result["losses"] = losses
+    result["trained_logits"] = tp_logits(model, input_ids).detach()
 
     merged = gather_full_state_dict(model, groups)
     if groups.tp_rank == 0:
