@@ -5,13 +5,18 @@
 Runs our training step (neox_hf.train.loop: build_model → prepare_model_and_optimizer → causal_lm_loss) under
 `accelerate launch` for: 1 process (no DeepSpeed), DP2 ZeRO-1/2/3, TP2 (ZeRO-1), TP2×DP2 (ZeRO-1, 4 processes),
 and prints per rank 0:
-- model states: bytes of every tensor alive between steps (parameters, gradients, fp32 masters, Adam moments —
-  whatever the layout keeps), found by walking the live tensors and counting each storage once;
+- model states: bytes of every tensor alive right after backward, once optimizer states exist (parameters,
+  gradients, fp32 masters, Adam moments, DeepSpeed's buckets — whatever the layout keeps; activations are freed
+  by then), found by walking the live tensors and counting each storage once. Measured twice: fp32, and bf16 —
+  the mixed precision GPT-NeoX trains in, where the ZeRO accounting (16 bytes per parameter unsharded) applies.
+  DeepSpeed keeps an fp32 master copy of the weights even when they are fp32 already, so in fp32 ZeRO-3 on 2 ranks
+  holds 5 half-size copies against 4 full ones (floor 0.625×); in bf16 the floor is 8/16 = 0.5×. The bf16 pass
+  uses a 1 × 8 batch (model states do not depend on it; this CPU emulates bf16 matmuls);
 - parameters: bytes of the parameters this rank holds (ZeRO-3: its partition);
-- loss peak: the peak bytes of tensors alive while the head + cross-entropy run (from the last hidden state to the
-  loss, forward and backward), tracked exactly by a TorchDispatchMode — this is where a gathered-logits TP would
-  hold [batch, seq, vocab];
-- step time (seconds, mean of the timed steps; 2 cores shared by every rank, so not a speed claim).
+- loss peak: the peak bytes of tensors allocated while the head + cross-entropy run (from the last hidden state to
+  the loss, forward and backward; fp32), tracked exactly by a TorchDispatchMode — this is where a gathered-logits
+  TP would hold [batch, seq, vocab];
+- step time (fp32, seconds, mean of the timed steps; 2 cores shared by every rank, so not a speed claim).
 Ratios are against the 1-process run of the same invocation.
 """
 
@@ -122,7 +127,7 @@ def worker(args) -> None:
         "model": {"num_layers": args.layers, "hidden_size": args.hidden, "num_attention_heads": 12, "seq_length": SEQ},
         "tokenizer": {"path": str(REPO / "examples/data/gpt-neox-20b-tokenizer.json")},
         "parallel": {"zero_stage": args.zero, "tensor_parallel": args.tp, "use_deepspeed": args.processes > 1},
-        "train": {"micro_batch_size": MICRO_BATCH},
+        "train": {"micro_batch_size": args.micro_batch, "precision": args.precision},
         "output": {"dir": tempfile.mkdtemp(), "tensorboard": False},
     })
     accelerator = build_accelerator(recipe)
@@ -133,19 +138,25 @@ def worker(args) -> None:
     module = getattr(model, "module", model)
     timings, loss_peaks = [], []
     for step in range(args.steps + 1):
-        ids = torch.randint(2, 50000, (MICRO_BATCH, SEQ + 1), generator=generator)
+        ids = torch.randint(2, 50000, (args.micro_batch, args.seq + 1), generator=generator)
         batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
         start = time.perf_counter()
-        loss, _ = causal_lm_loss(model, batch)
+        with accelerator.autocast():
+            loss, _ = causal_lm_loss(model, batch)
         accelerator.backward(loss)
+        elapsed = time.perf_counter() - start
+        del loss
+        if step == args.steps:  # optimizer states exist from the first step on; gradients are alive now
+            model_states = live_tensor_bytes() - sum(t.untyped_storage().nbytes() for t in (ids,))
+        start = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad()
         if step > 0:  # the first step allocates optimizer states
-            timings.append(time.perf_counter() - start)
-        del loss
-        loss_peaks.append(loss_computation_peak(module, batch))
-    result = {"model_states": live_tensor_bytes(), "parameters": rank_parameter_bytes(model),
-              "loss_peak": max(loss_peaks), "step_s": sum(timings) / len(timings)}
+            timings.append(elapsed + time.perf_counter() - start)
+        if args.loss_peak:
+            loss_peaks.append(loss_computation_peak(module, batch))
+    result = {"model_states": model_states, "parameters": rank_parameter_bytes(model),
+              "loss_peak": max(loss_peaks, default=0), "step_s": sum(timings) / len(timings)}
     if accelerator.is_main_process:
         Path(args.out).write_text(json.dumps(result))
     accelerator.wait_for_everyone()
@@ -157,20 +168,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_layout(processes: int, zero: int, tp: int, args) -> dict:
+def run_layout(processes: int, zero: int, tp: int, args, precision: str = "fp32") -> dict:
     out = Path(tempfile.mkdtemp()) / "result.json"
+    shape = ["--micro-batch", str(MICRO_BATCH), "--seq", str(SEQ), "--loss-peak"] if precision == "fp32" else \
+        ["--micro-batch", "1", "--seq", "8"]
     worker_args = ["--worker", "--processes", str(processes), "--zero", str(zero), "--tp", str(tp), "--out", str(out),
-                   "--steps", str(args.steps), "--layers", str(args.layers), "--hidden", str(args.hidden)]
+                   "--steps", str(args.steps if precision == "fp32" else 1), "--layers", str(args.layers),
+                   "--hidden", str(args.hidden), "--precision", precision, *shape]
+    mixed = {"fp32": "no", "bf16": "bf16"}[precision]
     if processes == 1:
         command = [sys.executable, __file__, *worker_args]
     else:
         command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--num_machines", "1",
-                   "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", str(zero),
+                   "--mixed_precision", mixed, "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", str(zero),
                    "--main_process_port", str(free_port()), __file__, *worker_args]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"layout processes={processes} zero={zero} tp={tp} failed:\n{done.stderr[-4000:]}")
+        raise SystemExit(f"layout processes={processes} zero={zero} tp={tp} {precision} failed:\n{done.stderr[-4000:]}")
     return json.loads(out.read_text())
 
 
@@ -184,25 +199,40 @@ def main() -> None:
     parser.add_argument("--zero", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
+    parser.add_argument("--micro-batch", type=int, default=MICRO_BATCH, help=argparse.SUPPRESS)
+    parser.add_argument("--seq", type=int, default=SEQ, help=argparse.SUPPRESS)
+    parser.add_argument("--loss-peak", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
-    results = {name: run_layout(p, z, tp, args) for name, p, z, tp in LAYOUTS}
+    results = {}
+    for name, processes, zero, tp in LAYOUTS:
+        results[name] = run_layout(processes, zero, tp, args)
+        results[name]["model_states_bf16"] = run_layout(processes, zero, tp, args, "bf16")["model_states"]
+    print_table(results, args)
+
+
+def print_table(results: dict, args) -> None:
     base = results["1 process"]
     mib = 2**20
-    print(f"GPTNeoX {args.layers} layers × hidden {args.hidden}, vocab 50304, micro batch {MICRO_BATCH} × {SEQ}, fp32 AdamW, "
-          "CPU/gloo; per rank 0; ratios vs 1 process")
-    print(f"| {'layout':16} | {'model states MiB':>16} | {'ratio':>5} | {'params MiB':>10} | {'ratio':>5} | "
-          f"{'loss peak MiB':>13} | {'ratio':>5} | {'step s':>6} |")
-    print("|" + "|".join("-" * (w + 2) for w in (16, 16, 5, 10, 5, 13, 5, 6)) + "|")
+    columns = [("model states fp32", "model_states"), ("model states bf16", "model_states_bf16"),
+               ("params fp32", "parameters"), ("loss peak fp32", "loss_peak")]
+    print(f"GPTNeoX {args.layers} layers × hidden {args.hidden}, vocab 50304, micro batch {MICRO_BATCH} × {SEQ}, AdamW, "
+          "CPU/gloo; per rank 0, MiB (ratio vs 1 process)")
+    header = f"| {'layout':16} | " + " | ".join(f"{title:>22}" for title, _ in columns) + f" | {'step s':>6} |"
+    print(header)
+    print("|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|")
     for name, r in results.items():
-        print(f"| {name:16} | {r['model_states'] / mib:16.1f} | {r['model_states'] / base['model_states']:5.2f} | "
-              f"{r['parameters'] / mib:10.1f} | {r['parameters'] / base['parameters']:5.2f} | "
-              f"{r['loss_peak'] / mib:13.1f} | {r['loss_peak'] / base['loss_peak']:5.2f} | {r['step_s']:6.2f} |")
+        cells = [f"{r[key] / mib:12.1f} ({r[key] / base[key]:5.2f})" for _, key in columns]
+        print(f"| {name:16} | " + " | ".join(f"{c:>22}" for c in cells) + f" | {r['step_s']:6.2f} |")
+    zero3, tp2 = results["DP2 ZeRO-3"], results["TP2 (ZeRO-1)"]
     checks = [
-        ("ZeRO-3 DP2 model states ≤ 0.6× one process", results["DP2 ZeRO-3"]["model_states"] / base["model_states"], 0.6),
-        ("TP2 parameters ≤ 0.55× TP1", results["TP2 (ZeRO-1)"]["parameters"] / base["parameters"], 0.55),
-        ("TP2 loss peak ≤ 0.6× TP1", results["TP2 (ZeRO-1)"]["loss_peak"] / base["loss_peak"], 0.6),
+        ("ZeRO-3 DP2 model states ≤ 0.6× one process (bf16)", zero3["model_states_bf16"] / base["model_states_bf16"], 0.6),
+        ("ZeRO-3 DP2 model states ≤ 0.6× one process (fp32; floor 0.625, see docstring)",
+         zero3["model_states"] / base["model_states"], 0.6),
+        ("TP2 parameters ≤ 0.55× TP1", tp2["parameters"] / base["parameters"], 0.55),
+        ("TP2 loss peak ≤ 0.6× TP1", tp2["loss_peak"] / base["loss_peak"], 0.6),
     ]
     for label, ratio, target in checks:
         print(f"{label}: {ratio:.2f} — {'met' if ratio <= target else 'NOT met'}")

@@ -165,6 +165,7 @@ def test_padded_vocab_keeps_real_token_logits_and_loss(tp2):
     ref_logits, ref_loss, ref_grads = reference_step(stock(models / "vocab251"), *batch(vocab=251))
     for rank in rank_results(out, "padding", 2):
         assert "pad_vocab(model, padded_vocab_size(251" in rank["refusal"]
+        assert rank["sliced_padded_load_equal"]
         assert rank["logits"].shape[-1] == 256
         assert max_diff(rank["logits"][..., :251], ref_logits) <= TOL
         assert abs(rank["loss"] - ref_loss) <= TOL  # real_vocab_size masks the 5 fake tokens

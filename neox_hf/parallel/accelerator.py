@@ -37,10 +37,14 @@ def wants_deepspeed(parallel: ParallelConfig) -> bool:
 
 def deepspeed_config(parallel: ParallelConfig, train: TrainConfig) -> dict:
     """DeepSpeed JSON (as a dict) carrying the recipe's ZeRO stage, precision, clipping and accumulation."""
-    zero: dict = {"stage": parallel.zero_stage}
+    # DeepSpeed's default buckets are 5e8 elements whatever the model (a 1.9 GB fp32 reduce buffer under ZeRO-3);
+    # "auto" lets accelerate size them from the model's hidden size (hidden², as transformers' Trainer does).
+    zero: dict = {"stage": parallel.zero_stage, "reduce_bucket_size": "auto"}
     if parallel.zero_stage == 3:
         # Gather full weights for save_pretrained at the end of training (accelerator.get_state_dict).
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+        zero["stage3_prefetch_bucket_size"] = "auto"
+        zero["stage3_param_persistence_threshold"] = "auto"
     if parallel.offload_optimizer:
         if parallel.zero_stage == 0:
             raise RecipeError("`parallel.offload_optimizer: true` needs `parallel.zero_stage` ≥ 1 (DeepSpeed ZeRO-Offload)")

@@ -178,14 +178,23 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def from_pretrained_tensor_parallel(model_class, folder: str, groups: ParallelGroups, **config_kwargs):
+def from_pretrained_tensor_parallel(model_class, folder: str, groups: ParallelGroups, padded_vocab: int | None = None,
+                                    **config_kwargs):
     """A tensor-parallel model from an HF folder, reading only this rank's slices from the safetensors files.
 
     The full model is never materialised: it is built on the meta device, split, then filled with this rank's
     slices (`load_tp_shard_state_dict`), so a rank's peak memory while loading is about one shard, not the model.
+    `padded_vocab` (GPT-NeoX padding for a vocabulary TP does not divide) adds zero rows the same way, slice by slice;
+    the new size is recorded in `config.vocab_size`.
     Gap filled: transformers' `from_pretrained` materialises every weight before any splitting we can apply.
     """
     config = model_class.config_class.from_pretrained(folder, **config_kwargs)
+    stored_vocab = config.vocab_size
+    if padded_vocab is not None:
+        if padded_vocab < stored_vocab or padded_vocab % groups.tp_size:
+            raise NeoXHFError(f"padded_vocab {padded_vocab} must be ≥ the stored {stored_vocab} and divisible by "
+                              f"tp={groups.tp_size}")
+        config.vocab_size = padded_vocab
     with torch.device("meta"):
         model = model_class(config)
     model = apply_tensor_parallel(model, groups.tp_group)
@@ -199,7 +208,8 @@ def from_pretrained_tensor_parallel(model_class, folder: str, groups: ParallelGr
             setattr(param, key, value)
     if tied:
         model.lm_head.weight = model.gpt_neox.embed_in.weight
-    model.load_state_dict(load_tp_shard_state_dict(folder, config, groups.tp_rank, groups.tp_size), strict=True)
+    model.load_state_dict(load_tp_shard_state_dict(folder, config, groups.tp_rank, groups.tp_size, stored_vocab),
+                          strict=True)
     # Non-persistent buffers (the rotary inv_freq) were built on meta and are not in the checkpoint: rebuild them.
     rotary = model.gpt_neox.rotary_emb
     model.gpt_neox.rotary_emb = type(rotary)(config=config)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
 from tqdm.auto import tqdm
 
 from neox_hf.finetune import check_peft_recipe, save_finetuned, trainable_parameters_report, wrap_with_peft
@@ -118,14 +119,17 @@ def _set_seed(seed: int) -> None:
 def build_model(recipe: Recipe, tokenizer, groups=None) -> NeoXForCausalLM:
     """From a pretrained folder, or from scratch with GPT-NeoX init and the padded vocabulary.
 
-    With tensor parallelism (`groups`), a local safetensors folder whose vocabulary splits evenly is loaded slice by
-    slice, already split; otherwise the model is built whole and split by `prepare_model_and_optimizer`.
+    With tensor parallelism (`groups`), a local safetensors folder is loaded slice by slice, already split (and its
+    vocabulary zero-padded GPT-NeoX style if TP does not divide it); otherwise the model is built whole and split by
+    `prepare_model_and_optimizer`.
     """
     m = recipe.model
-    if m.from_pretrained and groups is not None and _splits_evenly(m.from_pretrained, groups.tp_size):
-        model = from_pretrained_tensor_parallel(NeoXForCausalLM, m.from_pretrained, groups,
+    if m.from_pretrained and groups is not None and _has_safetensors(m.from_pretrained):
+        stored_vocab = NeoXConfig.from_pretrained(m.from_pretrained).vocab_size
+        padded = _tp_vocab_size(stored_vocab, recipe)
+        model = from_pretrained_tensor_parallel(NeoXForCausalLM, m.from_pretrained, groups, padded_vocab=padded,
                                                 attn_implementation=m.attn_implementation)
-        check_vocab_covers_tokenizer(model.config.vocab_size, tokenizer, where=m.from_pretrained)
+        check_vocab_covers_tokenizer(stored_vocab, tokenizer, where=m.from_pretrained)
     elif m.from_pretrained:
         model = NeoXForCausalLM.from_pretrained(m.from_pretrained, dtype=torch.float32, attn_implementation=m.attn_implementation)
         check_vocab_covers_tokenizer(model.config.vocab_size, tokenizer, where=m.from_pretrained)
@@ -146,26 +150,32 @@ def build_model(recipe: Recipe, tokenizer, groups=None) -> NeoXForCausalLM:
     return model
 
 
-def _splits_evenly(folder: str, tp_size: int) -> bool:
-    """A local safetensors folder whose vocabulary divides by TP can be read rank slice by rank slice."""
+def _has_safetensors(folder: str) -> bool:
+    """A local safetensors folder can be read rank slice by rank slice."""
     path = Path(folder)
-    has_safetensors = (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
-    if not has_safetensors:
-        return False
-    return NeoXConfig.from_pretrained(folder).vocab_size % tp_size == 0
+    return (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+
+
+def _tp_vocab_size(vocab: int, recipe: Recipe) -> int:
+    """GPT-NeoX pads the vocabulary to make_vocab_size_divisible_by × TP; a checkpoint that does not divide gets zero
+    rows (real-token logits unchanged) and its config records the new size."""
+    tp = recipe.parallel.tensor_parallel
+    if tp == 1 or vocab % tp == 0:
+        return vocab
+    padded = padded_vocab_size(vocab, recipe.model.make_vocab_size_divisible_by, tp)
+    PartialState().print(f"note: vocabulary {vocab} padded to {padded} rows for tensor parallel {tp} "
+                         "(zero rows, real-token logits unchanged)")
+    return padded
 
 
 def _pad_vocab_for_tp(model, recipe: Recipe):
-    """GPT-NeoX pads the vocabulary to make_vocab_size_divisible_by × TP; a checkpoint that does not divide is padded
-    with zero rows (real-token logits unchanged) and the new size is recorded in its config."""
-    tp = recipe.parallel.tensor_parallel
+    """The whole-model path of `_tp_vocab_size` (a .bin folder or a Hub name)."""
     vocab = model.config.vocab_size
-    if tp == 1 or vocab % tp == 0:
+    padded = _tp_vocab_size(vocab, recipe)
+    if padded == vocab:
         return model
-    padded = padded_vocab_size(vocab, recipe.model.make_vocab_size_divisible_by, tp)
     model = pad_vocab(model, padded)
     model.config.vocab_size = padded
-    print(f"note: vocabulary {vocab} padded to {padded} rows for tensor parallel {tp} (zero rows, real logits unchanged)")
     return model
 
 

@@ -16,6 +16,7 @@ from neox_hf.parallel.mappings import gather_along_dim
 from neox_hf.parallel.tensor_parallel import (
     apply_tensor_parallel,
     build_parallel_groups,
+    from_pretrained_tensor_parallel,
     gather_full_state_dict,
     load_tp_shard_state_dict,
     pad_vocab,
@@ -89,9 +90,14 @@ def padding_checks(models_dir, groups):
         refusal = str(error)
     model = GPTNeoXForCausalLM.from_pretrained(folder)
     model = apply_tensor_parallel(pad_vocab(model, padded_vocab_size(251, 8, groups.tp_size)), groups.tp_group)
+    # The slice-by-slice loader pads the same way without materialising the full matrices.
+    sliced = from_pretrained_tensor_parallel(GPTNeoXForCausalLM, folder, groups, padded_vocab=256).state_dict()
+    sliced_equal = sorted(sliced) == sorted(model.state_dict()) and all(
+        torch.equal(sliced[k], v) for k, v in model.state_dict().items())
     input_ids, labels = batch(vocab=251)
     result = forward_backward(model, groups, input_ids, labels, real_vocab_size=251)
     result["refusal"] = refusal
+    result["sliced_padded_load_equal"] = sliced_equal
     return result
 
 
