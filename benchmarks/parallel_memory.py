@@ -147,7 +147,7 @@ def worker(args) -> None:
         elapsed = time.perf_counter() - start
         del loss
         if step == args.steps:  # optimizer states exist from the first step on; gradients are alive now
-            model_states = live_tensor_bytes() - sum(t.untyped_storage().nbytes() for t in (ids,))
+            model_states = live_tensor_bytes() - ids.untyped_storage().nbytes()  # the batch is not a model state
         start = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad()

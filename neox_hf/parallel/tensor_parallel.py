@@ -189,10 +189,9 @@ def from_pretrained_tensor_parallel(model_class, folder: str, groups: ParallelGr
     Gap filled: transformers' `from_pretrained` materialises every weight before any splitting we can apply.
     """
     config = model_class.config_class.from_pretrained(folder, **config_kwargs)
-    stored_vocab = config.vocab_size
     if padded_vocab is not None:
-        if padded_vocab < stored_vocab or padded_vocab % groups.tp_size:
-            raise NeoXHFError(f"padded_vocab {padded_vocab} must be ≥ the stored {stored_vocab} and divisible by "
+        if padded_vocab < config.vocab_size or padded_vocab % groups.tp_size:
+            raise NeoXHFError(f"padded_vocab {padded_vocab} must be ≥ the stored {config.vocab_size} and divisible by "
                               f"tp={groups.tp_size}")
         config.vocab_size = padded_vocab
     with torch.device("meta"):
@@ -208,8 +207,7 @@ def from_pretrained_tensor_parallel(model_class, folder: str, groups: ParallelGr
             setattr(param, key, value)
     if tied:
         model.lm_head.weight = model.gpt_neox.embed_in.weight
-    model.load_state_dict(load_tp_shard_state_dict(folder, config, groups.tp_rank, groups.tp_size, stored_vocab),
-                          strict=True)
+    model.load_state_dict(load_tp_shard_state_dict(folder, config, groups.tp_rank, groups.tp_size), strict=True)
     # Non-persistent buffers (the rotary inv_freq) were built on meta and are not in the checkpoint: rebuild them.
     rotary = model.gpt_neox.rotary_emb
     model.gpt_neox.rotary_emb = type(rotary)(config=config)

@@ -36,15 +36,14 @@ def gather_full_state_dict(model: GPTNeoXForCausalLM, groups: ParallelGroups | N
     return merged
 
 
-def load_tp_shard_state_dict(folder_or_file: str, config: GPTNeoXConfig, tp_rank: int, tp_size: int,
-                             stored_vocab_size: int | None = None) -> dict:
+def load_tp_shard_state_dict(folder_or_file: str, config: GPTNeoXConfig, tp_rank: int, tp_size: int) -> dict:
     """This rank's slices of a safetensors checkpoint (a `model.safetensors`, a folder with
     one, or a folder with `model.safetensors.index.json`), keyed like the state dict of a
     model after `apply_tensor_parallel`. Only the sliced bytes are read into memory.
 
-    When `config.vocab_size` is larger than the checkpoint's `stored_vocab_size` (GPT-NeoX
-    vocabulary padding for TP), the embedding and lm_head slices are read from the real rows
-    and completed with zero rows, as `pad_vocab` would, without reading the whole matrix."""
+    When `config.vocab_size` is larger than the stored vocabulary (GPT-NeoX padding for TP),
+    the embedding and lm_head slices are read from the real rows and completed with zero
+    rows, as `pad_vocab` would, without reading the whole matrix."""
     key_to_file = _safetensors_key_files(folder_or_file)
     expected = _expected_keys(config)
     shard = {}
@@ -55,8 +54,8 @@ def load_tp_shard_state_dict(folder_or_file: str, config: GPTNeoXConfig, tp_rank
             if stored is None:
                 continue  # reported below, after tied weights are resolved
             tensor_slice = handles[key_to_file[stored]].get_slice(stored)
-            if key in _VOCAB_KEYS and stored_vocab_size is not None and stored_vocab_size < config.vocab_size:
-                shard[key] = _read_padded_vocab_rows(tensor_slice, config.vocab_size, tp_rank, tp_size)
+            if key in _VOCAB_KEYS and tensor_slice.get_shape()[0] < config.vocab_size:
+                shard[key] = _read_padded_vocab_rows(tensor_slice, config.vocab_size, tp_rank, tp_size, stored)
             else:
                 shard[key] = _read_rank_slice(tensor_slice, partition_dim(key), tp_rank, tp_size, stored)
     if config.tie_word_embeddings and "gpt_neox.embed_in.weight" in shard:
@@ -118,15 +117,16 @@ def _read_rank_slice(tensor_slice, dim: int | None, rank: int, size: int, name: 
     return tensor_slice[tuple(index)]
 
 
-def _read_padded_vocab_rows(tensor_slice, padded_rows: int, rank: int, size: int) -> torch.Tensor:
+def _read_padded_vocab_rows(tensor_slice, padded_rows: int, rank: int, size: int, name: str) -> torch.Tensor:
     """Rows [rank·w, (rank+1)·w) of the vocabulary matrix zero-padded to `padded_rows`, reading only real rows."""
+    if padded_rows % size:
+        raise CheckpointError(f"{name}: padded vocabulary {padded_rows} is not divisible by tp={size}")
     stored_rows, hidden = tensor_slice.get_shape()
     width = padded_rows // size
-    start, stop = rank * width, min((rank + 1) * width, stored_rows)
-    real = tensor_slice[start:stop] if stop > start else None
-    rows = torch.zeros(width, hidden, dtype=real.dtype if real is not None else torch.float32)
-    if real is not None:
-        rows[: stop - start] = real
+    # Clamped to the stored rows: a rank past them reads an empty slice (still of the stored dtype).
+    real = tensor_slice[min(rank * width, stored_rows):min((rank + 1) * width, stored_rows)]
+    rows = real.new_zeros(width, hidden)
+    rows[: real.shape[0]] = real
     return rows
 
 

@@ -335,7 +335,8 @@ def _loss_scale(accelerator, model) -> float | None:
         return None
     if uses_deepspeed(accelerator):
         return float(model.optimizer.loss_scale)
-    return float(accelerator.scaler.get_scale())
+    # Accelerate builds a GradScaler only where torch AMP scales fp16 (not for fp16 on CPU without DeepSpeed).
+    return float(accelerator.scaler.get_scale()) if accelerator.scaler is not None else None
 
 
 def _append_step_log(output_dir, state: TrainState, loss: float, lr: float, skipped: bool = False,

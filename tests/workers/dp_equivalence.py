@@ -75,7 +75,8 @@ def main(args) -> None:
     accelerator = build_accelerator(recipe)
     groups = build_parallel_groups(args.tensor_parallel) if args.tensor_parallel > 1 else None
     # TP layouts load through the loop's sharded path: each rank reads only its slices of the folder.
-    pretrained = recipe_from_dict({**recipe.to_dict(), "model": {**recipe.to_dict()["model"], "from_pretrained": args.model_dir}})
+    settings = recipe.to_dict()
+    pretrained = recipe_from_dict({**settings, "model": {**settings["model"], "from_pretrained": args.model_dir}})
     model = build_model(pretrained, TOKENIZER, groups)
     model, optimizer = prepare_model_and_optimizer(accelerator, recipe, model, groups)
     scheduler = build_lr_scheduler(optimizer, recipe.train)
