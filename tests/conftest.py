@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,21 @@ def shared(relative: str) -> Path:
     if not path.exists():
         pytest.skip(f"{path} not found: clone the repo beside shared/ to run tests on the real data")
     return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerate_launch_command(script, *args, zero_stage: int, num_processes: int = 2) -> list[str]:
+    """`accelerate launch` of `script` with DeepSpeed ZeRO `zero_stage` on gloo, fp32, on a free port."""
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes), "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", str(zero_stage),
+        "--main_process_port", str(free_port()), str(script), *map(str, args),
+    ]
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from neox_hf.data import build_train_loader
 from neox_hf.errors import CheckpointError, RecipeError
 from neox_hf.recipe import PeftConfig
 from neox_hf.train import loop
+from tests.conftest import accelerate_launch_command
 
 WORKERS = Path(__file__).parent / "workers"
 sys.path.insert(0, str(WORKERS))
@@ -218,16 +218,8 @@ def test_recipe_file_parses_and_points_at_bundled_data():
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(worker: str, *args, zero_stage: int, timeout: int = 240) -> None:
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage",
-               str(zero_stage), "--main_process_port", str(_free_port()), str(WORKERS / worker), *map(str, args)]
+    command = accelerate_launch_command(WORKERS / worker, *args, zero_stage=zero_stage)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(WORKERS), str(WORKERS.parents[1])])}
     done = subprocess.run(command, env=env, timeout=timeout, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]

@@ -7,14 +7,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.test_train import SMALL, free_port, launch, shakespeare_sources
+from tests.conftest import REPO, accelerate_launch_command
+from tests.test_train import SMALL, launch, shakespeare_sources
 
 
 def step_losses(output_dir: Path) -> dict[int, float]:
@@ -28,11 +27,7 @@ def step_losses(output_dir: Path) -> dict[int, float]:
 
 def launch_and_kill_after_checkpoint(args: list[str], output_dir: Path, *, zero_stage: int) -> None:
     """Start a 2-process run, SIGKILL the whole process group once the step-5 checkpoint is complete."""
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", str(zero_stage),
-        "--main_process_port", str(free_port()), str(REPO / "run_clm_neox.py"), *args,
-    ]
+    command = accelerate_launch_command(REPO / "run_clm_neox.py", *args, zero_stage=zero_stage)
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)

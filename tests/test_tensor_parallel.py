@@ -7,7 +7,6 @@ max abs difference <= 1e-5).
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -31,6 +30,8 @@ WORKERS = os.path.join(REPO, "tests", "workers")
 sys.path.insert(0, WORKERS)
 from tp_common import LR, STEPS, batch, tiny_config  # noqa: E402
 
+from tests.conftest import free_port  # noqa: E402
+
 TOL = 1e-5
 
 
@@ -38,12 +39,6 @@ def _env():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, WORKERS]))
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return env
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_torchrun(nproc, worker, *args, timeout=240):

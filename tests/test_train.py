@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXForCausalLM
 
-from tests.conftest import REPO, shared
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.conftest import REPO, accelerate_launch_command, shared
 
 
 def shakespeare_sources() -> str:
@@ -71,11 +64,8 @@ def test_tiny_recipe_trains_on_real_text_and_stock_transformers_loads_it(tmp_pat
 
 
 def launch(recipe_args: list[str], *, zero_stage: int, num_processes: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes), "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", str(zero_stage),
-        "--main_process_port", str(free_port()), str(REPO / "run_clm_neox.py"), *recipe_args,
-    ]
+    command = accelerate_launch_command(REPO / "run_clm_neox.py", *recipe_args, zero_stage=zero_stage,
+                                        num_processes=num_processes)
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]

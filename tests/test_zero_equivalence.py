@@ -13,9 +13,8 @@ import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from tests.conftest import REPO
+from tests.conftest import REPO, accelerate_launch_command
 from tests.test_resume import step_losses
-from tests.test_train import free_port
 
 WORKER = REPO / "tests" / "workers" / "dp_equivalence.py"
 
@@ -43,12 +42,8 @@ def one_process_losses(model_dir, tmp_path_factory):
 
 
 def _launch(model_dir, out_dir, processes: int, zero_stage: int, tensor_parallel: int, *options: str):
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", str(zero_stage),
-        "--main_process_port", str(free_port()), str(WORKER), str(model_dir), str(out_dir), str(zero_stage),
-        str(tensor_parallel), *options,
-    ]
+    command = accelerate_launch_command(WORKER, model_dir, out_dir, zero_stage, tensor_parallel, *options,
+                                        zero_stage=zero_stage, num_processes=processes)
     done = subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
 
