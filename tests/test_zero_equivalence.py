@@ -65,6 +65,31 @@ def test_layout_matches_one_process(model_dir, one_process_losses, tmp_path, zer
         assert abs(got[step] - expected) <= 1e-5, (zero_stage, tensor_parallel, step, got[step], expected)
 
 
+def _deepspeed_runs_fp16_here() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().is_fp16_supported()
+
+
+@pytest.mark.skipif(_deepspeed_runs_fp16_here(), reason="this machine runs DeepSpeed fp16: the scaling test covers it")
+@pytest.mark.parametrize("how", ["recipe", "raw-json"])
+def test_fp16_is_refused_by_name_where_deepspeed_cannot_run_it(tmp_path, how):
+    """An AVX2 CPU has no oneDNN fp16: DeepSpeed would fail inside the engine after building the model on every rank."""
+    from neox_hf.errors import RecipeError
+    from neox_hf.parallel.accelerator import build_accelerator
+    from neox_hf.recipe import recipe_from_dict
+
+    raw = tmp_path / "ds.json"
+    raw.write_text(json.dumps({"fp16": {"enabled": True}}))
+    parallel = {"zero_stage": 1} if how == "recipe" else {"zero_stage": 1, "deepspeed_config": str(raw)}
+    recipe = recipe_from_dict({"parallel": parallel, "train": {"precision": "fp16" if how == "recipe" else "fp32"},
+                               "output": {"dir": str(tmp_path / "out")}})
+    with pytest.raises(RecipeError, match=r"fp16.*not supported by DeepSpeed's cpu accelerator.*bf16"):
+        build_accelerator(recipe)
+
+
+@pytest.mark.skipif(not _deepspeed_runs_fp16_here(), reason="DeepSpeed's CPU accelerator has no fp16 on this CPU "
+                    "(needs AVX512-FP16/AMX); the refusal test covers it")
 def test_fp16_dynamic_loss_scaling_skips_overflowing_steps_and_holds_the_lr(model_dir, one_process_losses, tmp_path):
     """DeepSpeed's dynamic loss scaler, started far too high through a raw DeepSpeed JSON override: the first steps
     overflow, are skipped (no update, LR held, as GPT-NeoX does), the scale falls, then training proceeds."""

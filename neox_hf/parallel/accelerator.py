@@ -79,6 +79,26 @@ def deepspeed_config(parallel: ParallelConfig, train: TrainConfig) -> dict:
     return config
 
 
+def check_deepspeed_precision(config: dict) -> None:
+    """Refuse, naming the fix, an fp16 DeepSpeed config the accelerator here cannot run.
+
+    DeepSpeed's CPU accelerator supports fp16 only where oneDNN has fp16 kernels (AVX512-FP16 / AMX CPUs); elsewhere
+    `deepspeed.initialize` fails deep inside the engine with "Type fp16 is not supported on your device", after every
+    rank has built its model. Checked on the final config, so a raw `parallel.deepspeed_config` enabling fp16 counts.
+    """
+    if not config.get("fp16", {}).get("enabled"):
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if not accelerator.is_fp16_supported():
+        raise RecipeError(
+            f"fp16 (`train.precision: fp16` or an fp16 `parallel.deepspeed_config`) is not supported by DeepSpeed's "
+            f"{accelerator.device_name()} accelerator on this machine (CPU fp16 needs AVX512-FP16 or AMX); "
+            "use `train.precision: bf16` or `fp32` here, or train fp16 on a GPU"
+        )
+
+
 def _read_json(path: str) -> dict:
     location = Path(path)
     if not location.is_file():
@@ -101,7 +121,10 @@ def build_accelerator(recipe: Recipe, *, log_with: str | None = None) -> Acceler
     kwargs_handlers = []
     if not torch.cuda.is_available() and (use_deepspeed or _launched_distributed()):
         kwargs_handlers.append(InitProcessGroupKwargs(backend="gloo"))
-    plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(parallel, train)) if use_deepspeed else None
+    ds_config = deepspeed_config(parallel, train) if use_deepspeed else None
+    if ds_config is not None:
+        check_deepspeed_precision(ds_config)
+    plugin = DeepSpeedPlugin(hf_ds_config=ds_config) if use_deepspeed else None
     project = ProjectConfiguration(project_dir=recipe.output.dir, logging_dir=str(Path(recipe.output.dir) / "runs"))
     return Accelerator(
         mixed_precision=_MIXED_PRECISION[train.precision],
