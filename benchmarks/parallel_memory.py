@@ -3,19 +3,23 @@
     python benchmarks/parallel_memory.py [--steps 2] [--layers 6] [--hidden 768]
 
 Runs our training step (neox_hf.train.loop: build_model → prepare_model_and_optimizer → causal_lm_loss) under
-`accelerate launch` for: 1 process (no DeepSpeed), DP2 ZeRO-1/2/3, TP2 (ZeRO-1), TP2×DP2 (ZeRO-1, 4 processes),
-and prints per rank 0:
+`accelerate launch` for: 1 process (no DeepSpeed), DP2 ZeRO-1/2/3, TP2 (ZeRO-1), TP2 with sequence parallelism,
+TP2×DP2 (ZeRO-1, 4 processes), and prints per rank 0:
 - model states: bytes of every tensor alive right after backward, once optimizer states exist (parameters,
   gradients, fp32 masters, Adam moments, DeepSpeed's buckets — whatever the layout keeps; activations are freed
-  by then), found by walking the live tensors and counting each storage once. Measured twice: fp32, and bf16 —
+  by then), found by walking the live tensors and their `.grad` (a gradient autograd accumulated has no Python
+  object until it is read) and counting each storage once. Measured twice: fp32, and bf16 —
   the mixed precision GPT-NeoX trains in, where the ZeRO accounting (16 bytes per parameter unsharded) applies.
   DeepSpeed keeps an fp32 master copy of the weights even when they are fp32 already, so in fp32 ZeRO-3 on 2 ranks
   holds 5 half-size copies against 4 full ones (floor 0.625×); in bf16 the floor is 8/16 = 0.5×. The bf16 pass
   uses a 1 × 8 batch (model states do not depend on it; this CPU emulates bf16 matmuls);
 - parameters: bytes of the parameters this rank holds (ZeRO-3: its partition);
-- loss peak: the peak bytes of tensors allocated while the head + cross-entropy run (from the last hidden state to
-  the loss, forward and backward; fp32), tracked exactly by a TorchDispatchMode — this is where a gathered-logits
-  TP would hold [batch, seq, vocab];
+- layers peak: the peak bytes of tensors allocated by one forward and backward of the transformer stack (input
+  embeddings → layers → final norm; gradient taken for the embeddings only, so activations, their gradients and
+  whatever the layout gathers on the way — ZeRO-3's parameters — but no parameter gradients); fp32, tracked exactly
+  by a TorchDispatchMode. This is what sequence parallelism shrinks;
+- loss peak: the same for the head + cross-entropy (from the last hidden state to the loss) — this is where a
+  gathered-logits TP would hold [batch, seq, vocab];
 - step time (fp32, seconds, mean of the timed steps; 2 cores shared by every rank, so not a speed claim).
 Ratios are against the 1-process run of the same invocation.
 """
@@ -38,13 +42,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
-LAYOUTS = [  # name, processes, zero stage, tensor parallel
-    ("1 process", 1, 0, 1),
-    ("DP2 ZeRO-1", 2, 1, 1),
-    ("DP2 ZeRO-2", 2, 2, 1),
-    ("DP2 ZeRO-3", 2, 3, 1),
-    ("TP2 (ZeRO-1)", 2, 1, 2),
-    ("TP2×DP2 ZeRO-1", 4, 1, 2),
+LAYOUTS = [  # name, processes, zero stage, tensor parallel, sequence parallel
+    ("1 process", 1, 0, 1, False),
+    ("DP2 ZeRO-1", 2, 1, 1, False),
+    ("DP2 ZeRO-2", 2, 2, 1, False),
+    ("DP2 ZeRO-3", 2, 3, 1, False),
+    ("TP2 (ZeRO-1)", 2, 1, 2, False),
+    ("TP2+SP (ZeRO-1)", 2, 1, 2, True),
+    ("TP2×DP2 ZeRO-1", 4, 1, 2, False),
 ]
 MICRO_BATCH, SEQ = 2, 256
 
@@ -89,12 +94,30 @@ def live_tensor_bytes() -> int:
     storages = {}
     for obj in gc.get_objects():
         try:
-            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-                storage = obj.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
+            if not isinstance(obj, torch.Tensor):
+                continue
+            # Reading `.grad` of a leaf gives the accumulated gradient a Python object, so gc alone would miss it.
+            grad = obj.grad if obj.is_leaf and obj.requires_grad else None
+            for tensor in (obj, grad):
+                if tensor is not None and tensor.device.type == "cpu":
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
         except Exception:  # half-built objects, meta tensors
             continue
     return sum(storages.values())
+
+
+def layers_peak(module, batch: dict) -> int:
+    """Peak bytes allocated by forward + backward of the transformer stack, from the input embeddings to the final
+    norm's output (a measurement pass: no parameter gradients are accumulated)."""
+    with torch.no_grad():
+        embeds = module.get_input_embeddings()(batch["input_ids"])
+    embeds.requires_grad_(True)
+    upstream = torch.ones_like(embeds)  # the final hidden state's shape; made outside the measured block
+    with PeakTensorBytes() as tracker:
+        hidden = module.base_model(inputs_embeds=embeds, use_cache=False).last_hidden_state
+        torch.autograd.grad(hidden, [embeds], grad_outputs=upstream)
+    return tracker.peak
 
 
 def loss_computation_peak(module, batch: dict) -> int:
@@ -106,8 +129,7 @@ def loss_computation_peak(module, batch: dict) -> int:
         hidden = module.base_model(input_ids=batch["input_ids"], use_cache=False).last_hidden_state
     hidden.requires_grad_(True)
     with PeakTensorBytes() as tracker:
-        loss = loss_from_hidden(module, hidden, batch["labels"])
-        torch.autograd.grad(loss, [hidden])
+        torch.autograd.grad(loss_from_hidden(module, hidden, batch["labels"]), [hidden])
     return tracker.peak
 
 
@@ -126,7 +148,8 @@ def worker(args) -> None:
     recipe = recipe_from_dict({
         "model": {"num_layers": args.layers, "hidden_size": args.hidden, "num_attention_heads": 12, "seq_length": SEQ},
         "tokenizer": {"path": str(REPO / "examples/data/gpt-neox-20b-tokenizer.json")},
-        "parallel": {"zero_stage": args.zero, "tensor_parallel": args.tp, "use_deepspeed": args.processes > 1},
+        "parallel": {"zero_stage": args.zero, "tensor_parallel": args.tp, "use_deepspeed": args.processes > 1,
+                     "sequence_parallel": args.sequence_parallel},
         "train": {"micro_batch_size": args.micro_batch, "precision": args.precision},
         "output": {"dir": tempfile.mkdtemp(), "tensorboard": False},
     })
@@ -136,7 +159,7 @@ def worker(args) -> None:
     model, optimizer = prepare_model_and_optimizer(accelerator, recipe, build_model(recipe, tokenizer, groups), groups)
     generator = torch.Generator().manual_seed(0)
     module = getattr(model, "module", model)
-    timings, loss_peaks = [], []
+    timings, loss_peaks, layer_peaks = [], [], []
     for step in range(args.steps + 1):
         ids = torch.randint(2, 50000, (args.micro_batch, args.seq + 1), generator=generator)
         batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
@@ -153,10 +176,12 @@ def worker(args) -> None:
         optimizer.zero_grad()
         if step > 0:  # the first step allocates optimizer states
             timings.append(elapsed + time.perf_counter() - start)
-        if args.loss_peak:
+        if args.peaks:
             loss_peaks.append(loss_computation_peak(module, batch))
+            layer_peaks.append(layers_peak(module, batch))
     result = {"model_states": model_states, "parameters": rank_parameter_bytes(model),
-              "loss_peak": max(loss_peaks, default=0), "step_s": sum(timings) / len(timings)}
+              "loss_peak": max(loss_peaks, default=0), "layers_peak": max(layer_peaks, default=0),
+              "step_s": sum(timings) / len(timings)}
     if accelerator.is_main_process:
         Path(args.out).write_text(json.dumps(result))
     accelerator.wait_for_everyone()
@@ -168,13 +193,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_layout(processes: int, zero: int, tp: int, args, precision: str = "fp32") -> dict:
+def run_layout(processes: int, zero: int, tp: int, sp: bool, args, precision: str = "fp32") -> dict:
     out = Path(tempfile.mkdtemp()) / "result.json"
-    shape = ["--micro-batch", str(MICRO_BATCH), "--seq", str(SEQ), "--loss-peak"] if precision == "fp32" else \
+    shape = ["--micro-batch", str(MICRO_BATCH), "--seq", str(SEQ), "--peaks"] if precision == "fp32" else \
         ["--micro-batch", "1", "--seq", "8"]
     worker_args = ["--worker", "--processes", str(processes), "--zero", str(zero), "--tp", str(tp), "--out", str(out),
                    "--steps", str(args.steps if precision == "fp32" else 1), "--layers", str(args.layers),
-                   "--hidden", str(args.hidden), "--precision", precision, *shape]
+                   "--hidden", str(args.hidden), "--precision", precision, *shape, *(["--sequence-parallel"] if sp else [])]
     mixed = {"fp32": "no", "bf16": "bf16"}[precision]
     if processes == 1:
         command = [sys.executable, __file__, *worker_args]
@@ -185,7 +210,8 @@ def run_layout(processes: int, zero: int, tp: int, args, precision: str = "fp32"
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"layout processes={processes} zero={zero} tp={tp} {precision} failed:\n{done.stderr[-4000:]}")
+        raise SystemExit(f"layout processes={processes} zero={zero} tp={tp} sp={sp} {precision} failed:\n"
+                         f"{done.stderr[-4000:]}")
     return json.loads(out.read_text())
 
 
@@ -202,14 +228,15 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
     parser.add_argument("--micro-batch", type=int, default=MICRO_BATCH, help=argparse.SUPPRESS)
     parser.add_argument("--seq", type=int, default=SEQ, help=argparse.SUPPRESS)
-    parser.add_argument("--loss-peak", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--peaks", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--sequence-parallel", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
     results = {}
-    for name, processes, zero, tp in LAYOUTS:
-        results[name] = run_layout(processes, zero, tp, args)
-        results[name]["model_states_bf16"] = run_layout(processes, zero, tp, args, "bf16")["model_states"]
+    for name, processes, zero, tp, sp in LAYOUTS:
+        results[name] = run_layout(processes, zero, tp, sp, args)
+        results[name]["model_states_bf16"] = run_layout(processes, zero, tp, sp, args, "bf16")["model_states"]
     print_table(results, args)
 
 
@@ -217,7 +244,8 @@ def print_table(results: dict, args) -> None:
     base = results["1 process"]
     mib = 2**20
     columns = [("model states fp32", "model_states"), ("model states bf16", "model_states_bf16"),
-               ("params fp32", "parameters"), ("loss peak fp32", "loss_peak")]
+               ("params fp32", "parameters"), ("layers peak fp32", "layers_peak"),
+               ("loss peak fp32", "loss_peak")]
     print(f"GPTNeoX {args.layers} layers × hidden {args.hidden}, vocab 50304, micro batch {MICRO_BATCH} × {SEQ}, AdamW, "
           "CPU/gloo; per rank 0, MiB (ratio vs 1 process)")
     header = f"| {'layout':16} | " + " | ".join(f"{title:>22}" for title, _ in columns) + f" | {'step s':>6} |"
@@ -226,16 +254,17 @@ def print_table(results: dict, args) -> None:
     for name, r in results.items():
         cells = [f"{r[key] / mib:12.1f} ({r[key] / base[key]:5.2f})" for _, key in columns]
         print(f"| {name:16} | " + " | ".join(f"{c:>22}" for c in cells) + f" | {r['step_s']:6.2f} |")
-    zero3, tp2 = results["DP2 ZeRO-3"], results["TP2 (ZeRO-1)"]
+    zero3, tp2, sp = results["DP2 ZeRO-3"], results["TP2 (ZeRO-1)"], results["TP2+SP (ZeRO-1)"]
     checks = [
         ("ZeRO-3 DP2 model states ≤ 0.6× one process (bf16)", zero3["model_states_bf16"] / base["model_states_bf16"], 0.6),
         ("ZeRO-3 DP2 model states ≤ 0.6× one process (fp32; floor 0.625, see docstring)",
          zero3["model_states"] / base["model_states"], 0.6),
         ("TP2 parameters ≤ 0.55× TP1", tp2["parameters"] / base["parameters"], 0.55),
         ("TP2 loss peak ≤ 0.6× TP1", tp2["loss_peak"] / base["loss_peak"], 0.6),
+        ("TP2+SP layers peak < TP2 (sequence parallelism)", sp["layers_peak"] / tp2["layers_peak"], 1.0),
     ]
     for label, ratio, target in checks:
-        print(f"{label}: {ratio:.2f} — {'met' if ratio <= target else 'NOT met'}")
+        print(f"{label}: {ratio:.2f} — {'met' if ratio < target else 'NOT met'}")
 
 
 if __name__ == "__main__":

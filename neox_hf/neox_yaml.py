@@ -184,6 +184,7 @@ def translate_neox_args(args: dict) -> NeoXTranslation:
     handled |= _translate_zero(args, recipe)
     handled |= _translate_precision(args, recipe)
     handled |= _translate_pipeline(args, notices)
+    handled |= _translate_sequence_parallel(args, recipe, notices)
     handled |= _translate_data(args, recipe, notices)
     handled |= set(_MUST_BE_FALSY)
     ignored = sorted(k for k in args if k not in handled)
@@ -264,6 +265,16 @@ def _translate_pipeline(args: dict, notices: list[str]) -> set[str]:
             "data-parallel ranks instead. Raise parallel.zero_stage if the model no longer fits."
         )
     return {"pipe_parallel_size"}
+
+
+def _translate_sequence_parallel(args: dict, recipe: dict, notices: list[str]) -> set[str]:
+    if args.get("sequence_parallel"):
+        if int(args.get("model_parallel_size") or 1) > 1:
+            _put(recipe, "parallel.sequence_parallel", True)
+        else:
+            # Megatron switches it off the same way: without tensor parallelism there is nothing to split.
+            notices.append("sequence_parallel: true has no effect with model_parallel_size 1; not enabled")
+    return {"sequence_parallel"}
 
 
 def _translate_data(args: dict, recipe: dict, notices: list[str]) -> set[str]:

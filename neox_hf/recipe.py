@@ -104,6 +104,7 @@ class ParallelConfig:
     pipeline_parallel: int = 1  # only 1 is supported; kept so GPT-NeoX users get a clear refusal
     zero_stage: int = 0  # 0 = no DeepSpeed ZeRO partitioning; 1, 2, 3
     use_deepspeed: Optional[bool] = None  # default: when launched with accelerate's DeepSpeed plugin or zero_stage > 0
+    sequence_parallel: bool = False  # Megatron/GPT-NeoX sequence parallelism of norms/dropout/residuals (needs TP > 1)
     offload_optimizer: bool = False
     activation_checkpointing: bool = False
     deepspeed_config: Optional[str] = None  # raw DeepSpeed JSON, overrides the generated one
@@ -316,6 +317,8 @@ def validate(recipe: Recipe) -> None:
         f"`model.num_attention_heads` ({m.num_attention_heads}) must be divisible by `parallel.tensor_parallel` ({p.tensor_parallel})",
     )
     _require(d.pad_to_multiple_of >= 1, f"`data.pad_to_multiple_of` must be ≥ 1, got {d.pad_to_multiple_of}")
+    if p.sequence_parallel:
+        _validate_sequence_parallel(recipe)
     _require(d.buffer_size >= 1, f"`data.buffer_size` must be ≥ 1, got {d.buffer_size}")
     _require(0.0 <= d.validation_fraction < 1.0, f"`data.validation_fraction` must be in [0, 1), got {d.validation_fraction}")
     if d.max_tokens_per_batch is not None:
@@ -330,6 +333,23 @@ def validate(recipe: Recipe) -> None:
             "`peft.method` with `parallel.tensor_parallel > 1` is refused: LoRA wraps nn.Linear layers, which tensor "
             "parallelism replaces; fine-tune adapters with ZeRO data parallelism (tensor_parallel: 1)",
         )
+
+
+def _validate_sequence_parallel(recipe: Recipe) -> None:
+    """Every batch's sequence length must split evenly over the tensor-parallel ranks."""
+    m, p, d = recipe.model, recipe.parallel, recipe.data
+    tp = p.tensor_parallel
+    _require(tp > 1, "`parallel.sequence_parallel: true` needs `parallel.tensor_parallel` > 1: it splits along the "
+                     "sequence what tensor parallelism leaves replicated")
+    _require(m.seq_length % tp == 0, f"`parallel.sequence_parallel` needs `model.seq_length` ({m.seq_length}) divisible "
+                                     f"by `parallel.tensor_parallel` ({tp})")
+    if d.mode == "pad":
+        _require(d.pad_to_multiple_of % tp == 0,
+                 f"`parallel.sequence_parallel` with `data.mode: pad` needs `data.pad_to_multiple_of` "
+                 f"({d.pad_to_multiple_of}) to be a multiple of `parallel.tensor_parallel` ({tp})")
+        max_length = d.max_length or m.seq_length
+        _require(max_length % tp == 0, f"`parallel.sequence_parallel` needs `data.max_length` ({max_length}) divisible "
+                                       f"by `parallel.tensor_parallel` ({tp})")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -105,6 +105,31 @@ def test_overrides_are_validated_like_the_file():
         parse_run_args([tiny, "--data.mode", "padd"])
 
 
+def test_sequence_parallel_is_checked_against_the_tensor_parallel_size():
+    assert recipe_from_dict({"parallel": {"tensor_parallel": 2, "sequence_parallel": True}}).parallel.sequence_parallel
+    refusals = [
+        ({"parallel": {"sequence_parallel": True}}, r"needs `parallel.tensor_parallel` > 1"),
+        ({"model": {"seq_length": 129}, "parallel": {"tensor_parallel": 2, "sequence_parallel": True}},
+         r"`model.seq_length` \(129\) divisible by `parallel.tensor_parallel` \(2\)"),
+        ({"data": {"mode": "pad", "pad_to_multiple_of": 3}, "parallel": {"tensor_parallel": 2, "sequence_parallel": True}},
+         r"`data.pad_to_multiple_of` \(3\) to be a multiple of `parallel.tensor_parallel` \(2\)"),
+        ({"data": {"mode": "pad", "max_length": 101}, "parallel": {"tensor_parallel": 2, "sequence_parallel": True}},
+         r"`data.max_length` \(101\) divisible"),
+    ]
+    for settings, message in refusals:
+        with pytest.raises(RecipeError, match=message):
+            recipe_from_dict(settings)
+
+
+def test_gpt_neox_sequence_parallel_needs_model_parallelism(tmp_path):
+    with_tp = _write(tmp_path, "sp.yml", '{"num_layers": 2, "model_parallel_size": 2, "sequence_parallel": true}')
+    assert parse_run_args([str(with_tp)]).recipe.parallel.sequence_parallel
+    without = _write(tmp_path, "sp1.yml", '{"num_layers": 2, "model_parallel_size": 1, "sequence_parallel": true}')
+    run = parse_run_args([str(without)])
+    assert not run.recipe.parallel.sequence_parallel
+    assert any("sequence_parallel: true has no effect" in notice for notice in run.notices)
+
+
 def test_zero3_with_tensor_parallel_is_refused_with_reason():
     with pytest.raises(RecipeError, match="ZeRO-3 partitions every parameter"):
         recipe_from_dict({"parallel": {"zero_stage": 3, "tensor_parallel": 2}})

@@ -211,6 +211,51 @@ def test_tp2_dp2_under_deepspeed_zero1_with_our_mpu_matches_one_process(tp2_dp2,
         assert max(abs(a - b) for a, b in zip(ds["losses"], ref_losses)) <= TOL
 
 
+@pytest.fixture(scope="module")
+def tp2_sp(tmp_path_factory):
+    models = tmp_path_factory.mktemp("sp_models")
+    saved_tiny_model(models / "untied")
+    saved_tiny_model(models / "tied", seed=1, tie_word_embeddings=True)
+    saved_tiny_model(models / "sequential", seed=2, use_parallel_residual=False)
+    out = tmp_path_factory.mktemp("tp2_sp_out")
+    run_torchrun(2, "tp_sp.py", models, out)
+    return models, out
+
+
+@pytest.mark.parametrize("name", ["untied", "tied", "sequential"])
+def test_sequence_parallel_tp2_matches_tp1_forward_gradients_and_steps(tp2_sp, name):
+    models, out = tp2_sp
+    input_ids, labels = batch()
+    ref_logits, ref_loss, ref_grads = reference_step(stock(models / name), input_ids, labels)
+    ref_losses = reference_adamw_losses(stock(models / name), input_ids, labels)
+    for rank in rank_results(out, name, 2):
+        assert max_diff(rank["logits"], ref_logits) <= TOL
+        assert abs(rank["loss"] - ref_loss) <= TOL
+        assert_grads_close(rank["grads"], ref_grads)  # norms and row biases: partial sums all-reduced
+        assert abs(rank["loop_loss"] - ref_loss) <= TOL
+        assert_grads_close(rank["loop_grads"], ref_grads)  # the head's re-gathered input slice
+        assert max(abs(a - b) for a, b in zip(rank["losses"], ref_losses)) <= TOL
+
+
+def test_sequence_parallel_loads_sliced_and_keeps_less_for_backward(tp2_sp):
+    models, out = tp2_sp
+    with torch.no_grad():
+        ref_logits = stock(models / "untied")(batch()[0]).logits
+    for rank in rank_results(out, "loaded", 2):
+        assert max_diff(rank["logits"], ref_logits) <= TOL
+    config = tiny_config()
+    # Without SP each layer keeps three replicated [batch, seq, hidden] fp32 tensors for backward (the layer input both
+    # norms read in a parallel-residual layer, and the two norm outputs the column layers read), plus the final norm's
+    # input; SP keeps half of each. The rest (per-head attention, MLP 4h, logits) is split by TP already.
+    replicated = (3 * config.num_hidden_layers + 1) * 2 * 64 * config.hidden_size * 4
+    for rank in rank_results(out, "memory", 2):
+        tp, sp = rank["saved_bytes_sp_False"], rank["saved_bytes_sp_True"]
+        print(f"\nsaved for backward per rank: TP2 {tp} B, TP2+SP {sp} B ({sp / tp:.2f}x)")
+        assert tp - sp >= replicated / 2
+    for rank in rank_results(out, "refusal", 2):
+        assert "sequence length must be divisible by the tensor-parallel size" in rank["refusal"]
+
+
 def memory_report(model_dir, mode, tp_size=4):
     out = model_dir.parent / f"memory_{mode}.json"
     subprocess.run([sys.executable, os.path.join(WORKERS, "tp_memory.py"), str(model_dir), str(tp_size), mode, str(out)],

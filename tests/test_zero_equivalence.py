@@ -1,5 +1,5 @@
 """One process (plain PyTorch AdamW through Accelerate) vs DeepSpeed layouts through Accelerate's plugin and our
-training loop: DP2 ZeRO-1/2/3, TP2, TP2×DP2 (ZeRO-1). Same global batch and seed → per-step losses ≤ 1e-5 over 5 steps."""
+training loop: DP2 ZeRO-1/2/3, TP2, TP2×DP2 (ZeRO-1), and TP2 / TP2×DP2 with sequence parallelism. Same global batch and seed → per-step losses ≤ 1e-5 over 5 steps."""
 
 from __future__ import annotations
 
@@ -51,9 +51,10 @@ def _launch(model_dir, out_dir, processes: int, zero_stage: int, tensor_parallel
 @pytest.mark.parametrize(
     "zero_stage,tensor_parallel,processes,options",
     [(1, 1, 2, ()), (2, 1, 2, ()), (3, 1, 2, ()), (1, 2, 2, ()), (1, 2, 4, ()),
-     (2, 1, 2, ("--offload-optimizer",)), (2, 2, 2, ("--activation-checkpointing",))],
+     (2, 1, 2, ("--offload-optimizer",)), (2, 2, 2, ("--activation-checkpointing",)),
+     (2, 2, 2, ("--sequence-parallel", "--activation-checkpointing")), (1, 2, 4, ("--sequence-parallel",))],
     ids=["dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2", "tp2xdp2-zero1", "dp2-zero2-cpu-offload",
-         "tp2-zero2-activation-checkpointing"],
+         "tp2-zero2-activation-checkpointing", "tp2-sp-zero2-activation-checkpointing", "tp2xdp2-sp-zero1"],
 )
 def test_layout_matches_one_process(model_dir, one_process_losses, tmp_path, zero_stage, tensor_parallel, processes,
                                     options):

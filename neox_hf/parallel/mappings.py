@@ -1,21 +1,31 @@
-"""All tensor-parallel communication, as four autograd functions plus three no-grad helpers.
+"""All tensor-parallel communication, as autograd functions in mirrored pairs plus no-grad helpers.
 
 Every collective neox_hf's TP layers perform lives here, so a reader who wants to know
-"where do ranks talk?" reads one file. The four mappings come in mirrored pairs: each
-function's backward is the other one's forward, which is what keeps gradients exact when
-activations move between a replicated region (every TP rank holds the same tensor) and a
-partitioned one (each rank holds a slice of the last dimension).
+"where do ranks talk?" reads one file. Each function's backward is its mirror's forward,
+which is what keeps gradients exact when activations move between a replicated region
+(every TP rank holds the same tensor) and a partitioned one.
+
+Tensor parallelism partitions the last (hidden) dimension:
 
     copy_to_tp_region      identity   | all-reduce   enter a partitioned region
     reduce_from_tp_region  all-reduce | identity     leave it by summing partial results
     gather_from_tp_region  all-gather | split        leave it by concatenating slices
     scatter_to_tp_region   split      | all-gather   enter it by slicing
 
+Sequence parallelism (Megatron's) partitions the sequence dimension (dim 1 of
+[batch, seq, hidden]) between the TP regions, where layer norms, dropout and residuals run:
+
+    scatter_to_sequence_region         split          | all-gather       replicated → sequence slices
+    gather_from_sequence_region        all-gather     | reduce-scatter   slices → a TP region's input
+    reduce_scatter_to_sequence_region  reduce-scatter | all-gather       a TP region's partial sums → slices
+
 With a group of size 1 every function is the identity, so the same layers run unsharded.
 """
 
 import torch
 import torch.distributed as dist
+
+from neox_hf.errors import NeoXHFError
 
 
 def _group_size(group) -> int:
@@ -31,10 +41,39 @@ def _all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
 
 
 def _split_last_dim(tensor: torch.Tensor, group) -> torch.Tensor:
+    return split_along_dim(tensor, -1, group)
+
+
+def split_along_dim(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's contiguous slice of `tensor` along `dim` (no autograd); `dim` must split evenly."""
     size = _group_size(group)
     if size == 1:
         return tensor
-    return tensor.chunk(size, dim=-1)[dist.get_rank(group)].contiguous()
+    _check_splits(tensor, dim, size)
+    return tensor.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _reduce_scatter_along_dim(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum over the group, of which this rank keeps its slice along `dim` (a list-form reduce_scatter: gloo's
+    tensor form only splits dim 0)."""
+    size = _group_size(group)
+    if size == 1:
+        return tensor
+    _check_splits(tensor, dim, size)
+    chunks = [chunk.contiguous() for chunk in tensor.chunk(size, dim=dim)]
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def _check_splits(tensor: torch.Tensor, dim: int, size: int) -> None:
+    if tensor.shape[dim] % size:
+        raise NeoXHFError(
+            f"cannot split a tensor of shape {tuple(tensor.shape)} along dim {dim} over {size} tensor-parallel ranks. "
+            f"With sequence parallelism the sequence length must be divisible by the tensor-parallel size: pad "
+            f"inputs to a multiple of {size} (data.pad_to_multiple_of, seq_length), or run this model without "
+            f"sequence_parallel (e.g. for token-by-token generation)"
+        )
 
 
 def gather_along_dim(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -106,6 +145,57 @@ class _ScatterToTPRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return gather_along_dim(grad, -1, ctx.group), None
+
+
+class _ScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split_along_dim(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The input was replicated: every rank needs the gradient of the whole sequence.
+        return gather_along_dim(grad, 1, ctx.group), None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return gather_along_dim(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Each rank's TP region used every position with its own slice of the weights, so the gradient of a position
+        # is the sum over ranks; the rank holding that position keeps it.
+        return _reduce_scatter_along_dim(grad, 1, ctx.group), None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_along_dim(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_along_dim(grad, 1, ctx.group), None
+
+
+def scatter_to_sequence_region(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's slice of the sequence (dim 1) of a replicated `x`; backward all-gathers the gradient."""
+    return _ScatterToSequenceRegion.apply(x, group)
+
+
+def gather_from_sequence_region(x: torch.Tensor, group) -> torch.Tensor:
+    """The whole sequence from every rank's slice; backward reduce-scatters (sums the TP region's partial gradients)."""
+    return _GatherFromSequenceRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum of the partial results `x` over the group, this rank keeping its sequence slice; backward all-gathers."""
+    return _ReduceScatterToSequenceRegion.apply(x, group)
 
 
 def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:

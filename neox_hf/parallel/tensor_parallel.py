@@ -9,6 +9,14 @@ affordable under TP. So we write the layers ourselves, Megatron-style: four smal
 mappings (`mappings.py`) and layers a few lines long (`tp_layers.py`), applied from outside
 the model according to one plan (`tp_plan.py`), as torchtitan applies its parallelisms.
 
+Sequence parallelism (`sequence_parallel=True`, Megatron's) also splits, along the sequence, the
+activations the TP regions leave replicated: embedding dropout, layer norms, residual sums.
+Their memory per rank falls by the TP size, and so does what activation checkpointing keeps
+per layer (the layer input). Same communication volume: each all-reduce becomes a
+reduce-scatter plus an all-gather. The mask, positions and rotary embeddings are built by the
+unmodified `GPTNeoXModel.forward` from the whole sequence, before the split; the sequence
+length must be divisible by the TP size.
+
 After `apply_tensor_parallel` the model is still a working `GPTNeoXForCausalLM`:
 `model(...)`, `model(..., labels=...)` and `generate` give full (gathered) logits. Training
 should use `tp_causal_lm_loss`, which keeps logits sharded along the vocabulary.
@@ -27,7 +35,9 @@ from transformers import GPTNeoXForCausalLM
 from neox_hf.errors import NeoXHFError
 from neox_hf.parallel.tp_layers import (
     ColumnParallelLinear,
+    EnterSequenceParallel,
     RowParallelLinear,
+    SequenceParallelLayerNorm,
     VocabParallelEmbedding,
     VocabParallelLMHead,
     vocab_parallel_cross_entropy,
@@ -44,7 +54,7 @@ from neox_hf.parallel.tp_groups import (
     build_parallel_groups,
     deepspeed_initialize_with_mpu,
 )
-from neox_hf.parallel.tp_plan import TP_PLAN, layer_kind
+from neox_hf.parallel.tp_plan import SEQUENCE_PARALLEL_PLAN, TP_PLAN, layer_kind
 
 __all__ = [
     "from_pretrained_tensor_parallel",
@@ -55,6 +65,8 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "SequenceParallelLayerNorm",
+    "EnterSequenceParallel",
     "VocabParallelEmbedding",
     "VocabParallelLMHead",
     "ParallelGroups",
@@ -69,9 +81,10 @@ __all__ = [
 ]
 
 
-def apply_tensor_parallel(model: GPTNeoXForCausalLM, tp_group) -> GPTNeoXForCausalLM:
+def apply_tensor_parallel(model: GPTNeoXForCausalLM, tp_group, sequence_parallel: bool = False) -> GPTNeoXForCausalLM:
     """`model` with every TP_PLAN module replaced, in place, by a layer holding this rank's
-    slice. `tp_group=None` means a TP size of 1 (same layers, no communication)."""
+    slice (and, with `sequence_parallel`, every SEQUENCE_PARALLEL_PLAN module by its
+    sequence-split form). `tp_group=None` means a TP size of 1 (same layers, no communication)."""
     if not isinstance(model, GPTNeoXForCausalLM):
         raise NeoXHFError(
             f"apply_tensor_parallel supports transformers.GPTNeoXForCausalLM (and subclasses), "
@@ -83,7 +96,11 @@ def apply_tensor_parallel(model: GPTNeoXForCausalLM, tp_group) -> GPTNeoXForCaus
     for name, module in list(model.named_modules()):
         kind = layer_kind(name)
         if kind is not None:
-            model.set_submodule(name, _parallel_layer(kind, module, rank, size, tp_group))
+            model.set_submodule(name, _parallel_layer(kind, module, rank, size, tp_group, sequence_parallel))
+        elif sequence_parallel and layer_kind(name, SEQUENCE_PARALLEL_PLAN) == "sequence_norm":
+            model.set_submodule(name, SequenceParallelLayerNorm(module, tp_group))
+        elif sequence_parallel and layer_kind(name, SEQUENCE_PARALLEL_PLAN) == "enter_sequence_parallel":
+            model.set_submodule(name, EnterSequenceParallel(module, tp_group))
     if tied:
         # One shard serves both ends, as one full matrix did.
         model.lm_head.weight = model.gpt_neox.embed_in.weight
@@ -150,7 +167,7 @@ def tp_logits(
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
 
 
-def _parallel_layer(kind: str, module: nn.Module, rank: int, size: int, group) -> nn.Module:
+def _parallel_layer(kind: str, module: nn.Module, rank: int, size: int, group, sequence_parallel: bool) -> nn.Module:
     def shard(tensor, dim):
         return tensor.detach().chunk(size, dim=dim)[rank].clone()
 
@@ -158,14 +175,16 @@ def _parallel_layer(kind: str, module: nn.Module, rank: int, size: int, group) -
         # For query_key_value this splits along heads: GPTNeoX interleaves q,k,v per head
         # (rows are [num_heads, 3, head_size]), so contiguous row blocks are whole heads.
         bias = shard(module.bias, 0) if module.bias is not None else None
-        return ColumnParallelLinear(shard(module.weight, 0), bias, group)
+        return ColumnParallelLinear(shard(module.weight, 0), bias, group, sequence_parallel=sequence_parallel)
     if kind == "row":
         bias = module.bias.detach().clone() if module.bias is not None else None
-        return RowParallelLinear(shard(module.weight, 1), bias, group)
+        return RowParallelLinear(shard(module.weight, 1), bias, group, sequence_parallel=sequence_parallel)
     rows = module.weight.shape[0] // size
     if kind == "vocab_embedding":
+        # The embedding's output stays replicated (GPTNeoXModel builds masks and positions from it); the sequence
+        # split happens right after, at the embedding dropout.
         return VocabParallelEmbedding(shard(module.weight, 0), rank * rows, group)
-    return VocabParallelLMHead(shard(module.weight, 0), rank * rows, group)
+    return VocabParallelLMHead(shard(module.weight, 0), rank * rows, group, sequence_parallel=sequence_parallel)
 
 
 def _rank_and_size(group) -> tuple[int, int]:
@@ -179,7 +198,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def from_pretrained_tensor_parallel(model_class, folder: str, groups: ParallelGroups, padded_vocab: int | None = None,
-                                    **config_kwargs):
+                                    sequence_parallel: bool = False, **config_kwargs):
     """A tensor-parallel model from an HF folder, reading only this rank's slices from the safetensors files.
 
     The full model is never materialised: it is built on the meta device, split, then filled with this rank's
@@ -196,7 +215,7 @@ def from_pretrained_tensor_parallel(model_class, folder: str, groups: ParallelGr
         config.vocab_size = padded_vocab
     with torch.device("meta"):
         model = model_class(config)
-    model = apply_tensor_parallel(model, groups.tp_group)
+    model = apply_tensor_parallel(model, groups.tp_group, sequence_parallel=sequence_parallel)
     tied = model.lm_head.weight is model.gpt_neox.embed_in.weight
     # Materialising meta parameters creates new Parameter objects: keep the TP flags DeepSpeed reads for gradient
     # clipping (`tensor_model_parallel`, `partition_dim`) and the tie, or clipping would count shards wrongly.

@@ -1,4 +1,4 @@
-"""Tensor-parallel layers and the vocab-parallel cross-entropy.
+"""Tensor-parallel layers, the sequence-parallel layer norm, and the vocab-parallel cross-entropy.
 
 Each layer holds only this rank's slice of the weight, under the same attribute names as
 the `nn.Linear` / `nn.Embedding` it replaces (`weight`, `bias`), so `state_dict()` keys stay
@@ -7,6 +7,12 @@ identical to stock transformers. All communication goes through `mappings.py`.
 Sharded parameters carry `tensor_model_parallel=True` and `partition_dim`, the attributes
 DeepSpeed's `is_model_parallel_parameter` reads so gradient-norm clipping counts each
 shard once and replicated parameters (layer norms, row-parallel biases) once per TP group.
+
+With `sequence_parallel` (Megatron's), activations between the TP regions are split along the
+sequence: a layer norm normalises its rank's positions and gathers the whole sequence for the
+column-parallel layer after it, and a row-parallel layer reduce-scatters its partial sums back
+to sequence slices. Replicated parameters used on sequence slices (norms, row biases) then get
+partial gradients, which `copy_to_tp_region` sums over the TP group in backward.
 """
 
 import torch
@@ -18,13 +24,21 @@ from neox_hf.parallel.mappings import (
     all_reduce_max,
     all_reduce_sum,
     copy_to_tp_region,
+    gather_along_dim,
+    gather_from_sequence_region,
     gather_from_tp_region,
     reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_sequence_region,
 )
 
 
 def _group_rank(group) -> int:
     return dist.get_rank(group) if group is not None else 0
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
 
 
 def _shard_parameter(tensor: torch.Tensor, partition_dim: int) -> nn.Parameter:
@@ -37,16 +51,23 @@ def _shard_parameter(tensor: torch.Tensor, partition_dim: int) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A's output rows split: each rank computes a slice of Y's last dim."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, gather_output: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, gather_output: bool = False,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.weight = _shard_parameter(weight, 0)
         self.bias = _shard_parameter(bias, 0) if bias is not None else None
         self.group = group
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
 
     def forward_shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the output's last dim."""
-        return F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+        if not self.sequence_parallel:
+            return F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+        # `x` comes from a sequence-parallel gather, whose backward already sums the ranks' partial input gradients.
+        if x.shape[1] % _group_size(self.group) == 0:
+            return _LinearKeepingSequenceSlice.apply(x, self.weight, self.bias, self.group)
+        return F.linear(x, self.weight, self.bias)  # the head after the causal shift: seq - 1 positions
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.forward_shard(x)
@@ -56,17 +77,79 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Y = X A^T + b with A's input columns split; X arrives already split along its last dim."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, sequence_parallel: bool = False):
         super().__init__()
         self.weight = _shard_parameter(weight, 1)
         # The bias is replicated and added once after the reduce; adding it on every rank
         # before the reduce would make the effective bias tp_size * b.
         self.bias = nn.Parameter(bias) if bias is not None else None
         self.group = group
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp_region(F.linear(x, self.weight), self.group)
-        return y + self.bias if self.bias is not None else y
+        partial = F.linear(x, self.weight)
+        if not self.sequence_parallel:
+            y = reduce_from_tp_region(partial, self.group)
+            return y + self.bias if self.bias is not None else y
+        y = reduce_scatter_to_sequence_region(partial, self.group)
+        # Each rank adds the bias to its own positions only: its gradient is a partial sum, all-reduced in backward.
+        return y + copy_to_tp_region(self.bias, self.group) if self.bias is not None else y
+
+
+class _LinearKeepingSequenceSlice(torch.autograd.Function):
+    """`F.linear` of a sequence-gathered input that saves only this rank's sequence slice for backward, and all-gathers
+    it again there (Megatron's sequence-parallel linear). Saving the gathered input itself would keep a whole
+    [batch, seq, hidden] tensor per column layer alive until backward, undoing most of what sequence parallelism
+    saves. The input gradient is returned whole: the gather before this layer reduce-scatters it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias, ctx.x_dtype = group, bias is not None, x.dtype
+        own = x.chunk(_group_size(group), dim=1)[_group_rank(group)]
+        ctx.save_for_backward(own.clone(memory_format=torch.contiguous_format), weight)  # a copy, never a view of x
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        own, weight = ctx.saved_tensors
+        x = gather_along_dim(own, 1, ctx.group)
+        compute = grad_out.dtype  # under autocast the forward ran in it; backward runs outside autocast
+        grad_x = grad_out.matmul(weight.to(compute)).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        rows = grad_out.flatten(0, -2)
+        grad_w = rows.t().matmul(x.flatten(0, -2).to(compute)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_b = rows.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None
+
+
+class SequenceParallelLayerNorm(nn.Module):
+    """A LayerNorm applied to this rank's sequence slice, whose output is gathered to the whole sequence for the
+    tensor-parallel region that follows it (attention, MLP or the head). Holds the wrapped norm's own parameters
+    under the same names, so state-dict keys do not change."""
+
+    def __init__(self, norm: nn.LayerNorm, group):
+        super().__init__()
+        self.weight, self.bias = norm.weight, norm.bias
+        self.normalized_shape, self.eps = norm.normalized_shape, norm.eps
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Each rank normalises different positions, so the weight and bias gradients are partial sums.
+        weight = copy_to_tp_region(self.weight, self.group)
+        bias = copy_to_tp_region(self.bias, self.group) if self.bias is not None else None
+        return gather_from_sequence_region(F.layer_norm(x, self.normalized_shape, weight, bias, self.eps), self.group)
+
+
+class EnterSequenceParallel(nn.Module):
+    """Runs `module` (the embedding dropout) on this rank's sequence slice of the replicated embeddings: from here
+    to the last layer norm, activations are split along the sequence."""
+
+    def __init__(self, module: nn.Module, group):
+        super().__init__()
+        self.module = module
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(scatter_to_sequence_region(x, self.group))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -93,8 +176,8 @@ class VocabParallelLMHead(ColumnParallelLinear):
     the stock `GPTNeoXForCausalLM.forward` / `generate` keep working; training should call
     `forward_shard` + `vocab_parallel_cross_entropy` (see `tp_causal_lm_loss`)."""
 
-    def __init__(self, weight: torch.Tensor, vocab_start: int, group):
-        super().__init__(weight, None, group, gather_output=True)
+    def __init__(self, weight: torch.Tensor, vocab_start: int, group, sequence_parallel: bool = False):
+        super().__init__(weight, None, group, gather_output=True, sequence_parallel=sequence_parallel)
         self.vocab_start = vocab_start
 
 

@@ -16,6 +16,15 @@ TP_PLAN = {
     "lm_head": "vocab_head",
 }
 
+# With sequence parallelism these replicated modules run on sequence slices: the embedding dropout enters the
+# sequence-parallel region, every layer norm leaves it (gathering the sequence for the TP region after it).
+SEQUENCE_PARALLEL_PLAN = {
+    "gpt_neox.emb_dropout": "enter_sequence_parallel",
+    "gpt_neox.layers.*.input_layernorm": "sequence_norm",
+    "gpt_neox.layers.*.post_attention_layernorm": "sequence_norm",
+    "gpt_neox.final_layer_norm": "sequence_norm",
+}
+
 # Column layers split output rows (weight dim 0, bias too); row layers split input columns
 # (weight dim 1) and keep the bias whole; vocab layers split vocabulary rows.
 _PARTITION_DIMS = {
@@ -26,9 +35,9 @@ _PARTITION_DIMS = {
 }
 
 
-def layer_kind(module_name: str) -> str | None:
-    """The TP_PLAN kind of `module_name`, or None when the module stays replicated."""
-    for pattern, kind in TP_PLAN.items():
+def layer_kind(module_name: str, plan: dict = TP_PLAN) -> str | None:
+    """The `plan` kind of `module_name` (TP_PLAN: None when the module stays replicated)."""
+    for pattern, kind in plan.items():
         if fnmatch(module_name, pattern):
             return kind
     return None

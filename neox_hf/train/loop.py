@@ -128,6 +128,7 @@ def build_model(recipe: Recipe, tokenizer, groups=None) -> NeoXForCausalLM:
         stored_vocab = NeoXConfig.from_pretrained(m.from_pretrained).vocab_size
         padded = _tp_vocab_size(stored_vocab, recipe)
         model = from_pretrained_tensor_parallel(NeoXForCausalLM, m.from_pretrained, groups, padded_vocab=padded,
+                                                sequence_parallel=recipe.parallel.sequence_parallel,
                                                 attn_implementation=m.attn_implementation)
         check_vocab_covers_tokenizer(stored_vocab, tokenizer, where=m.from_pretrained)
     elif m.from_pretrained:
@@ -182,7 +183,7 @@ def _pad_vocab_for_tp(model, recipe: Recipe):
 def prepare_model_and_optimizer(accelerator, recipe: Recipe, model, groups=None):
     """Apply tensor parallelism (if `groups` and not done at load), build AdamW, let Accelerate/DeepSpeed wrap both."""
     if groups is not None and not isinstance(model.get_output_embeddings(), VocabParallelLMHead):
-        model = apply_tensor_parallel(model, groups.tp_group)
+        model = apply_tensor_parallel(model, groups.tp_group, sequence_parallel=recipe.parallel.sequence_parallel)
     optimizer = build_optimizer(model, recipe)
     # With TP, DeepSpeed must be handed our groups so ZeRO reduces gradients over the data-parallel group only.
     with deepspeed_initialize_with_mpu(DeepSpeedMPU(groups)) if groups else contextlib.nullcontext():
@@ -423,7 +424,8 @@ def _print_startup_report(accelerator, recipe: Recipe, model, tokenizer, notices
     lines = [
         f"neox_hf: {m.num_layers if not m.from_pretrained else unwrapped.config.num_hidden_layers} layers, "
         f"{n_params / 1e6:.2f}M parameters, vocab {unwrapped.config.vocab_size} (tokenizer {len(tokenizer)})",
-        f"layout: {dp} data-parallel rank(s), tensor parallel {recipe.parallel.tensor_parallel}, "
+        f"layout: {dp} data-parallel rank(s), tensor parallel {recipe.parallel.tensor_parallel}"
+        f"{' with sequence parallelism' if recipe.parallel.sequence_parallel else ''}, "
         f"ZeRO stage {recipe.parallel.zero_stage if uses_deepspeed(accelerator) else 'off'}, precision {t.precision}",
         f"batch: micro {t.micro_batch_size} × accumulation {t.gradient_accumulation_steps} × dp {dp} = {global_batch} "
         f"samples/step, mode {recipe.data.mode}, seq_length {m.seq_length}, {t.train_iters} steps",

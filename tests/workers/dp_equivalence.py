@@ -3,7 +3,7 @@
     python tests/workers/dp_equivalence.py MODEL_DIR OUT_DIR ZERO_STAGE [TP] [options]   (1 process: no DeepSpeed)
     accelerate launch --num_processes N --use_deepspeed ... dp_equivalence.py MODEL_DIR OUT_DIR ZERO_STAGE [TP] [options]
 
-Options (recipe switches): --offload-optimizer, --activation-checkpointing, --precision fp16, --steps N,
+Options (recipe switches): --offload-optimizer, --activation-checkpointing, --sequence-parallel, --precision fp16, --steps N,
 --deepspeed-config FILE (raw DeepSpeed JSON merged over the recipe's).
 
 Every run sees the same global batch of 8 sequences per step; data-parallel rank r of D = N / TP takes rows
@@ -52,6 +52,7 @@ def parse_args():
     parser.add_argument("tensor_parallel", type=int, nargs="?", default=1)
     parser.add_argument("--offload-optimizer", action="store_true")
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--deepspeed-config")
@@ -69,6 +70,7 @@ def main(args) -> None:
         "parallel": {"zero_stage": args.zero_stage, "use_deepspeed": world > 1, "tensor_parallel": args.tensor_parallel,
                      "offload_optimizer": args.offload_optimizer,
                      "activation_checkpointing": args.activation_checkpointing,
+                     "sequence_parallel": args.sequence_parallel,
                      "deepspeed_config": args.deepspeed_config},
         "output": {"dir": args.out_dir, "tensorboard": False},
     })

@@ -58,5 +58,20 @@ def gathered_grads(model, tp_group) -> dict:
     return grads
 
 
+def tp_adamw_losses(model, input_ids, labels) -> list[float]:
+    """Losses of STEPS AdamW steps on one batch, through the vocab-parallel loss."""
+    from neox_hf.parallel.tensor_parallel import tp_causal_lm_loss
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        loss = tp_causal_lm_loss(model, input_ids, labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def save_rank_result(out_dir: str, name: str, result: dict) -> None:
     torch.save(result, os.path.join(out_dir, f"{name}.rank{dist.get_rank()}.pt"))

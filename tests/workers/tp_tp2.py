@@ -8,7 +8,7 @@ import os
 import sys
 
 import torch
-from tp_common import LR, STEPS, batch, gathered_grads, init_gloo, save_rank_result
+from tp_common import batch, gathered_grads, init_gloo, save_rank_result, tp_adamw_losses
 from transformers import GPTNeoXForCausalLM
 
 from neox_hf.errors import NeoXHFError
@@ -53,15 +53,7 @@ def untied_checks(models_dir, out_dir, groups):
     result["generated"] = model.generate(input_ids[:1, :8], max_new_tokens=5, do_sample=False)
 
     model.zero_grad()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for _ in range(STEPS):
-        loss = tp_causal_lm_loss(model, input_ids, labels)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    result["losses"] = losses
+    result["losses"] = tp_adamw_losses(model, input_ids, labels)
     result["trained_logits"] = tp_logits(model, input_ids).detach()
 
     merged = gather_full_state_dict(model, groups)
