@@ -276,6 +276,20 @@ def test_loading_one_rank_slice_needs_a_fraction_of_the_memory(tmp_path):
     assert shard["peak_rss_growth_mb"] < 0.65 * full["peak_rss_growth_mb"]
 
 
+def test_loading_a_padded_vocabulary_slice_needs_a_fraction_of_the_memory(tmp_path):
+    """A vocabulary TP does not divide (8190 → 8192 rows for TP4) is padded slice by slice, never read whole: the
+    last rank, which holds the padding rows, copies only its two vocabulary slices."""
+    config = tiny_config(hidden_size=512, num_attention_heads=8, num_hidden_layers=4,
+                         intermediate_size=2048, vocab_size=8190)
+    GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "model", max_shard_size="30MB")
+    padded, full = memory_report(tmp_path / "model", "padded"), memory_report(tmp_path / "model", "full")
+    print(f"\nTP4 rank-3 padded slice: {padded}\nfull checkpoint: {full}")
+    assert padded["slices_match"]  # equal to pad_vocab of the whole matrices, then split
+    vocab_slices_mb = 2 * (8192 // 4) * 512 * 4 / 2**20  # embed_in and embed_out rows of this rank, fp32
+    assert padded["anon_rss_growth_mb"] <= 1.1 * vocab_slices_mb  # the only private copies
+    assert padded["peak_rss_growth_mb"] < 0.7 * full["peak_rss_growth_mb"]
+
+
 def test_tp1_without_distributed_matches_stock_loss(tmp_path):
     folder = saved_tiny_model(tmp_path / "model")
     input_ids, labels = batch()

@@ -123,6 +123,8 @@ def _read_padded_vocab_rows(tensor_slice, padded_rows: int, rank: int, size: int
         raise CheckpointError(f"{name}: padded vocabulary {padded_rows} is not divisible by tp={size}")
     stored_rows, hidden = tensor_slice.get_shape()
     width = padded_rows // size
+    if (rank + 1) * width <= stored_rows:
+        return tensor_slice[rank * width:(rank + 1) * width]  # all real rows: nothing to pad, no copy
     # Clamped to the stored rows: a rank past them reads an empty slice (still of the stored dtype).
     real = tensor_slice[min(rank * width, stored_rows):min((rank + 1) * width, stored_rows)]
     rows = real.new_zeros(width, hidden)

@@ -1,7 +1,9 @@
 """Peak-RSS growth of reading one TP rank's slices, or the whole checkpoint, in a fresh
 process (so neither read benefits from the other's page cache mappings or freed heap):
-    python tests/workers/tp_memory.py <model_dir> <tp_size> shard|full <out.json>
-Every loaded tensor is summed inside the measured window, so lazily mapped pages count.
+    python tests/workers/tp_memory.py <model_dir> <tp_size> shard|padded|full <out.json>
+`padded` reads the last rank's slices of a vocabulary TP does not divide, zero-padded GPT-NeoX
+style (make_vocab_size_divisible_by 128 × TP): that rank holds the padding rows. Every loaded tensor is summed inside the measured
+window, so lazily mapped pages count.
 """
 
 import json
@@ -12,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import GPTNeoXConfig
 
-from neox_hf.parallel.tensor_parallel import load_tp_shard_state_dict
+from neox_hf.parallel.tensor_parallel import load_tp_shard_state_dict, pad_vocab, padded_vocab_size
 from neox_hf.parallel.tp_checkpoint import _expected_keys
 from neox_hf.parallel.tp_plan import partition_dim
 
@@ -36,11 +38,13 @@ def full_checkpoint(model_dir: str) -> dict:
     return tensors
 
 
-def slices_match(shard: dict, full: dict, tp_size: int) -> bool:
+def slices_match(shard: dict, full: dict, tp_size: int, vocab_size: int, rank: int) -> bool:
     full["lm_head.weight"] = full.pop("embed_out.weight")
+    full = pad_vocab(full, vocab_size)  # no-op unless the vocabulary was padded
     for key, tensor in shard.items():
         dim = partition_dim(key)
-        expected = full[key] if dim is None else full[key].narrow(dim, 0, full[key].shape[dim] // tp_size)
+        width = full[key].shape[dim] // tp_size if dim is not None else 0
+        expected = full[key] if dim is None else full[key].narrow(dim, rank * width, width)
         if not torch.equal(tensor, expected):
             return False
     return True
@@ -50,12 +54,15 @@ def main():
     model_dir, tp_size, mode, out_path = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
     config = GPTNeoXConfig.from_pretrained(model_dir)
+    rank = tp_size - 1 if mode == "padded" else 0
+    if mode == "padded":
+        config.vocab_size = padded_vocab_size(config.vocab_size, 128, tp_size)
     _expected_keys(config)  # warm up transformers' lazy imports outside the measurement
 
     before = start_peak_measurement()
     anon_before, file_before = _status_mb("RssAnon"), _status_mb("RssFile")
-    if mode == "shard":
-        loaded = load_tp_shard_state_dict(model_dir, config, tp_rank=0, tp_size=tp_size)
+    if mode in ("shard", "padded"):
+        loaded = load_tp_shard_state_dict(model_dir, config, tp_rank=rank, tp_size=tp_size)
     else:
         loaded = full_checkpoint(model_dir)
     touched = sum(float(t.sum()) for t in loaded.values())
@@ -72,8 +79,8 @@ def main():
         "file_backed_rss_growth_mb": file_growth,
         "checksum_finite": touched == touched,
     }
-    if mode == "shard":
-        result["slices_match"] = slices_match(loaded, full_checkpoint(model_dir), tp_size)
+    if mode != "full":
+        result["slices_match"] = slices_match(loaded, full_checkpoint(model_dir), tp_size, config.vocab_size, rank)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
 
