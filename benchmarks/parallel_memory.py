@@ -15,9 +15,9 @@ TP2×DP2 (ZeRO-1, 4 processes), and prints per rank 0:
   uses a 1 × 8 batch (model states do not depend on it; this CPU emulates bf16 matmuls);
 - parameters: bytes of the parameters this rank holds (ZeRO-3: its partition);
 - layers peak: the peak bytes of tensors allocated by one forward and backward of the transformer stack (input
-  embeddings → layers → final norm; gradient taken for the embeddings only, so activations, their gradients and
-  whatever the layout gathers on the way — ZeRO-3's parameters — but no parameter gradients); fp32, tracked exactly
-  by a TorchDispatchMode. This is what sequence parallelism shrinks;
+  embeddings → layers → final norm; gradient taken for the embeddings only, parameters frozen, so activations, their
+  gradients and whatever the layout gathers on the way — ZeRO-3's parameters — but no parameter gradients); fp32,
+  tracked exactly by a TorchDispatchMode. This is what sequence parallelism shrinks;
 - loss peak: the same for the head + cross-entropy (from the last hidden state to the loss) — this is where a
   gathered-logits TP would hold [batch, seq, vocab];
 - step time (fp32, seconds, mean of the timed steps; 2 cores shared by every rank, so not a speed claim).
@@ -27,6 +27,7 @@ Ratios are against the 1-process run of the same invocation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -107,6 +108,21 @@ def live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
+@contextlib.contextmanager
+def frozen_parameters(module):
+    """No parameter requires grad inside the block, so backward computes activation gradients only. Autograd skips
+    unneeded weight gradients of its own ops anyway, but a custom Function (the sequence-parallel linear) sees only
+    `requires_grad` and would compute them: freezing makes every layout measure the same thing."""
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    for param in trainable:
+        param.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for param in trainable:
+            param.requires_grad_(True)
+
+
 def layers_peak(module, batch: dict) -> int:
     """Peak bytes allocated by forward + backward of the transformer stack, from the input embeddings to the final
     norm's output (a measurement pass: no parameter gradients are accumulated)."""
@@ -177,8 +193,9 @@ def worker(args) -> None:
         if step > 0:  # the first step allocates optimizer states
             timings.append(elapsed + time.perf_counter() - start)
         if args.peaks:
-            loss_peaks.append(loss_computation_peak(module, batch))
-            layer_peaks.append(layers_peak(module, batch))
+            with frozen_parameters(module):
+                loss_peaks.append(loss_computation_peak(module, batch))
+                layer_peaks.append(layers_peak(module, batch))
     result = {"model_states": model_states, "parameters": rank_parameter_bytes(model),
               "loss_peak": max(loss_peaks, default=0), "layers_peak": max(layer_peaks, default=0),
               "step_s": sum(timings) / len(timings)}

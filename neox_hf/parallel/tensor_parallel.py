@@ -93,14 +93,14 @@ def apply_tensor_parallel(model: GPTNeoXForCausalLM, tp_group, sequence_parallel
     rank, size = _rank_and_size(tp_group)
     check_tp_divisibility(model, size)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    sequence_layers = {"sequence_norm": SequenceParallelLayerNorm, "enter_sequence_parallel": EnterSequenceParallel}
     for name, module in list(model.named_modules()):
         kind = layer_kind(name)
+        sequence_kind = layer_kind(name, SEQUENCE_PARALLEL_PLAN) if sequence_parallel else None
         if kind is not None:
             model.set_submodule(name, _parallel_layer(kind, module, rank, size, tp_group, sequence_parallel))
-        elif sequence_parallel and layer_kind(name, SEQUENCE_PARALLEL_PLAN) == "sequence_norm":
-            model.set_submodule(name, SequenceParallelLayerNorm(module, tp_group))
-        elif sequence_parallel and layer_kind(name, SEQUENCE_PARALLEL_PLAN) == "enter_sequence_parallel":
-            model.set_submodule(name, EnterSequenceParallel(module, tp_group))
+        elif sequence_kind is not None:
+            model.set_submodule(name, sequence_layers[sequence_kind](module, tp_group))
     if tied:
         # One shard serves both ends, as one full matrix did.
         model.lm_head.weight = model.gpt_neox.embed_in.weight
