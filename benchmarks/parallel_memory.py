@@ -15,9 +15,10 @@ TP2×DP2 (ZeRO-1, 4 processes), and prints per rank 0:
   uses a 1 × 8 batch (model states do not depend on it; this CPU emulates bf16 matmuls);
 - parameters: bytes of the parameters this rank holds (ZeRO-3: its partition);
 - layers peak: the peak bytes of tensors allocated by one forward and backward of the transformer stack (input
-  embeddings → layers → final norm; gradient taken for the embeddings only, parameters frozen, so activations, their
-  gradients and whatever the layout gathers on the way — ZeRO-3's parameters — but no parameter gradients); fp32,
-  tracked exactly by a TorchDispatchMode. This is what sequence parallelism shrinks;
+  embeddings → layers → final norm; every weight gradient computed, as in training, so activations are kept for
+  them; counted: activations, their gradients, transients, and whatever the layout gathers on the way — ZeRO-3's
+  parameters —, not the returned parameter gradients, which are model states); fp32, tracked exactly by a
+  TorchDispatchMode. This is what sequence parallelism shrinks;
 - loss peak: the same for the head + cross-entropy (from the last hidden state to the loss) — this is where a
   gathered-logits TP would hold [batch, seq, vocab];
 - step time (fp32, seconds, mean of the timed steps; 2 cores shared by every rank, so not a speed claim).
@@ -27,7 +28,6 @@ Ratios are against the 1-process run of the same invocation.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -56,13 +56,16 @@ MICRO_BATCH, SEQ = 2, 256
 
 
 class PeakTensorBytes(TorchDispatchMode):
-    """Peak bytes of tensors created inside the block and still alive (CPU has no allocator statistics)."""
+    """Peak bytes of tensors created inside the block and still alive (CPU has no allocator statistics).
+
+    Every allocation and release is logged in order, so the peak can be replayed leaving some tensors out (the
+    parameter gradients a backward returns: they are model states, counted in their own column)."""
 
     def __init__(self):
         super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._seen: set[int] = set()
+        self._events: list[tuple[int, int]] = []  # (allocation id, +bytes or -bytes)
+        self._live: dict[int, int] = {}  # storage address → allocation id
+        self._next_id = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -77,17 +80,28 @@ class PeakTensorBytes(TorchDispatchMode):
 
     def _track(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in self._seen or storage.nbytes() == 0:
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        if key in self._live or nbytes == 0:
             return
-        self._seen.add(key)
-        self.live += storage.nbytes()
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._release, key, storage.nbytes())
+        self._next_id += 1
+        self._live[key] = self._next_id
+        self._events.append((self._next_id, nbytes))
+        weakref.finalize(storage, self._release, key, self._next_id, nbytes)
 
-    def _release(self, key: int, nbytes: int) -> None:
-        self._seen.discard(key)
-        self.live -= nbytes
+    def _release(self, key: int, allocation: int, nbytes: int) -> None:
+        if self._live.get(key) == allocation:
+            del self._live[key]
+        self._events.append((allocation, -nbytes))
+
+    def peak(self, excluding=()) -> int:
+        """The peak of live bytes, leaving out the allocations that hold the (still alive) tensors `excluding`."""
+        left_out = {self._live.get(t.untyped_storage().data_ptr()) for t in excluding if t is not None}
+        live = peak = 0
+        for allocation, delta in self._events:
+            if allocation not in left_out:
+                live += delta
+                peak = max(peak, live)
+        return peak
 
 
 def live_tensor_bytes() -> int:
@@ -108,45 +122,36 @@ def live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
-@contextlib.contextmanager
-def frozen_parameters(module):
-    """No parameter requires grad inside the block, so backward computes activation gradients only. Autograd skips
-    unneeded weight gradients of its own ops anyway, but a custom Function (the sequence-parallel linear) sees only
-    `requires_grad` and would compute them: freezing makes every layout measure the same thing."""
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    for param in trainable:
-        param.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for param in trainable:
-            param.requires_grad_(True)
-
-
 def layers_peak(module, batch: dict) -> int:
     """Peak bytes allocated by forward + backward of the transformer stack, from the input embeddings to the final
-    norm's output (a measurement pass: no parameter gradients are accumulated)."""
+    norm's output, every weight gradient computed as in training (but not kept: they are model states)."""
     with torch.no_grad():
         embeds = module.get_input_embeddings()(batch["input_ids"])
     embeds.requires_grad_(True)
     upstream = torch.ones_like(embeds)  # the final hidden state's shape; made outside the measured block
+    weights = _trainable(module.base_model)
     with PeakTensorBytes() as tracker:
         hidden = module.base_model(inputs_embeds=embeds, use_cache=False).last_hidden_state
-        torch.autograd.grad(hidden, [embeds], grad_outputs=upstream)
-    return tracker.peak
+        grads = torch.autograd.grad(hidden, [embeds, *weights], grad_outputs=upstream, allow_unused=True)
+        return tracker.peak(excluding=grads[1:])
 
 
 def loss_computation_peak(module, batch: dict) -> int:
-    """Peak bytes of the head + cross-entropy, forward and backward to the hidden states (a measurement pass: no
-    parameter gradients are accumulated)."""
+    """Peak bytes of the head + cross-entropy, forward and backward to the hidden states and the head's weight (not
+    kept: a model state)."""
     from neox_hf.train.loop import loss_from_hidden
 
     with torch.no_grad():
         hidden = module.base_model(input_ids=batch["input_ids"], use_cache=False).last_hidden_state
     hidden.requires_grad_(True)
+    weights = _trainable(module.get_output_embeddings())
     with PeakTensorBytes() as tracker:
-        torch.autograd.grad(loss_from_hidden(module, hidden, batch["labels"]), [hidden])
-    return tracker.peak
+        grads = torch.autograd.grad(loss_from_hidden(module, hidden, batch["labels"]), [hidden, *weights])
+        return tracker.peak(excluding=grads[1:])
+
+
+def _trainable(module) -> list:
+    return [p for p in module.parameters() if p.requires_grad]
 
 
 def rank_parameter_bytes(model) -> int:
@@ -193,9 +198,8 @@ def worker(args) -> None:
         if step > 0:  # the first step allocates optimizer states
             timings.append(elapsed + time.perf_counter() - start)
         if args.peaks:
-            with frozen_parameters(module):
-                loss_peaks.append(loss_computation_peak(module, batch))
-                layer_peaks.append(layers_peak(module, batch))
+            loss_peaks.append(loss_computation_peak(module, batch))
+            layer_peaks.append(layers_peak(module, batch))
     result = {"model_states": model_states, "parameters": rank_parameter_bytes(model),
               "loss_peak": max(loss_peaks, default=0), "layers_peak": max(layer_peaks, default=0),
               "step_s": sum(timings) / len(timings)}

@@ -105,18 +105,22 @@ class _LinearKeepingSequenceSlice(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group):
         ctx.group, ctx.has_bias, ctx.x_dtype = group, bias is not None, x.dtype
-        own = x.chunk(_group_size(group), dim=1)[_group_rank(group)]
-        ctx.save_for_backward(own.clone(memory_format=torch.contiguous_format), weight)  # a copy, never a view of x
+        # Only the weight gradient needs the input; a frozen weight keeps nothing, as F.linear would. The slice is
+        # cloned so that nothing keeps the gathered input itself alive.
+        own = x.chunk(_group_size(group), dim=1)[_group_rank(group)] if ctx.needs_input_grad[1] else None
+        ctx.save_for_backward(own.clone(memory_format=torch.contiguous_format) if own is not None else None, weight)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         own, weight = ctx.saved_tensors
-        x = gather_along_dim(own, 1, ctx.group)
         compute = grad_out.dtype  # under autocast the forward ran in it; backward runs outside autocast
         grad_x = grad_out.matmul(weight.to(compute)).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         rows = grad_out.flatten(0, -2)
-        grad_w = rows.t().matmul(x.flatten(0, -2).to(compute)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            x = gather_along_dim(own, 1, ctx.group)
+            grad_w = rows.t().matmul(x.flatten(0, -2).to(compute)).to(weight.dtype)
         grad_b = rows.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None
 
