@@ -2,8 +2,8 @@
 process (so neither read benefits from the other's page cache mappings or freed heap):
     python tests/workers/tp_memory.py <model_dir> <tp_size> shard|padded|full <out.json>
 `padded` reads the last rank's slices of a vocabulary TP does not divide, zero-padded GPT-NeoX
-style (make_vocab_size_divisible_by 128 × TP): that rank holds the padding rows. Every loaded tensor is summed inside the measured
-window, so lazily mapped pages count.
+style (make_vocab_size_divisible_by 128 × TP): that rank holds the padding rows. Every loaded
+tensor is summed inside the measured window, so lazily mapped pages count.
 """
 
 import json

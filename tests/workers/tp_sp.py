@@ -1,7 +1,7 @@
 """TP=2 with sequence parallelism: forward, backward, 5 AdamW steps, the loop's loss, saved activations. Usage:
     torchrun --nproc_per_node 2 tests/workers/tp_sp.py <models_dir> <out_dir>
-<models_dir> holds stock save_pretrained folders `untied`, `tied`, `sequential` (no parallel residual) and
-`dropout` written by pytest.
+<models_dir> holds stock save_pretrained folders `untied`, `tied` and `sequential` (no parallel residual) written
+by pytest.
 """
 
 import os
