@@ -143,6 +143,13 @@ class TrainConfig:
     keep_last_n: int = 2
     resume: Optional[str] = None  # "auto" (latest under output.dir) or a checkpoint path
     push_to_hub: Optional[PushToHubConfig] = None
+    # token: every labelled token of an optimizer step weighs the same, whatever micro-batch or data-parallel rank
+    # it fell in (transformers' num_items_in_batch); micro_batch: mean of micro-batch means (GPT-NeoX / Megatron)
+    loss_normalization: Literal["token", "micro_batch"] = "token"
+    fused_cross_entropy: bool = True  # chunked linear + cross-entropy: [tokens, vocab] logits never materialised
+    z_loss: float = 0.0  # PaLM's z-loss weight on log(Z)^2 (0 = off)
+    compile: bool = False  # torch.compile of the model
+    eval_tasks: list[str] = field(default_factory=list)  # lm-evaluation-harness tasks at each eval interval
 
 
 @dataclass
@@ -162,6 +169,8 @@ class OutputConfig:
     dir: str = "outputs/run"
     max_shard_size: str = "5GB"
     tensorboard: bool = True
+    report_to: list[str] = field(default_factory=list)  # Accelerate trackers: tensorboard, wandb, comet_ml, mlflow, aim
+    run_name: Optional[str] = None
 
 
 @dataclass
