@@ -23,3 +23,7 @@ class CheckpointError(NeoXHFError):
 
 class HubError(NeoXHFError):
     """Talking to the Hugging Face Hub failed in a way retrying cannot fix."""
+
+
+class LaunchError(NeoXHFError):
+    """The launch (process count, launcher flags) cannot give the recipe's layout."""

@@ -1,4 +1,4 @@
-"""Process groups for tensor × data parallelism, and the `mpu` DeepSpeed expects.
+"""The `mpu` DeepSpeed expects, answered from our `Layout` (parallel/layout.py).
 
 Layout is Megatron's: consecutive global ranks form a TP group (they exchange activations
 every layer, so they should share a node), and ranks with the same TP rank form a DP group.
@@ -7,64 +7,30 @@ With world 4 and tp 2: TP groups [0,1] [2,3]; DP groups [0,2] [1,3].
 
 import functools
 from contextlib import contextmanager
-from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch.distributed as dist
 
 from neox_hf.errors import NeoXHFError
+from neox_hf.parallel.layout import Layout, build_layout, dp_group_ranks
 
 
-@dataclass(frozen=True)
-class ParallelGroups:
-    tp_group: object
-    dp_group: object
-    tp_rank: int
-    tp_size: int
-    dp_rank: int
-    dp_size: int
+# The layout object replaces the old TP × DP-only `ParallelGroups`; the name stays for the TP helpers' signatures.
+ParallelGroups = Layout
 
 
-def tp_group_ranks(world_size: int, tp_size: int) -> list[list[int]]:
-    """Global ranks of every TP group: consecutive blocks of `tp_size`."""
-    return [list(range(start, start + tp_size)) for start in range(0, world_size, tp_size)]
-
-
-def dp_group_ranks(world_size: int, tp_size: int) -> list[list[int]]:
-    """Global ranks of every DP group: ranks sharing a TP rank."""
-    return [list(range(tp_rank, world_size, tp_size)) for tp_rank in range(tp_size)]
-
-
-def build_parallel_groups(tp_size: int) -> ParallelGroups:
-    """This rank's TP and DP groups. Collective: every rank must call it, in the same order
-    relative to other `new_group` calls, after `torch.distributed.init_process_group`."""
+def build_parallel_groups(tp_size: int) -> Layout:
+    """The layout of `tp_size`-way tensor parallelism × data parallelism over the whole world (no pipeline).
+    Collective: every rank must call it, after `torch.distributed.init_process_group`."""
     if not dist.is_initialized():
         raise NeoXHFError("build_parallel_groups needs torch.distributed initialised; launch with torchrun")
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     if tp_size < 1 or world % tp_size != 0:
         raise NeoXHFError(
             f"tensor parallel size {tp_size} must divide the world size {world}; "
             f"choose tp_size from {[d for d in range(1, world + 1) if world % d == 0]}"
         )
-    # new_group is collective over the whole world, so every rank creates every group.
-    tp_group = _group_containing(rank, tp_group_ranks(world, tp_size))
-    dp_group = _group_containing(rank, dp_group_ranks(world, tp_size))
-    return ParallelGroups(
-        tp_group=tp_group,
-        dp_group=dp_group,
-        tp_rank=rank % tp_size,
-        tp_size=tp_size,
-        dp_rank=rank // tp_size,
-        dp_size=world // tp_size,
-    )
-
-
-def _group_containing(rank: int, all_ranks: list[list[int]]):
-    mine = None
-    for ranks in all_ranks:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine = group
-    return mine
+    return build_layout(SimpleNamespace(pipeline_parallel=1, tensor_parallel=tp_size))
 
 
 class DeepSpeedMPU:
@@ -105,13 +71,14 @@ class DeepSpeedMPU:
         return self.groups.dp_group
 
     def get_data_parallel_group_ranks(self) -> list[int]:
-        return dp_group_ranks(dist.get_world_size(), self.groups.tp_size)[self.groups.tp_rank]
+        g = self.groups
+        return dp_group_ranks(g.pp, g.dp, g.tp)[g.pp_rank * g.tp + g.tp_rank]
 
     def get_pipe_parallel_world_size(self) -> int:
-        return 1
+        return self.groups.pp
 
     def get_pipe_parallel_rank(self) -> int:
-        return 0
+        return self.groups.pp_rank
 
 
 @contextmanager

@@ -1,0 +1,158 @@
+"""The layout of a run: sizes, ranks and process groups of pipeline × data × tensor parallelism.
+
+One object, always present (all sizes 1 in a single process), built once from the recipe and the launch — the role
+of torchtitan's `ParallelDims`. Everything else asks it instead of computing "world = tp × dp" or testing
+`groups is None`: which data-parallel slice of the batches this rank reads, which ranks hold the loss, which group a
+reduction runs over. A new parallel dimension is a new field here.
+
+Rank order is Megatron's and DeepSpeed's `PipeModelDataParallelTopology` (axes pipe, data, model; model fastest):
+    rank = pp_rank × (dp × tp) + dp_rank × tp + tp_rank
+so the ranks of a tensor-parallel group are consecutive (they exchange activations every layer and should share a
+node), and with pp = 1 this is the layout the TP code has always used.
+
+`check_launch(recipe)` runs before any Accelerator or process group exists, so a launch that cannot give the layout
+is refused with the exact command to use, not with a process-group traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from neox_hf.errors import LaunchError
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int = 1
+    tp: int = 1
+    dp: int = 1
+    pp_rank: int = 0
+    tp_rank: int = 0
+    dp_rank: int = 0
+    tp_group: object = None  # None when tp == 1: no communication
+    dp_group: object = None  # None when dp == 1
+    pp_group: object = None  # None when pp == 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    @property
+    def rank(self) -> int:
+        return global_rank(self.pp_rank, self.dp_rank, self.tp_rank, dp=self.dp, tp=self.tp)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """The ranks that compute (and hold) the loss."""
+        return self.pp_rank == self.pp - 1
+
+    # The names the tensor-parallel code and DeepSpeed's mpu protocol read (formerly `ParallelGroups`).
+    @property
+    def tp_size(self) -> int:
+        return self.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp
+
+    def describe(self) -> str:
+        parts = [f"{self.dp} data-parallel"]
+        if self.tp > 1:
+            parts.append(f"tensor parallel {self.tp}")
+        if self.pp > 1:
+            parts.append(f"{self.pp} pipeline stages")
+        return " × ".join(parts) + f" = {self.world_size} process(es)"
+
+
+def global_rank(pp_rank: int, dp_rank: int, tp_rank: int, *, dp: int, tp: int) -> int:
+    return pp_rank * dp * tp + dp_rank * tp + tp_rank
+
+
+def tp_group_ranks(pp: int, dp: int, tp: int) -> list[list[int]]:
+    return [[global_rank(p, d, t, dp=dp, tp=tp) for t in range(tp)] for p in range(pp) for d in range(dp)]
+
+
+def dp_group_ranks(pp: int, dp: int, tp: int) -> list[list[int]]:
+    return [[global_rank(p, d, t, dp=dp, tp=tp) for d in range(dp)] for p in range(pp) for t in range(tp)]
+
+
+def pp_group_ranks(pp: int, dp: int, tp: int) -> list[list[int]]:
+    return [[global_rank(p, d, t, dp=dp, tp=tp) for p in range(pp)] for d in range(dp) for t in range(tp)]
+
+
+def launch_world_size() -> int:
+    """Processes the launcher started (torchrun / accelerate launch set WORLD_SIZE; plain python: 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def required_model_parallel(parallel) -> int:
+    """Processes one model replica needs: pipeline stages × tensor-parallel ranks."""
+    return parallel.pipeline_parallel * parallel.tensor_parallel
+
+
+def check_launch(recipe, recipe_path: str | None = None) -> None:
+    """Refuse, with the command that works, a launch whose process count cannot hold the recipe's layout.
+
+    On CPU `accelerate launch --num_processes N` without `--use_deepspeed` silently starts ONE process, so a layout
+    that needs N processes arriving with WORLD_SIZE 1 gets the DeepSpeed launch spelled out.
+    """
+    p = recipe.parallel
+    need = required_model_parallel(p)
+    world = launch_world_size()
+    if world % need == 0:
+        return
+    what = " × ".join(f"{name} {size}" for name, size in (("pipeline", p.pipeline_parallel), ("tensor parallel", p.tensor_parallel)) if size > 1)
+    if world == 1:
+        raise LaunchError(
+            f"the recipe's layout ({what}) needs {need} processes (or a multiple), but this is a single process; "
+            f"launch it with: {launch_command(need, recipe_path)}"
+        )
+    raise LaunchError(
+        f"{world} processes cannot hold the recipe's layout ({what} = {need} per model replica): the number of "
+        f"processes must be a multiple of {need}; launch it with: {launch_command(need, recipe_path)}"
+    )
+
+
+def launch_command(num_processes: int, recipe_path: str | None = None) -> str:
+    args = " ".join(sys.argv[1:]) if recipe_path is None else recipe_path
+    return f"accelerate launch --use_deepspeed --num_processes {num_processes} run_clm_neox.py {args}".rstrip()
+
+
+def build_layout(parallel) -> Layout:
+    """This rank's layout; collective when distributed (every rank creates every group, in the same order)."""
+    pp, tp = parallel.pipeline_parallel, parallel.tensor_parallel
+    if not dist.is_initialized():
+        if pp * tp > 1:
+            raise LaunchError(f"pipeline {pp} × tensor parallel {tp} needs a process group; "
+                              f"launch with: {launch_command(pp * tp)}")
+        return Layout()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % (pp * tp):
+        raise LaunchError(f"{world} processes are not a multiple of pipeline {pp} × tensor parallel {tp}; "
+                          f"launch with: {launch_command(pp * tp)}")
+    dp = world // (pp * tp)
+    pp_rank, rest = divmod(rank, dp * tp)
+    dp_rank, tp_rank = divmod(rest, tp)
+    tp_group = _group_containing(rank, tp_group_ranks(pp, dp, tp))
+    dp_group = _group_containing(rank, dp_group_ranks(pp, dp, tp))
+    pp_group = _group_containing(rank, pp_group_ranks(pp, dp, tp))
+    return Layout(pp=pp, tp=tp, dp=dp, pp_rank=pp_rank, tp_rank=tp_rank, dp_rank=dp_rank,
+                  tp_group=tp_group if tp > 1 else None, dp_group=dp_group, pp_group=pp_group if pp > 1 else None)
+
+
+def _group_containing(rank: int, all_ranks: list[list[int]]):
+    # new_group is collective over the whole world, so every rank creates every group, in the same order.
+    mine = None
+    for ranks in all_ranks:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
