@@ -22,13 +22,12 @@ from neox_hf.parallel.tensor_parallel import (
     load_tp_shard_state_dict,
     pad_vocab,
     padded_vocab_size,
-    tp_causal_lm_loss,
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "workers")
 sys.path.insert(0, WORKERS)
-from tp_common import LR, STEPS, batch, tiny_config  # noqa: E402
+from tp_common import LR, STEPS, batch, tiny_config, tp_causal_lm_loss  # noqa: E402
 
 from tests.conftest import free_port  # noqa: E402
 
@@ -181,34 +180,6 @@ def test_vocab_parallel_cross_entropy_equals_cross_entropy_on_gathered_logits(tp
             grad = rank[f"grad_{real_vocab}"]
             assert max_diff(grad[..., :real_vocab], logits.grad) <= TOL
             assert torch.all(grad[..., logits.shape[-1]:] == 0)  # padded columns get no gradient
-
-
-@pytest.fixture(scope="module")
-def tp2_dp2(tmp_path_factory):
-    folder = saved_tiny_model(tmp_path_factory.mktemp("dp_model") / "model")
-    out = tmp_path_factory.mktemp("tp_dp_out")
-    run_torchrun(4, "tp_dp.py", folder, out)
-    return folder, rank_results(out, "tp_dp", 4)
-
-
-def test_tp2_dp2_matches_one_process_with_the_global_batch(tp2_dp2):
-    folder, results = tp2_dp2
-    ref_losses = reference_adamw_losses(stock(folder), *batch(batch_size=4, ignore_some=False))
-    # Megatron layout: consecutive ranks share a TP group.
-    assert [(r["tp_rank"], r["dp_rank"]) for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]
-    for rank in results:
-        assert "must divide the world size 4" in rank["refusal"]
-        assert max(abs(a - b) for a, b in zip(rank["plain_losses"], ref_losses)) <= TOL
-
-
-@pytest.mark.parametrize("driver", ["deepspeed", "accelerate"])
-def test_tp2_dp2_under_deepspeed_zero1_with_our_mpu_matches_one_process(tp2_dp2, driver):
-    folder, results = tp2_dp2
-    ref_losses = reference_adamw_losses(stock(folder), *batch(batch_size=4, ignore_some=False), clip_norm=1.0)
-    for rank in results:
-        ds = rank[driver]
-        assert (ds["dp_world_size"], ds["mp_world_size"]) == (2, 2)
-        assert max(abs(a - b) for a, b in zip(ds["losses"], ref_losses)) <= TOL
 
 
 @pytest.fixture(scope="module")
