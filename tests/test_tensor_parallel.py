@@ -306,3 +306,20 @@ def test_refuses_shapes_that_do_not_split():
 def test_refuses_a_folder_without_safetensors(tmp_path):
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load_tp_shard_state_dict(str(tmp_path), tiny_config(), 0, 2)
+
+
+def test_tp_plan_is_transformers_own_plan_in_our_layer_kinds():
+    from neox_hf.parallel.tp_plan import TP_PLAN, partition_dim, transformers_tp_plan
+
+    assert transformers_tp_plan() == TP_PLAN
+    # Every sharded module's weight is split along the dim its kind implies, and every tensor of a stock model is
+    # covered by the one table (rotary buffers aside).
+    model = GPTNeoXForCausalLM(tiny_config())
+    dims = {k: partition_dim(k) for k in model.state_dict() if "rotary" not in k}
+    assert dims["gpt_neox.layers.0.attention.query_key_value.weight"] == 0
+    assert dims["gpt_neox.layers.1.mlp.dense_4h_to_h.weight"] == 1
+    assert dims["gpt_neox.layers.1.mlp.dense_4h_to_h.bias"] is None
+    assert dims["lm_head.weight"] == dims["gpt_neox.embed_in.weight"] == 0
+    from neox_hf.parallel.tp_plan import split_rule
+
+    assert all(split_rule(k) is not None for k in dims)
