@@ -1,7 +1,7 @@
 """`neox_hf batches`: the global batches of a step range in GPT-NeoX's order, as an int64 array (or text).
 
-    neox_hf batches CONFIG [--data-path PREFIX] [--vocab-file TOKENIZER] --data-parallel N
-                    --start-step S --end-step E --output F.npy [--decode]
+    neox_hf batches CONFIG [--data-path PREFIX] [--vocab-file TOKENIZER] [--order gpt-neox|preshuffled]
+                    --data-parallel N --start-step S --end-step E --output F.npy [--decode]
 
 Row i of the output is sample S × global_batch + i, seq_length + 1 tokens, global_batch = micro batch ×
 accumulation × N: the rows of step s are [(s − S) × global_batch, (s − S + 1) × global_batch). Within a step, the
@@ -25,6 +25,8 @@ def add_batches_arguments(parser) -> None:
     parser.add_argument("--data-path", default=None,
                         help="a .bin/.idx prefix replacing the config's data (GPT-NeoX data_path: split by data.split)")
     parser.add_argument("--vocab-file", default=None, help="tokenizer for --decode (default: the config's)")
+    parser.add_argument("--order", choices=["gpt-neox", "preshuffled"], default=None,
+                        help="gpt-neox (default): GPT-NeoX's index; preshuffled: Pythia's pre-shuffled rows in order")
     parser.add_argument("--data-parallel", type=int, required=True, help="data-parallel size of the run")
     parser.add_argument("--start-step", type=int, required=True)
     parser.add_argument("--end-step", type=int, required=True, help="first step not written")
@@ -32,7 +34,7 @@ def add_batches_arguments(parser) -> None:
     parser.add_argument("--decode", action="store_true", help="also print every row as text")
 
 
-def recipe_for_batches(configs: list[str], data_path: str | None, vocab_file: str | None):
+def recipe_for_batches(configs: list[str], data_path: str | None, vocab_file: str | None, order: str | None = None):
     """The recipe the configs describe, with --data-path / --vocab-file applied and GPT-NeoX's order selected."""
     from neox_hf.neox_yaml import DEFAULT_SPLIT
     from neox_hf.train.args import parse_run_args
@@ -42,8 +44,9 @@ def recipe_for_batches(configs: list[str], data_path: str | None, vocab_file: st
     if data_path is not None:
         data.sources = [_source(data_path)]
         data.split = data.split or DEFAULT_SPLIT
-    if data.order == "stream":
-        data.order = "gpt-neox"
+    data.order = order or ("gpt-neox" if data.order == "stream" else data.order)
+    if data.order == "preshuffled":
+        data.split = None  # the rows are the order; nothing is split
     if vocab_file is not None:
         recipe.tokenizer.path = vocab_file
     if not data.sources:
@@ -79,7 +82,7 @@ def step_batches(recipe, data_parallel: int, start_step: int, end_step: int) -> 
 
 
 def run_batches(args) -> int:
-    recipe = recipe_for_batches(args.config, args.data_path, args.vocab_file)
+    recipe = recipe_for_batches(args.config, args.data_path, args.vocab_file, args.order)
     rows = step_batches(recipe, args.data_parallel, args.start_step, args.end_step)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
