@@ -286,3 +286,28 @@ def test_valid_split_and_epoch_report_follow_gpt_neox(corpus):
     assert len(valid) == 2 and valid[0]["input_ids"].shape == (MICRO, SEQ)
     valid_tokens = set(np.concatenate(docs[bounds[1]:bounds[2]]).tolist())
     assert set(valid[0]["input_ids"].flatten().tolist()) <= valid_tokens
+
+
+@pytest.mark.distributed
+def test_two_processes_build_the_index_once_and_read_their_slices(tmp_path, corpus):
+    """Real data parallelism: rank 0 builds the cache, rank 1 waits and reads it; each reads what `neox_hf batches`
+    lists for it."""
+    import subprocess
+
+    prefix, docs = corpus
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}
+    from conftest import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           os.path.join(os.path.dirname(__file__), "workers", "neox_order_ranks.py"), str(tmp_path), prefix, str(ITERS)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert len(list(tmp_path.glob("corpus_text_document_train_indexmap_*.npy"))) == 3
+    assert not list(tmp_path.glob("*.tmp*"))
+    expected = ref.train_rows(docs, "969,30,1", ITERS, MICRO * ACC * DP, SEQ, 1234)
+    for rank in range(DP):
+        got = np.load(tmp_path / f"neox.rank{rank}.npy")
+        for micro_step in range(ITERS * ACC):
+            step, k = divmod(micro_step, ACC)
+            np.testing.assert_array_equal(got[micro_step], ref.rank_rows(expected, step, k, rank, MICRO, ACC, DP))
