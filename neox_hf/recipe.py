@@ -402,6 +402,12 @@ def _validate_data_order(recipe: Recipe) -> None:
         else:
             _require(c.total_curriculum_step > 0 and c.difficulty_step > 0 and c.root_degree > 0,
                      "`data.curriculum` total_curriculum_step, difficulty_step and root_degree must be > 0")
+        if recipe.parallel.sequence_parallel:
+            tp = recipe.parallel.tensor_parallel
+            lengths = (c.difficulty if c.schedule_type == "fixed_discrete" else [c.difficulty_step, c.max_difficulty])
+            _require(all(x % tp == 0 for x in lengths),
+                     f"`data.curriculum` with sequence parallelism: every length must split over tensor_parallel ({tp}); "
+                     "make difficulty_step / max_difficulty (fixed_discrete: each difficulty) multiples of it")
 
 
 def _validate_sequence_parallel(recipe: Recipe) -> None:

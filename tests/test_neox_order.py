@@ -311,3 +311,47 @@ def test_two_processes_build_the_index_once_and_read_their_slices(tmp_path, corp
         for micro_step in range(ITERS * ACC):
             step, k = divmod(micro_step, ACC)
             np.testing.assert_array_equal(got[micro_step], ref.rank_rows(expected, step, k, rank, MICRO, ACC, DP))
+
+
+def test_curriculum_and_eod_mask_in_the_stream_order_too(tmp_path):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+    from data_common import gsm8k_rows, neox_tokenizer, write_jsonl
+
+    tok = neox_tokenizer()
+    path = write_jsonl(tmp_path / "q.jsonl", [{"text": r["question"]} for r in gsm8k_rows(40)])
+    cfg = recipe_from_dict({"model": {"seq_length": 32}, "data": {
+        "sources": [{"path": str(path)}], "eod_mask_loss": True, "curriculum": {
+            "min_difficulty": 8, "max_difficulty": 32, "schedule_type": "fixed_linear", "total_curriculum_step": 3,
+            "difficulty_step": 8}}}).data
+    loader = build_train_loader(cfg, tok, seq_length=32, micro_batch_size=2, gradient_accumulation_steps=1)
+    batches = [next(loader) for _ in range(4)]
+    assert [b["input_ids"].shape[1] for b in batches] == [16, 24, 32, 32]  # L(t) = floor(t/3 × 24 + 8), multiple of 8
+    assert loader.curriculum_seq_length == 32
+    masked = [b["labels"][b["input_ids"] == tok.eos_token_id] for b in batches]
+    assert sum(len(m) for m in masked) > 0 and all((m == -100).all() for m in masked)
+    resumed = build_train_loader(cfg, tok, seq_length=32, micro_batch_size=2, gradient_accumulation_steps=1)
+    first = build_train_loader(cfg, tok, seq_length=32, micro_batch_size=2, gradient_accumulation_steps=1)
+    next(first)
+    resumed.load_state_dict(first.state_dict())
+    assert torch.equal(next(resumed)["input_ids"], batches[1]["input_ids"])
+
+
+def test_batches_command_on_a_pythia_config_with_preshuffled_rows_and_bad_input(tmp_path, capsys):
+    from conftest import shared
+
+    config = shared("neox-configs/pythia/160M.yml")  # micro batch 32, no accumulation, seq_length 2048
+    rows = np.arange(96 * 2049, dtype=np.int64).reshape(96, 2049) % 50000
+    prefix = write_corpus(tmp_path / "document", list(rows))
+    out = tmp_path / "step2.npy"
+    assert cli_main(["batches", str(config), "--data-path", prefix, "--order", "preshuffled", "--data-parallel", "1",
+                     "--start-step", "2", "--end-step", "3", "--output", str(out)]) == 0
+    np.testing.assert_array_equal(np.load(out), rows[64:96])  # Pythia's batch_viewer: rows [N × batch, (N + 1) × batch)
+    capsys.readouterr()
+    bad = tmp_path / "bad.npy"
+    assert cli_main(["batches", str(config), "--data-path", prefix, "--data-parallel", "1", "--start-step", "3",
+                     "--end-step", "1", "--output", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--start-step" in err and not bad.exists()
+    assert cli_main(["batches", str(config), "--data-parallel", "1", "--start-step", "0", "--end-step", "1",
+                     "--output", str(bad)]) == 2
+    assert "--data-path" in capsys.readouterr().err

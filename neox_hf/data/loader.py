@@ -175,9 +175,11 @@ class DataLoader:
 
     def _chunk(self, docs, carry, rng, flush: bool):
         """(batch makers for this chunk, carry state for the next); makers are lazy so a resume skips cheaply."""
-        if self.cfg.mode == "pack":
-            return self._pack_chunk(docs, carry, rng)
-        return self._pad_chunk(docs, carry, rng, flush)
+        makers, carry = self._pack_chunk(docs, carry, rng) if self.cfg.mode == "pack" else \
+            self._pad_chunk(docs, carry, rng, flush)
+        if self.cfg.eod_mask_loss:
+            makers = [lambda make=make: mask_eod_predictions(make(), self.tokenizer.eos_token_id) for make in makers]
+        return makers, carry
 
     def _pad_chunk(self, docs, carry, rng, flush: bool):
         examples = [(np.asarray(i, np.int64), np.asarray(l, np.int64)) for i, l in (carry or [])]
@@ -223,6 +225,12 @@ class DataLoader:
         real = int(batch["attention_mask"].sum()) if "attention_mask" in batch else total
         self.stats["real_tokens"] += real
         self.stats["padded_tokens"] += total - real
+
+
+def mask_eod_predictions(batch: dict, eod_id: int) -> dict:
+    """GPT-NeoX's `eod_mask_loss`: no loss on the prediction made from an EOD input position."""
+    batch["labels"][batch["input_ids"] == eod_id] = padding.IGNORE_INDEX
+    return batch
 
 
 def _check_batching(cfg: DataConfig, tokenizer, max_length: int, micro_batch_size: int, seq_length: int) -> None:

@@ -279,6 +279,7 @@ class GPT2Samples:
         return min(len(self.shuffle_idx) - 1, len(self.sample_idx) - 1)
 
     def __getitem__(self, i: int):
+        j = i
         try:
             j = int(self.shuffle_idx[i])
             (doc_f, off_f), (doc_l, off_l) = self.sample_idx[j].tolist(), self.sample_idx[j + 1].tolist()
