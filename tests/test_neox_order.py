@@ -70,6 +70,16 @@ def train_loader(cfg, rank, start_step=0, dp=DP, acc=ACC):
                               seed=cfg.seed, gradient_accumulation_steps=acc, train_iters=ITERS, start_step=start_step)
 
 
+def write_neox_config(tmp_path, prefix, seed) -> str:
+    """The same run as a GPT-NeoX config (flat keys, Python literals) naming its data_path and split."""
+    path = tmp_path / f"neox{seed}.yml"
+    path.write_text(f'{{"num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq-length": {SEQ},\n'
+                    f' "max-position-embeddings": {SEQ}, "train-iters": {ITERS}, "train_micro_batch_size_per_gpu": {MICRO},\n'
+                    f' "gradient_accumulation_steps": {ACC}, "data-path": "{prefix}", "split": "969,30,1",\n'
+                    f' "seed": {seed}, "tokenizer_type": "HFTokenizer",}}\n')
+    return str(path)
+
+
 def write_recipe(tmp_path, prefix, seed, **data) -> str:
     recipe = {"model": {"seq_length": SEQ},
               "train": {"train_iters": ITERS, "micro_batch_size": MICRO, "gradient_accumulation_steps": ACC},
@@ -94,10 +104,20 @@ def test_batches_command_and_loader_match_the_reference_row_for_row(tmp_path, co
     tokens = sum(len(d) for d in docs[:split_document_ranges("969,30,1", len(docs))[1]])
     assert ref.num_epochs(tokens, SEQ, ITERS * 8) == 2  # the corpus is read twice, shuffled together
     out = tmp_path / "steps.npy"
-    assert cli_main(["batches", write_recipe(tmp_path, prefix, seed), "--data-parallel", str(DP), "--start-step", "0",
+    config = write_recipe(tmp_path, prefix, seed) if seed == 1234 else write_neox_config(tmp_path, prefix, seed)
+    assert cli_main(["batches", config, "--data-parallel", str(DP), "--start-step", "0",
                      "--end-step", str(ITERS), "--output", str(out)]) == 0
     rows = np.load(out)
     assert rows.dtype == np.int64 and rows.shape == (ITERS * 8, SEQ + 1)
+    # the cache holds GPT-NeoX's arrays in its dtypes (int32 doc index, int32 sample index while small, uint32 shuffle)
+    stem = f"{prefix}_train_indexmap_{ITERS * 8}ns_{SEQ}sl_{seed}s_packedpi_ac"
+    sizes = np.array([len(d) for d in docs], dtype=np.int32)
+    want = ref.index(sizes, np.arange(split_document_ranges("969,30,1", len(docs))[1], dtype=np.int32), ITERS * 8,
+                     SEQ, seed)
+    for kind, array, dtype in zip(("doc", "sample", "shuffle"), want, (np.int32, np.int32, np.uint32)):
+        cached = np.load(f"{stem}_{kind}_idx.npy")
+        assert cached.dtype == dtype
+        np.testing.assert_array_equal(cached, array)
     np.testing.assert_array_equal(rows, expected)
     partial = tmp_path / "steps3to5.npy"
     assert cli_main(["batches", write_recipe(tmp_path, prefix, seed), "--data-parallel", str(DP), "--start-step", "3",
