@@ -5,6 +5,9 @@
     padding.py   dynamic padding, length bucketing, token budgets
     packing.py   GPT-NeoX windows, document-isolated packing, the epoch arithmetic
     loader.py    buffers → batches, infinite epochs, exact resume; the train loop's entry points
+    neox_order.py  GPT-NeoX's exact sample order (split, index mappings and their caches, blending, per-rank slices)
+    curriculum.py  sequence-length curriculum (DeepSpeed's scheduler) applied to batches
+    files.py     plain / .gz / .zst file opening shared by sources and the .bin/.idx writer
 """
 
 from neox_hf.data.indexed import IndexedDataset, write_indexed_dataset

@@ -278,6 +278,12 @@ class GPT2Samples:
     def __len__(self) -> int:
         return min(len(self.shuffle_idx) - 1, len(self.sample_idx) - 1)
 
+    def describe(self) -> str:
+        docs = self.spec.documents[1] - self.spec.documents[0]
+        epochs = f"{len(self.doc_idx) // docs} epoch(s) of " if self.spec.pack_impl == "packed" else ""
+        return (f"{self.spec.name}: {self.spec.num_samples:,} samples from {epochs}{docs:,} documents "
+                f"(index {self.spec.files()['doc'].name[:-len('_doc_idx.npy')]}_*.npy)")
+
     def __getitem__(self, i: int):
         j = i
         try:
@@ -318,6 +324,9 @@ class BlendedSamples:
     def __len__(self) -> int:
         return len(self.dataset_index)
 
+    def describe(self) -> str:
+        return "; ".join(d.describe() for d in self.datasets)
+
     def __getitem__(self, i: int):
         return self.datasets[int(self.dataset_index[i])][int(self.sample_index[i])]
 
@@ -336,6 +345,9 @@ class RowSamples:
 
     def __len__(self) -> int:
         return len(self.data)
+
+    def describe(self) -> str:
+        return f"{len(self.data):,} pre-shuffled rows of {self.data.bin_path}, read in order"
 
     def __getitem__(self, i: int):
         return np.asarray(self.data.get(i), dtype=np.int64), None
@@ -489,6 +501,10 @@ class NeoXOrderLoader:
 
     def __iter__(self) -> "NeoXOrderLoader":
         return self
+
+    def describe(self) -> str:
+        """One line for the start-up report: GPT-NeoX's sample counts, epochs and index files."""
+        return f"data order {self.fingerprint['order']}: {self.samples.describe()}"
 
     def __next__(self) -> dict:
         ids = self.layout.rank_sample_ids(self.micro_step, self.dp_rank, len(self.samples))
