@@ -383,7 +383,8 @@ def _validate_data_order(recipe: Recipe) -> None:
                      f"`data.order: {d.order}` reads GPT-NeoX .bin/.idx prefixes; source `{s.path}` is not one "
                      "(tokenize it with `neox_hf preprocess`, or use `data.order: stream`)")
     if d.split is not None:
-        _require(d.order == "gpt-neox", "`data.split` splits documents as GPT-NeoX does; it needs `data.order: gpt-neox`")
+        _require(d.order == "gpt-neox", "`data.split` splits documents as GPT-NeoX does; it needs `data.order: gpt-neox` "
+                                         "(or remove it: `--data.split null`, and hold out with data.validation_fraction)")
     for s in d.sources + d.validation:
         _require(s.label_path is None or d.order == "gpt-neox",
                  f"data source `{s.path}`: `label_path` needs `data.order: gpt-neox`")

@@ -21,7 +21,8 @@ from neox_hf.cli import main as cli_main  # noqa: E402
 from neox_hf.data import build_eval_loader, build_train_loader, tokens_per_epoch  # noqa: E402
 from neox_hf.data.indexed import IndexedDataset, index_bytes  # noqa: E402
 from neox_hf.data.neox_order import (BatchLayout, IndexSpec, blending_indices, build_index,  # noqa: E402
-                                     normalized_weights_and_num_samples, split_document_ranges, split_samples)
+                                     normalized_weights_and_num_samples, split_document_ranges, split_samples,
+                                     weights_by_num_documents)
 from neox_hf.errors import DataError, RecipeError  # noqa: E402
 from neox_hf.neox_yaml import translate_neox_args  # noqa: E402
 from neox_hf.recipe import recipe_from_dict  # noqa: E402
@@ -199,6 +200,9 @@ def test_blending_weights_give_gpt_neox_counts_and_order(tmp_path):
     idx, sample = blending_indices([0.5, 0.3, 0.2], 1000)
     assert np.bincount(idx).tolist() == [500, 300, 200]
     assert all(sample[idx == d].tolist() == list(range(n)) for d, n in enumerate([500, 300, 200]))
+    assert weights_by_num_documents([40, 30], 1.0) == pytest.approx([0.5, 0.5])  # p(1 - p) is symmetric
+    low = weights_by_num_documents([900, 100], 0.3)  # alpha < 1 lifts the small corpus above its 10%
+    assert low[1] > 0.1 and sum(low) == pytest.approx(1.0)
     docs_weighted = recipe_from_dict({"model": {"seq_length": SEQ}, "data": {
         "order": "gpt-neox", "weight_by_num_documents": True, "weighted_sampler_alpha": 0.3,
         "sources": [{"path": a}, {"path": b}]}}).data
