@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import neox_order_reference as ref  # noqa: E402
 
 from neox_hf.cli import main as cli_main  # noqa: E402
-from neox_hf.data import build_eval_loader, build_train_loader, tokens_per_epoch  # noqa: E402
+from neox_hf.data import build_eval_loader, build_neox_valid_loader, build_train_loader, tokens_per_epoch  # noqa: E402
 from neox_hf.data.indexed import IndexedDataset, index_bytes  # noqa: E402
 from neox_hf.data.neox_order import (BatchLayout, IndexSpec, blending_indices, build_index,  # noqa: E402
                                      normalized_weights_and_num_samples, split_document_ranges, split_samples,
@@ -310,6 +310,14 @@ def test_valid_split_and_epoch_report_follow_gpt_neox(corpus):
     assert len(valid) == 2 and valid[0]["input_ids"].shape == (MICRO, SEQ)
     valid_tokens = set(np.concatenate(docs[bounds[1]:bounds[2]]).tolist())
     assert set(valid[0]["input_ids"].flatten().tolist()) <= valid_tokens
+    args = dict(seq_length=SEQ, micro_batch_size=MICRO, gradient_accumulation_steps=ACC, train_iters=ITERS,
+                eval_interval=4, eval_iters=1)
+    stream = build_neox_valid_loader(cfg, Tok(), **args)
+    assert torch.equal(next(stream)["input_ids"], valid[0]["input_ids"])
+    every = [next(stream)["input_ids"] for _ in range(4)]
+    resumed = build_neox_valid_loader(cfg, Tok(), iteration=6, **args)  # (6 × 2) // 4 × 1 = micro-batch 3
+    assert torch.equal(next(resumed)["input_ids"], every[2])
+    assert build_neox_valid_loader(data_cfg(prefix, split="1"), Tok(), **args) is None
 
 
 @pytest.mark.distributed

@@ -337,6 +337,24 @@ def build_eval_loader(data_cfg: DataConfig, tokenizer, *, seq_length: int, micro
     return list(islice(loader, max_batches))
 
 
+def build_neox_valid_loader(data_cfg: DataConfig, tokenizer, *, seq_length: int, micro_batch_size: int,
+                            gradient_accumulation_steps: int, train_iters: int, eval_interval: int, eval_iters: int,
+                            dp_rank: int = 0, dp_size: int = 1, iteration: int = 0):
+    """GPT-NeoX's validation stream for `data.order: gpt-neox` (None without a valid split): an endless loader of
+    this rank's valid micro-batches; GPT-NeoX's evaluation takes `eval_iters × gradient_accumulation_steps` of them
+    each time, carrying on where the last one stopped, and a run resumed at `iteration` starts at micro-batch
+    `(iteration × accumulation) // eval_interval × eval_iters` (GPT-NeoX's shift_and_wrap_data_loaders)."""
+    if data_cfg.order == "stream" or (data_cfg.split is None and not data_cfg.validation):
+        return None
+    loader = _neox_order_loader(data_cfg, tokenizer, "valid", seq_length=seq_length, micro_batch_size=micro_batch_size,
+                                dp_rank=dp_rank, dp_size=dp_size, seed=data_cfg.seed,
+                                accumulation=gradient_accumulation_steps, train_iters=train_iters,
+                                eval_interval=eval_interval, eval_iters=eval_iters)
+    if loader is not None:
+        loader.micro_step = (iteration * gradient_accumulation_steps) // eval_interval * eval_iters
+    return loader
+
+
 CHEAP_COUNT_BYTES = 16 * 2**20  # ~4M tokens, ~20 s of tokenizing on 2 cores; above that None, not a guess
 
 
