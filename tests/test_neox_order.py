@@ -264,8 +264,10 @@ def test_curriculum_lengths_follow_the_schedule(corpus, schedule, expected):
     loader = train_loader(cfg, 0)
     widths, logged = [], []
     for _ in range(6 * ACC):
-        widths.append(next(loader)["input_ids"].shape[1])
-        logged.append(loader.curriculum_seq_length)
+        batch = next(loader)
+        widths.append(batch["input_ids"].shape[1])
+        logged.append(batch["curriculum_seq_length"])
+        assert loader.curriculum_seq_length == batch["curriculum_seq_length"]
     assert widths[::ACC] == widths[1::ACC] == logged[::ACC] == expected
     resumed = train_loader(cfg, 0, start_step=3)
     assert next(resumed)["labels"].shape[1] == expected[3]

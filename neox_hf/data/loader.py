@@ -261,7 +261,7 @@ def build_train_loader(data_cfg: DataConfig, tokenizer, *, seq_length: int, micr
 
     `data.order: gpt-neox` / `preshuffled` give GPT-NeoX's samples (`neox_order`): they need `train_iters` and
     `gradient_accumulation_steps` (the index holds train_iters × global batch samples) and start at `start_step`.
-    Under `data.curriculum` the loader's `curriculum_seq_length` is the length of the batch it last gave."""
+    Under `data.curriculum` every batch carries `batch["curriculum_seq_length"]` (an int), for the step log."""
     if not data_cfg.sources:
         raise DataError("data.sources is empty: add at least one `- path: ...` under data.sources")
     curriculum = _curriculum(data_cfg)

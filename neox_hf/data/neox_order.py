@@ -489,7 +489,7 @@ STATE_VERSION = 1
 class NeoXOrderLoader:
     """This rank's micro-batches in GPT-NeoX's order, from step `start_step` on; resumable by position alone.
 
-    `curriculum_seq_length` is the sequence length of the last batch under a curriculum (None without one)."""
+    Under a curriculum every batch carries `curriculum_seq_length` (also the loader attribute: the last batch's)."""
 
     def __init__(self, samples, layout: BatchLayout, dp_rank: int, *, eod_id: Optional[int], eod_mask_loss: bool,
                  fingerprint: dict, curriculum=None, start_step: int = 0):
@@ -535,5 +535,9 @@ class NeoXOrderLoader:
 
 
 def truncate_batch(batch: dict, length: int) -> dict:
-    """Every [batch, seq] tensor cut to its first `length` positions (GPT-NeoX's seqlen curriculum)."""
-    return {k: (v[:, :length].contiguous() if getattr(v, "dim", lambda: 0)() == 2 else v) for k, v in batch.items()}
+    """Every [batch, seq] tensor cut to its first `length` positions (GPT-NeoX's seqlen curriculum), and the length
+    recorded as `batch["curriculum_seq_length"]` (a plain int: the loop logs it for the batch it consumed, which a
+    prefetching loop cannot read from the loader, already ahead)."""
+    cut = {k: (v[:, :length].contiguous() if getattr(v, "dim", lambda: 0)() == 2 else v) for k, v in batch.items()}
+    cut["curriculum_seq_length"] = length
+    return cut
