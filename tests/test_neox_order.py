@@ -235,6 +235,9 @@ def test_labels_eod_mask_and_unpacked_samples(tmp_path):
     overflow = data_cfg(prefix, split="1", pack_impl="pack_until_overflow", allow_chopped=False)
     rows = next(train_loader(overflow, 0, dp=1, acc=1))["input_ids"]
     assert rows.shape == (MICRO, SEQ)
+    long_docs = write_corpus(tmp_path / "long", [np.arange(1, SEQ + 5)] * 3)
+    with pytest.raises(DataError, match="every document is skipped"):
+        train_loader(data_cfg(long_docs, split="1", pack_impl="unpacked", allow_chopped=False), 0, dp=1, acc=1)
 
 
 def test_preshuffled_rows_are_read_in_row_order(tmp_path):

@@ -161,11 +161,12 @@ def _pack_until_overflow(documents, sizes, labels, num_samples, seq_length, allo
     order = np.arange(len(documents))
     rng.shuffle(order)
     sample_idx, doc_idx = [], []
-    running, cursor = 0, 0
+    running, cursor, skipped = 0, 0, 0
     while len(sample_idx) < num_samples:
         doc = int(order[cursor])
         skip = (not allow_chopped and sizes[doc] > seq_length + 1) or (
             labels is not None and np.all(labels.get(doc)[: seq_length + 1] == -100))
+        skipped = _count_skip(skipped, skip, len(documents))
         if not skip:
             length = int(sizes[doc])
             if running == 0 or running + length > seq_length + 1:
@@ -188,14 +189,24 @@ def _unpacked(documents, sizes, labels, num_samples, seq_length, allow_chopped, 
     rng.shuffle(shuffle_idx)
     sample_idx = np.zeros((num_samples + 1, 2), dtype=np.int64)
     sample_idx[:, 0] = np.arange(num_samples + 1)
-    doc_idx, doc = [], 0
+    doc_idx, doc, skipped = [], 0, 0
     while len(doc_idx) <= num_samples:
         skip = (not allow_chopped and sizes[doc] > seq_length + 1) or (
             labels is not None and np.all(labels.get(doc)[:seq_length] == -100))
+        skipped = _count_skip(skipped, skip, len(documents))
         if not skip:
             doc_idx.append(doc)
         doc = (doc + 1) % len(documents)
     return np.asarray(doc_idx, dtype=np.int64), sample_idx, shuffle_idx
+
+
+def _count_skip(skipped: int, skip: bool, num_documents: int) -> int:
+    """Consecutive skipped documents; a whole pass of them would loop forever (GPT-NeoX hangs there)."""
+    skipped = skipped + 1 if skip else 0
+    if skipped > num_documents:
+        raise DataError("every document is skipped (longer than seq_length + 1 with allow_chopped: false, or labels "
+                        "all -100): no sample can be built; allow chopping or check the label data")
+    return skipped
 
 
 @dataclass(frozen=True)
@@ -233,8 +244,6 @@ def build_index(spec: IndexSpec, sizes: np.ndarray, labels: Optional[IndexedData
         sample_idx = build_sample_idx(np.asarray(sizes, np.int32), doc_idx, spec.seq_length, epochs, tokens_per_epoch)
         return doc_idx, sample_idx, build_shuffle_idx(len(sample_idx) - 1, rng), epochs
     build = _pack_until_overflow if spec.pack_impl == "pack_until_overflow" else _unpacked
-    if not spec.allow_chopped and not np.any(sizes[documents] <= spec.seq_length + 1):
-        raise DataError(f"{spec.prefix}: allow_chopped: false but every document is longer than seq_length + 1")
     return (*build(documents, sizes, labels, spec.num_samples, spec.seq_length, spec.allow_chopped, rng), None)
 
 
