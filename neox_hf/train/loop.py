@@ -48,8 +48,10 @@ def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
         model = wrap_with_peft(model, recipe.peft)  # before prepare: only adapter weights reach the optimizer
         accelerator.print(trainable_parameters_report(model))
     model, optimizer = parallelize(model, layout, recipe, accelerator)
-    data_args = dict(seq_length=recipe.model.seq_length, micro_batch_size=recipe.train.micro_batch_size,
-                     dp_rank=layout.dp_rank, dp_size=layout.dp)
+    t = recipe.train
+    data_args = dict(seq_length=recipe.model.seq_length, micro_batch_size=t.micro_batch_size, dp_rank=layout.dp_rank,
+                     dp_size=layout.dp, gradient_accumulation_steps=t.gradient_accumulation_steps,
+                     train_iters=t.train_iters, eval_interval=t.eval_interval, eval_iters=t.eval_iters)
     loader = build_train_loader(recipe.data, tokenizer, seed=recipe.data.seed, **data_args)
     eval_batches = build_eval_loader(recipe.data, tokenizer, max_batches=recipe.train.eval_iters, **data_args)
     scheduler = build_lr_scheduler(optimizer, recipe.train)
@@ -137,7 +139,8 @@ def run_steps(run: TrainingRun, state: TrainState, history: History | None = Non
             micro_batches = [_to_device(next(batches), run.accelerator.device) for _ in range(t.gradient_accumulation_steps)]
             result = train_step(run, micro_batches)
             lr = _advance_schedule(run, state, result)
-            step_log.record(result, lr, data_wait=batches.take_wait())
+            step_log.record(result, lr, data_wait=batches.take_wait(),
+                            seq_length=micro_batches[0].get("curriculum_seq_length"))
             progress.update(1)
             if _due(state.step, t.log_interval) or state.step == t.train_iters:
                 progress.set_postfix(step_log.flush())
@@ -177,11 +180,11 @@ class StepLogger:
 
     def __init__(self, run: TrainingRun, state: TrainState, history: History):
         self.run, self.state, self.history = run, state, history
-        self.pending: list[tuple[int, StepResult, float, float]] = []
+        self.pending: list[tuple[int, StepResult, float, float, int | None]] = []
         self.window_start = time.perf_counter()
 
-    def record(self, result: StepResult, lr: float, data_wait: float) -> None:
-        self.pending.append((self.state.step, result, lr, data_wait))
+    def record(self, result: StepResult, lr: float, data_wait: float, seq_length: int | None = None) -> None:
+        self.pending.append((self.state.step, result, lr, data_wait, seq_length))
 
     def flush(self) -> dict:
         if not self.pending:
@@ -189,9 +192,9 @@ class StepLogger:
         accelerator = self.run.accelerator
         values = torch.stack([torch.stack([r.loss.double(), r.tokens.double(), r.samples.double(),
                                            (r.grad_norm if r.grad_norm is not None else torch.tensor(float("nan"))).double().to(r.loss.device)])
-                              for _, r, _, _ in self.pending]).tolist()
+                              for _, r, _, _, _ in self.pending]).tolist()
         entries = []
-        for (step, result, lr, wait), (loss, tokens, samples, grad_norm) in zip(self.pending, values):
+        for (step, result, lr, wait, seq_length), (loss, tokens, samples, grad_norm) in zip(self.pending, values):
             self.state.consumed_tokens += int(tokens)
             self.state.consumed_samples += int(samples)
             self.history.train_losses.append(loss)
@@ -199,6 +202,8 @@ class StepLogger:
                      "consumed_tokens": self.state.consumed_tokens, "data_wait_s": round(wait, 6)}
             if result.grad_norm is not None:
                 entry["grad_norm"] = grad_norm
+            if seq_length is not None:
+                entry["curriculum_seq_length"] = seq_length  # GPT-NeoX's seqlen curriculum: this step's length
             scale = loss_scale(accelerator, self.run.model)
             if scale is not None:
                 entry.update(skipped=result.skipped, loss_scale=scale)
@@ -307,7 +312,9 @@ def startup_report(run: TrainingRun, notices: list[str]) -> str:
         f"{global_batch} samples/step, mode {recipe.data.mode}, seq_length {m.seq_length}, {t.train_iters} steps; "
         f"loss weighted per {'token' if t.loss_normalization == 'token' else 'micro-batch (GPT-NeoX)'}",
     ]
-    if recipe.data.mode == "pack":
+    if hasattr(run.loader, "describe"):
+        lines.append(run.loader.describe())
+    elif recipe.data.mode == "pack":
         epoch_tokens = tokens_per_epoch(recipe.data, run.tokenizer)
         num_samples = t.train_iters * global_batch
         if epoch_tokens:
