@@ -11,9 +11,8 @@ import sys
 
 import pytest
 import torch
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from tests.conftest import REPO, accelerate_launch_command
+from tests.conftest import REPO, accelerate_launch_command, save_tiny_gpt_neox
 from tests.test_resume import step_losses
 
 WORKER = REPO / "tests" / "workers" / "dp_equivalence.py"
@@ -21,12 +20,7 @@ WORKER = REPO / "tests" / "workers" / "dp_equivalence.py"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    config = GPTNeoXConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           intermediate_size=256, max_position_embeddings=64)
-    folder = tmp_path_factory.mktemp("dp_model")
-    GPTNeoXForCausalLM(config).save_pretrained(folder)
-    return folder
+    return save_tiny_gpt_neox(tmp_path_factory.mktemp("dp_model"))
 
 
 def _env():
