@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from tests.conftest import REPO, accelerate_launch_command, save_tiny_gpt_neox
 from tests.test_resume import step_losses
