@@ -9,6 +9,7 @@
     neox_hf merge BASE ADAPTER OUT                   LoRA adapter merged into a plain GPTNeoX folder
     neox_hf eval MODEL --data FILE                   loss / perplexity
     neox_hf generate MODEL --prompt ...              text generation
+    neox_hf plot OUT                                 OUT/run.png from OUT/train_log.jsonl
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ _COMMANDS = {
     "merge": ("neox_hf.finetune", "add_merge_arguments", "run_merge", "merge a LoRA adapter into its base model"),
     "eval": ("neox_hf.evaluation", "add_eval_arguments", "run_eval", "loss and perplexity of a model on a file"),
     "generate": ("neox_hf.generation", "add_generate_arguments", "run_generate", "generate text with a model"),
+    "plot": ("neox_hf.plot", "add_plot_arguments", "run_plot", "draw OUT/run.png: losses, LR, tokens/s, lm-eval scores"),
 }
 
 

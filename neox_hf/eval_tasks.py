@@ -21,9 +21,13 @@ to the process group timeout (NCCL's default is 10 minutes).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import random
 from pathlib import Path
 
+import numpy as np
+import torch
 import yaml
 
 from neox_hf.errors import RecipeError
@@ -50,10 +54,13 @@ def run_eval_tasks(model, tokenizer, tasks: list[str], *, batch_size: int = 8, l
     was_training = model.training
     model.eval()
     try:
-        with _quiet_lm_eval():
+        with _quiet_lm_eval(), _rng_state_kept():
             lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+            # No global reseeding (its defaults would reset torch/numpy/random mid-training); few-shot sampling keeps
+            # lm-eval's own fixed seed, so scores are comparable across steps and with `lm_eval` on a saved folder.
             results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
-                                              log_samples=False, bootstrap_iters=0, verbosity="ERROR")
+                                              log_samples=False, bootstrap_iters=0, random_seed=None,
+                                              numpy_random_seed=None, torch_random_seed=None)
     finally:
         model.train(was_training)
     return scores_from_results(results["results"])
@@ -88,6 +95,21 @@ def scores_from_results(results: dict) -> dict[str, float]:
             suffix = "" if filter_name in ("", "none") else f"[{filter_name}]"
             scores[f"{task}/{metric}{suffix}"] = float(value)
     return scores
+
+
+@contextlib.contextmanager
+def _rng_state_kept():
+    """Training randomness (dropout, sampling) continues after an evaluation as if it had not happened."""
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 class _quiet_lm_eval:

@@ -22,6 +22,7 @@ from neox_hf.interop.hf_folder import save_hf_folder
 from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, load_tokenizer, padded_vocab_size
 from neox_hf.model import NeoXConfig, NeoXForCausalLM, config_from_recipe
 from neox_hf.parallel.accelerator import build_accelerator, uses_deepspeed
+from neox_hf.plot import write_run_plot
 from neox_hf.parallel.tensor_parallel import (
     DeepSpeedMPU,
     VocabParallelLMHead,
@@ -36,6 +37,8 @@ from neox_hf.parallel.tensor_parallel import (
 from neox_hf.recipe import Recipe
 from neox_hf.train.checkpoint import TrainState, find_resume_checkpoint, load_checkpoint, save_checkpoint
 from neox_hf.train.schedule import build_lr_scheduler
+from neox_hf.train.run_log import record_evaluation
+from neox_hf.trackers import init_tracker_kwargs, tracker_names
 
 
 @dataclass
@@ -49,7 +52,7 @@ class RunResult:
 
 def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
     """Run the recipe end to end; return where the model went and the losses seen."""
-    accelerator = build_accelerator(recipe, log_with="tensorboard" if recipe.output.tensorboard else None)
+    accelerator = build_accelerator(recipe, log_with=tracker_names(recipe) or None)
     _set_seed(recipe.train.seed)
     check_peft_recipe(recipe)
     tokenizer = load_tokenizer(recipe.tokenizer.path, eos_token=recipe.tokenizer.eos_token, pad_token=recipe.tokenizer.pad_token)
@@ -77,17 +80,19 @@ def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
         accelerator.print(f"resumed from {resume_from} at step {state.step}")
     if accelerator.is_main_process:
         _print_startup_report(accelerator, recipe, model, tokenizer, notices or [], dp_size)
-    if recipe.output.tensorboard:
-        accelerator.init_trackers("neox_hf")
+    if tracker_names(recipe):
+        accelerator.init_trackers(**init_tracker_kwargs(recipe))
     initial_eval = evaluate(accelerator, model, eval_batches) if eval_batches and state.step == 0 else None
     if initial_eval is not None:
         accelerator.print(f"step 0: eval loss {initial_eval:.4f}")
+        record_evaluation(accelerator, recipe.output.dir, 0, initial_eval, {})
     pusher = _hub_pusher(recipe) if accelerator.is_main_process else None
     run = TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, tokenizer, groups, pusher)
     result = run_steps(run, state)
     if initial_eval is not None:
         result.eval_losses.insert(0, (0, initial_eval))
     final_eval = evaluate(accelerator, model, eval_batches) if eval_batches else None
+    record_evaluation(accelerator, recipe.output.dir, state.step, final_eval, _eval_task_scores(run))
     if final_eval is not None:
         result.eval_losses.append((state.step, final_eval))
         accelerator.print(f"final eval loss {final_eval:.4f}  perplexity {math.exp(min(final_eval, 50)):.2f}")
@@ -96,6 +101,7 @@ def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
     else:
         out = save_final_model(accelerator, model, tokenizer, recipe, groups)
     if accelerator.is_main_process:
+        write_run_plot(recipe.output.dir)
         _write_card(accelerator, recipe, model, state, final_eval, Path(recipe.output.dir))
         if pusher is not None:
             pusher.push_final(recipe.output.dir)
@@ -308,11 +314,12 @@ def run_steps(run: TrainingRun, state: TrainState) -> _StepLog:
             progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", lr=f"{metrics['train/lr']:.2e}")
             accelerator.log(metrics, step=state.step)
             window_loss, window_tokens, window_start = 0.0, 0, time.perf_counter()
-        if eval_batches and state.step % t.eval_interval == 0 and state.step < t.train_iters:
-            eval_loss = evaluate(accelerator, model, eval_batches)
-            log.eval_losses.append((state.step, eval_loss))
-            accelerator.log({"eval/loss": eval_loss, "eval/perplexity": math.exp(min(eval_loss, 50))}, step=state.step)
-            accelerator.print(f"step {state.step}: eval loss {eval_loss:.4f}")
+        if (eval_batches or t.eval_tasks) and state.step % t.eval_interval == 0 and state.step < t.train_iters:
+            eval_loss = evaluate(accelerator, model, eval_batches) if eval_batches else None
+            if eval_loss is not None:
+                log.eval_losses.append((state.step, eval_loss))
+                accelerator.print(f"step {state.step}: eval loss {eval_loss:.4f}")
+            record_evaluation(accelerator, recipe.output.dir, state.step, eval_loss, _eval_task_scores(run))
         if t.save_interval and state.step % t.save_interval == 0:
             save_checkpoint(accelerator, output_dir=recipe.output.dir, state=state, scheduler=scheduler, data_loader=loader,
                             keep_last_n=t.keep_last_n, model_config=accelerator.unwrap_model(model).config,
@@ -321,6 +328,16 @@ def run_steps(run: TrainingRun, state: TrainState) -> _StepLog:
                 _push_step_folder(run, state)
     progress.close()
     return log
+
+
+def _eval_task_scores(run: TrainingRun) -> dict[str, float]:
+    """lm-eval scores of the in-training model (main process; `{}` elsewhere or without train.eval_tasks)."""
+    if not run.recipe.train.eval_tasks:
+        return {}
+    from neox_hf.eval_tasks import eval_tasks_in_training
+
+    return eval_tasks_in_training(run.accelerator, run.model, run.tokenizer, run.recipe.train.eval_tasks,
+                                  groups=run.groups, batch_size=run.recipe.train.micro_batch_size)
 
 
 def _step_was_skipped(accelerator, model) -> bool:
@@ -346,7 +363,7 @@ def _append_step_log(output_dir, state: TrainState, loss: float, lr: float, skip
     path = Path(output_dir) / "train_log.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     entry = {"step": state.step, "loss": loss, "lr": lr, "consumed_samples": state.consumed_samples,
-             "consumed_tokens": state.consumed_tokens}
+             "consumed_tokens": state.consumed_tokens, "time": time.time()}
     if loss_scale is not None:
         entry.update(skipped=skipped, loss_scale=loss_scale)
     with path.open("a") as log_file:
