@@ -39,7 +39,8 @@ def _add_convert_neox(parser):
     parser.add_argument("--config", action="append", required=True,
                         help="a GPT-NeoX YAML file it was trained with (repeat --config for several, merged as GPT-NeoX does)")
     parser.add_argument("out", help="output HF folder")
-    parser.add_argument("--tokenizer", default=None, help="tokenizers JSON / HF folder (default: the config's vocab_file)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizers JSON / HF folder (default: the config's vocab_file; without either, the "
+                             "vocabulary size comes from the checkpoint and no tokenizer files are written)")
     parser.add_argument("--trust-pickle", action="store_true",
                         help="allow full unpickling (RNG state, args) for checkpoint files you trust")
 
@@ -47,7 +48,11 @@ def _add_convert_neox(parser):
 def _run_convert_neox(args) -> int:
     from neox_hf.interop.convert import convert_neox_checkpoint
 
-    out = convert_neox_checkpoint(args.checkpoint, args.config, args.out, tokenizer_path=args.tokenizer, trust_pickle=args.trust_pickle)
+    notices: list[str] = []
+    out = convert_neox_checkpoint(args.checkpoint, args.config, args.out, tokenizer_path=args.tokenizer,
+                                  trust_pickle=args.trust_pickle, notices=notices)
+    for notice in notices:
+        print(f"note: {notice}")
     print(f"converted {args.checkpoint} → {out}")
     return 0
 
