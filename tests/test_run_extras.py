@@ -168,3 +168,22 @@ def test_plot_command_draws_run_png_and_refuses_a_folder_without_log(tmp_path, c
     assert tokens_per_second(read_run_log(tmp_path)) == [(s, 512.0) for s in range(2, 11)]
     assert main(["plot", str(tmp_path / "nothing")]) == 2
     assert "train_log.jsonl not found" in capsys.readouterr().err
+
+
+def test_gpt_neox_logging_and_eval_task_keys_translate(tmp_path):
+    from neox_hf.neox_yaml import load_neox_recipe_dict
+
+    config = tmp_path / "neox.yml"
+    config.write_text('{"num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "use-wandb": True,\n'
+                      ' "wandb-project": "pythia", "wandb_group": "run-7", "wandb-team": "eleuther",\n'
+                      ' "tensorboard-dir": "./tensorboard", "eval-tasks": ["lambada_openai", "piqa"]}\n')
+    translation = load_neox_recipe_dict([config])
+    recipe = recipe_from_dict(translation.recipe)
+    assert recipe.output.report_to == ["wandb"] and recipe.output.project == "pythia"
+    assert recipe.output.run_name == "run-7" and recipe.output.tensorboard
+    assert tracker_names(recipe) == ["wandb", "tensorboard"]
+    assert recipe.train.eval_tasks == ["lambada_openai", "piqa"]
+    notices = "\n".join(translation.notices)
+    assert "tensorboard_dir: ./tensorboard → TensorBoard on" in notices
+    no_effect = next(n for n in translation.notices if n.startswith("no effect"))
+    assert "wandb_team" in no_effect and "use_wandb" not in no_effect and "eval_tasks" not in no_effect
