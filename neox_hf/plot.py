@@ -68,10 +68,14 @@ def _lr_panel(ax, log: RunLog) -> None:
 
 
 def tokens_per_second(log: RunLog) -> list[tuple[int, float]]:
-    """(step, tokens/s) from consecutive logged steps; gaps (a resume, an old log without `time`) are skipped."""
+    """(step, tokens/s) from consecutive logged steps. Skipped: gaps (a resume, an old log without `time`) and the
+    step after an evaluation, whose wall time includes it."""
+    evaluated = {e["step"] for e in log.evals}
     rates = []
     for previous, current in zip(log.steps, log.steps[1:]):
         if current["step"] != previous["step"] + 1 or "time" not in current or "time" not in previous:
+            continue
+        if previous["step"] in evaluated:
             continue
         seconds = current["time"] - previous["time"]
         if seconds > 0:
@@ -96,12 +100,24 @@ def _throughput_panel(ax, log: RunLog) -> None:
 
 
 def _tasks_panel(ax, log: RunLog, keys: list[str]) -> None:
-    for key in keys:
-        points = [(e["step"], e[key]) for e in log.evals if key in e]
-        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", lw=1.5, label=key)
+    """Scores in [0, 1] (accuracies) on the left axis; unbounded ones (perplexities) on a log-scale right axis."""
+    series = {key: [(e["step"], e[key]) for e in log.evals if key in e] for key in keys}
+    bounded = [k for k in keys if all(0.0 <= v <= 1.0 for _, v in series[k])]
+    unbounded = [k for k in keys if k not in bounded]
+    for key in bounded:
+        ax.plot(*zip(*series[key]), "o-", lw=1.5, label=key)
     ax.set_ylabel("lm-eval score")
     ax.grid(alpha=0.3)
-    ax.legend(loc="best", fontsize="small")
+    handles, labels = ax.get_legend_handles_labels()
+    if unbounded:
+        right = ax.twinx()
+        for key in unbounded:
+            right.plot(*zip(*series[key]), "s--", lw=1.2, label=key, color=f"C{len(bounded) + unbounded.index(key)}")
+        right.set_yscale("log")
+        right.set_ylabel("lm-eval (log scale)")
+        more_handles, more_labels = right.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    ax.legend(handles, labels, loc="best", fontsize="small")
 
 
 def last_task_scores(log: RunLog) -> list[tuple[int, dict[str, float]]]:
