@@ -68,8 +68,12 @@ def _lr_panel(ax, log: RunLog) -> None:
 
 
 def tokens_per_second(log: RunLog) -> list[tuple[int, float]]:
-    """(step, tokens/s) from consecutive logged steps. Skipped: gaps (a resume, an old log without `time`) and the
-    step after an evaluation, whose wall time includes it."""
+    """(step, tokens/s): the loop's own `tokens_per_s` where step lines carry it (one per log window), else from
+    consecutive steps' `time`, leaving out gaps (a resume, a log without `time`) and the step after an evaluation,
+    whose wall time includes it."""
+    windows = [(r["step"], r["tokens_per_s"]) for r in log.steps if "tokens_per_s" in r]
+    if windows:
+        return windows
     evaluated = {e["step"] for e in log.evals}
     rates = []
     for previous, current in zip(log.steps, log.steps[1:]):

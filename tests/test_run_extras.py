@@ -167,6 +167,10 @@ def test_plot_command_draws_run_png_and_refuses_a_folder_without_log(tmp_path, c
 
     # 256 tokens per 0.5 s; step 4's wall time includes the evaluation after step 3, so it is left out.
     assert tokens_per_second(read_run_log(tmp_path)) == [(s, 512.0) for s in range(2, 11) if s != 4]
+    # A loop that logs its window throughput on the step lines is plotted from that.
+    lines[5]["tokens_per_s"], lines[10]["tokens_per_s"] = 900.0, 1000.0
+    (tmp_path / "train_log.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert tokens_per_second(read_run_log(tmp_path)) == [(5, 900.0), (10, 1000.0)]
     assert main(["plot", str(tmp_path / "nothing")]) == 2
     assert "train_log.jsonl not found" in capsys.readouterr().err
 
@@ -188,3 +192,28 @@ def test_gpt_neox_logging_and_eval_task_keys_translate(tmp_path):
     assert "tensorboard_dir: ./tensorboard → TensorBoard on" in notices
     no_effect = next(n for n in translation.notices if n.startswith("no effect"))
     assert "wandb_team" in no_effect and "use_wandb" not in no_effect and "eval_tasks" not in no_effect
+
+
+@pytest.mark.parametrize("layout", [["--parallel.tensor_parallel", "2", "--parallel.zero_stage", "1"],
+                                    ["--parallel.zero_stage", "3"]], ids=["tp2", "zero3"])
+def test_eval_tasks_on_gathered_weights_match_the_saved_model(tmp_path, layout):
+    """Two processes (TP2, or ZeRO-3): the main process scores a copy built from the gathered weights; the same
+    task on the saved folder (the same final weights) gives the same numbers."""
+    pytest.importorskip("lm_eval")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from neox_hf.eval_tasks import run_eval_tasks
+    from neox_hf.train.run_log import read_run_log
+    from tests.test_train import launch
+
+    task = local_task(tmp_path)
+    out = tmp_path / "run"
+    zero_stage = int(layout[layout.index("--parallel.zero_stage") + 1])
+    launch([str(REPO / "recipes" / "tiny.yaml"), *layout, "--model.hidden_size", "64", "--model.seq_length", "64",
+            "--train.micro_batch_size", "2", "--train.train_iters", "3", "--train.eval_iters", "1",
+            "--train.eval_interval", "100", "--output.tensorboard", "false", "--train.eval_tasks", f"[{task}]",
+            "--output.dir", str(out)], zero_stage=zero_stage)
+    logged = read_run_log(out).evals[-1]
+    assert logged["step"] == 3
+    saved = run_eval_tasks(AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out), [str(task)])
+    assert {k: logged[k] for k in saved} == pytest.approx(saved, rel=1e-5)
