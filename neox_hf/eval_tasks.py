@@ -144,9 +144,11 @@ def eval_tasks_in_training(accelerator, model, tokenizer, tasks: list[str], *, g
 def _full_weights_copy(accelerator, model, unwrapped, groups):
     """A plain GPTNeoX holding the gathered weights on the main process, or None where the weights are whole."""
     zero3 = getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0) == 3
-    if groups is None and not zero3:
+    # `groups`: the tensor-parallel groups (ParallelGroups.tp_size) or a layout (Layout.tp); None for one rank.
+    tensor_parallel = groups is not None and getattr(groups, "tp", getattr(groups, "tp_size", 1)) > 1
+    if not tensor_parallel and not zero3:
         return None
-    if groups is not None:
+    if tensor_parallel:
         from neox_hf.parallel.tensor_parallel import gather_full_state_dict
 
         state_dict = gather_full_state_dict(unwrapped, groups)  # collective over the TP group
