@@ -56,6 +56,7 @@ def test_slurm_script_launches_once_per_node_with_a_config_that_fits_the_allocat
     assert "--machine_rank \\$SLURM_NODEID" in launch and "--main_process_ip $HEAD_NODE" in launch
 
 
+@pytest.mark.distributed  # starts two processes
 def test_cpu_config_starts_two_processes(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
