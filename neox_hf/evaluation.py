@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from neox_hf.data import build_eval_loader
 from neox_hf.errors import DataError
-from neox_hf.finetune import load_for_inference
+from neox_hf.inference import load_for_inference
 from neox_hf.recipe import DataConfig, DataSource
 
 PERPLEXITY_METRIC = Path(__file__).resolve().parent / "metrics" / "perplexity"

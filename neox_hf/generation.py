@@ -19,7 +19,8 @@ import torch
 from transformers import set_seed
 
 from neox_hf.errors import DataError
-from neox_hf.finetune import load_for_inference
+from neox_hf.inference import load_for_inference
+from neox_hf.io import atomic_path
 
 
 @dataclass
@@ -159,13 +160,10 @@ def read_prompt_file(path) -> list[str]:
 def write_completions(completions: Iterable[Completion], path: Path, *, echo: TextIO | None = None) -> int:
     """Write jsonl to a temporary name and rename, so a crashed run leaves no partial output file;
     `echo` also prints each completion as it comes (interactive mode)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
     count = 0
-    with tmp.open("w", encoding="utf-8") as f:
+    with atomic_path(path) as tmp, tmp.open("w", encoding="utf-8") as f:
         for completion in completions:
             f.write(completion.to_json() + "\n")
             _echo(completion, echo)
             count += 1
-    tmp.replace(path)
     return count
