@@ -23,3 +23,11 @@ class CheckpointError(NeoXHFError):
 
 class HubError(NeoXHFError):
     """Talking to the Hugging Face Hub failed in a way retrying cannot fix."""
+
+
+class TrainingDiverged(NeoXHFError):
+    """The loss or gradient norm became non-finite: the recipe's optimisation settings diverge."""
+
+
+class UsageError(NeoXHFError):
+    """A command-line argument or flag is wrong (not a recipe value)."""

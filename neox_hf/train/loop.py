@@ -6,7 +6,6 @@ Read top to bottom: `train(recipe)` is the whole run; each helper below does one
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -35,6 +34,14 @@ from neox_hf.parallel.tensor_parallel import (
 )
 from neox_hf.recipe import Recipe
 from neox_hf.train.checkpoint import TrainState, find_resume_checkpoint, load_checkpoint, save_checkpoint
+from neox_hf.train.guards import (
+    check_before_build,
+    check_finite,
+    check_skipped_documents,
+    claim_output_dir,
+    step_log_line,
+    truncate_train_log,
+)
 from neox_hf.train.schedule import build_lr_scheduler
 
 
@@ -47,8 +54,21 @@ class RunResult:
     final_eval_loss: float | None
 
 
-def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
-    """Run the recipe end to end; return where the model went and the losses seen."""
+def train(recipe: Recipe, *, notices: list[str] | None = None, overwrite: bool = False) -> RunResult:
+    """Run the recipe end to end; return where the model went and the losses seen.
+
+    Before anything is built: the settings checkable without a model, and `output.dir` (refused when it holds an
+    earlier run, unless resuming or `overwrite`; locked for the run)."""
+    check_before_build(recipe)
+    lock = claim_output_dir(recipe, overwrite=overwrite)
+    try:
+        return _train(recipe, notices)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(recipe: Recipe, notices: list[str] | None) -> RunResult:
     accelerator = build_accelerator(recipe, log_with="tensorboard" if recipe.output.tensorboard else None)
     _set_seed(recipe.train.seed)
     check_peft_recipe(recipe)
@@ -71,10 +91,13 @@ def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
     )
     scheduler = build_lr_scheduler(optimizer, recipe.train)
     state = TrainState()
-    resume_from = find_resume_checkpoint(recipe.train.resume, recipe.output.dir)
+    resume_from = find_resume_checkpoint(recipe.train.resume, recipe.output.dir,
+                                         notify=lambda message: accelerator.print(f"note: {message}"))
     if resume_from is not None:
         state = load_checkpoint(accelerator, resume_from, scheduler=scheduler, data_loader=loader)
         accelerator.print(f"resumed from {resume_from} at step {state.step}")
+    if recipe.train.resume is not None and accelerator.is_main_process:
+        truncate_train_log(recipe.output.dir, state.step)  # steps after the resume point are redone
     if accelerator.is_main_process:
         _print_startup_report(accelerator, recipe, model, tokenizer, notices or [], dp_size)
     if recipe.output.tensorboard:
@@ -257,6 +280,7 @@ class TrainingRun:
     tokenizer: object = None
     groups: object = None  # ParallelGroups with tensor parallelism
     pusher: object = None  # HubPusher on the main process when train.push_to_hub is set
+    reported_skipped: int = 0  # undecodable documents already reported
 
 
 def run_steps(run: TrainingRun, state: TrainState) -> _StepLog:
@@ -269,14 +293,14 @@ def run_steps(run: TrainingRun, state: TrainState) -> _StepLog:
     window_loss, window_tokens, window_start = 0.0, 0, time.perf_counter()
     model.train()
     while state.step < t.train_iters:
-        step_loss, step_tokens, step_samples = 0.0, 0, 0
+        step_loss, step_tokens, step_samples, grad_norm = 0.0, 0, 0, None
         for _ in range(t.gradient_accumulation_steps):
             batch = _to_device(next(batches), accelerator.device)
             with accelerator.accumulate(model):
                 loss, tokens = causal_lm_loss(model, batch)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and t.clip_grad > 0 and not uses_deepspeed(accelerator):
-                    accelerator.clip_grad_norm_(model.parameters(), t.clip_grad)
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.clip_grad)
                 optimizer.step()
                 optimizer.zero_grad()
             step_loss += loss.detach().float() / t.gradient_accumulation_steps
@@ -290,6 +314,8 @@ def run_steps(run: TrainingRun, state: TrainState) -> _StepLog:
             scheduler.step()  # GPT-NeoX (through DeepSpeed) holds the LR on an overflow-skipped step
         state.step += 1
         mean_loss = accelerator.reduce(step_loss.reshape(1), reduction="mean").item()
+        check_finite(state.step, mean_loss, None if skipped else _grad_norm(accelerator, model, grad_norm),
+                     output_dir=recipe.output.dir)  # before anything of this step is logged or saved
         # Summed over every process; the ranks of one tensor-parallel group saw the same batch, so count it once.
         totals = accelerator.reduce(torch.tensor([step_tokens, step_samples], device=accelerator.device), reduction="sum")
         totals = totals // recipe.parallel.tensor_parallel
@@ -308,6 +334,7 @@ def run_steps(run: TrainingRun, state: TrainState) -> _StepLog:
             progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", lr=f"{metrics['train/lr']:.2e}")
             accelerator.log(metrics, step=state.step)
             window_loss, window_tokens, window_start = 0.0, 0, time.perf_counter()
+            run.reported_skipped = _report_skipped_documents(accelerator, loader, recipe, run.reported_skipped)
         if eval_batches and state.step % t.eval_interval == 0 and state.step < t.train_iters:
             eval_loss = evaluate(accelerator, model, eval_batches)
             log.eval_losses.append((state.step, eval_loss))
@@ -321,6 +348,30 @@ def run_steps(run: TrainingRun, state: TrainState) -> _StepLog:
                 _push_step_folder(run, state)
     progress.close()
     return log
+
+
+def _grad_norm(accelerator, model, clipped_norm) -> float | None:
+    """The step's global gradient norm: what clipping measured, or DeepSpeed's (None when neither computed one)."""
+    if uses_deepspeed(accelerator):
+        norm = model.get_global_grad_norm() if hasattr(model, "get_global_grad_norm") else None
+    else:
+        norm = clipped_norm
+    return None if norm is None else float(norm)
+
+
+def _report_skipped_documents(accelerator, loader, recipe: Recipe, reported: int) -> int:
+    """Print how many documents were undecodable (summed over ranks) when the count grew; fail above
+    data.max_skipped_fraction. Returns the count now reported."""
+    stats = getattr(loader, "stats", None)
+    if stats is None:
+        return reported
+    local = torch.tensor([stats.get("skipped_undecodable", 0), stats.get("documents", 0)], device=accelerator.device)
+    skipped, documents = (int(v) for v in accelerator.reduce(local, reduction="sum"))
+    line = check_skipped_documents({"skipped_undecodable": skipped, "documents": documents},
+                                   recipe.data.max_skipped_fraction)
+    if line is not None and skipped > reported:
+        accelerator.print(f"note: {line}")
+    return skipped
 
 
 def _step_was_skipped(accelerator, model) -> bool:
@@ -350,7 +401,7 @@ def _append_step_log(output_dir, state: TrainState, loss: float, lr: float, skip
     if loss_scale is not None:
         entry.update(skipped=skipped, loss_scale=loss_scale)
     with path.open("a") as log_file:
-        log_file.write(json.dumps(entry) + "\n")
+        log_file.write(step_log_line(entry) + "\n")
 
 
 @torch.no_grad()
@@ -387,7 +438,8 @@ def _hub_pusher(recipe: Recipe):
     from neox_hf.hub import HubPusher
 
     hub = recipe.train.push_to_hub
-    return HubPusher(hub.repo_id, private=hub.private, revision_per_step=hub.revision_per_step)
+    # delete_after: hub_steps/step{N} exists only to be uploaded; a failed push keeps it for the retry command.
+    return HubPusher(hub.repo_id, private=hub.private, revision_per_step=hub.revision_per_step, delete_after=True)
 
 
 def _push_step_folder(run: TrainingRun, state: TrainState) -> None:
