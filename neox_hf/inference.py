@@ -26,19 +26,30 @@ def is_adapter_folder(path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def load_base_model(path) -> GPTNeoXForCausalLM:
-    """Stock GPTNeoXForCausalLM in fp32 from a model folder, or CheckpointError naming the folder."""
+def check_model_folder(path) -> Path:
+    """A local folder with a GPTNeoX config.json, or CheckpointError naming the folder and the fix."""
     folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder not found: {folder}")
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"model folder {folder} has no config.json: give a folder written by save_pretrained "
                               "(e.g. a training run's output.dir or `neox_hf merge` output)")
-    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise CheckpointError(f"{folder}/config.json is not a JSON object ({err}); save the model again") from err
     if model_type != "gpt_neox":
         raise CheckpointError(f"{folder}/config.json has model_type {model_type!r}; neox_hf loads only 'gpt_neox' models")
+    return folder
+
+
+def load_base_model(path) -> GPTNeoXForCausalLM:
+    """Stock GPTNeoXForCausalLM in fp32 from a model folder, or CheckpointError naming the folder."""
+    folder = check_model_folder(path)
     try:
         return GPTNeoXForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    except (OSError, ValueError, RuntimeError) as err:
-        raise CheckpointError(f"cannot load the model in {folder}: {err}") from err
+    except Exception as err:  # OSError, ValueError, RuntimeError, or safetensors' own error for a truncated file
+        raise CheckpointError(f"cannot load the model in {folder}: {_first_line(err)}; save or download it again") from err
 
 
 def load_adapter_model(base_path, adapter_path) -> PeftModel:
@@ -116,3 +127,7 @@ def _inference_tokenizer(folder: Path, tokenizer_path: str | None):
     if folder_tokenizer(folder) is None:
         raise CheckpointError(f"{folder} has no tokenizer files; pass --tokenizer PATH (a tokenizers JSON or HF folder)")
     return load_tokenizer(str(folder))
+
+
+def _first_line(err: BaseException) -> str:
+    return next(iter(str(err).strip().splitlines()), type(err).__name__)
