@@ -152,13 +152,16 @@ def _latest_or_newest(root: Path, notify) -> Path | None:
     candidates = complete_checkpoints(root)
     if not candidates:
         if named:
-            notify(f"{pointer} names {named}, which is gone, and no other checkpoint is complete: starting at step 0")
+            pointer.unlink(missing_ok=True)  # never leave it dangling
+            notify(f"{pointer} named {named}, which is gone, and no other checkpoint is complete: starting at step 0")
         return None
     # The most recently written, not the highest step: after a resume from an earlier step, higher-step folders of
     # the abandoned run may remain.
     newest = max(candidates, key=lambda p: ((p / "trainer_state_rank0.pt").stat().st_mtime, checkpoint_step(p)))
     why = f"names {named}, which is missing or incomplete" if named else "is missing"
-    notify(f"{pointer} {why}: resuming from the most recently written complete checkpoint, {newest.name}")
+    atomic_write_text(pointer, newest.name)  # repaired (every rank writes the same name; each rename is atomic)
+    notify(f"{pointer} {why}: resuming from the most recently written complete checkpoint, {newest.name} "
+           "(latest now names it)")
     return newest
 
 
