@@ -145,6 +145,7 @@ RUNTIME = [
     ("tokenizer-corrupt", ["--tokenizer.path", "{corrupt}"], "not a valid tokenizers JSON"),
     ("from-pretrained-missing", ["--model.from_pretrained", "{tmp}/no-model"], "from_pretrained"),
     ("from-pretrained-not-a-model", ["--model.from_pretrained", "{tmp}"], "config.json"),
+    ("from-pretrained-hub-id-offline", ["--model.from_pretrained", "no-such-org/no-such-model"], "offline_marker"),
     ("data-missing", ["--data.sources", "[{{path: {tmp}/none.jsonl}}]"], "no file matches"),
     ("data-no-suffix", ["--data.sources", "[{{path: {tmp}/x/data}}]"], "format"),
     ("output-under-a-file", ["--output.dir", "{blocker}/out"], "cannot be written"),
@@ -155,9 +156,13 @@ RUNTIME = [
 
 
 @pytest.mark.parametrize("args,needle", [c[1:] for c in RUNTIME], ids=[c[0] for c in RUNTIME])
-def test_bad_run_setting_is_refused_before_the_model_is_built(args, needle, tmp_path, capsys, fresh_accelerate_state):
+def test_bad_run_setting_is_refused_before_the_model_is_built(args, needle, tmp_path, capsys, monkeypatch,
+                                                            fresh_accelerate_state):
     files = _bad_files(tmp_path)
     args = [a.format(tmp=tmp_path, **files) for a in args]
+    if needle == "offline_marker":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        needle = "not in the local Hub cache"
     base = [TINY, "--tokenizer.path", str(BUNDLED_TOKENIZER), "--output.dir", str(tmp_path / "out"),
             "--data.sources", f"[{{path: {REPO / 'examples' / 'data' / 'tinyshakespeare.txt'}}}]"]
     assert_one_line_error(*run_train([*base, *args], capsys), needle)

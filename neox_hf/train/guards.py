@@ -68,13 +68,13 @@ def clear_previous_run(output_dir) -> list[str]:
     if not folder.is_dir():
         return []
     names = [name for name in RUN_STATE if (folder / name).exists()]
-    names += [name for name in model_folder_files(folder) if "/" not in name]
+    names += sorted({name.split("/")[0] for name in model_folder_files(folder)})  # plots/… → plots
     for name in names:
         path = folder / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    for plots in ("plots",):
-        if (folder / plots).is_dir():
-            shutil.rmtree(folder / plots)
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
     return names
 
 
@@ -207,6 +207,16 @@ def check_from_pretrained(path: str | None) -> None:
     if not looks_like_hub_id:
         raise RecipeError(f"`model.from_pretrained` {path} not found: give an existing model folder or a Hub model "
                           "id such as EleutherAI/pythia-70m")
+    if _hub_offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(path, "config.json"), str):
+            raise RecipeError(f"`model.from_pretrained` {path} is not in the local Hub cache and HF_HUB_OFFLINE is set; "
+                              "download it first (`hf download` with network) or give a local folder")
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(name, "").lower() in ("1", "true", "yes") for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
 def check_data_sources(recipe: Recipe) -> None:
