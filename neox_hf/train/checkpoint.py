@@ -76,6 +76,7 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
             model_config.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
+        # Not neox_hf.io.atomic_folder: every rank writes into the staging folder, so its name must be known to all.
         shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an abandoned timeline
         os.replace(staging, final)
         atomic_write_text(root / LATEST, final.name)
