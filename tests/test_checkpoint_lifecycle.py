@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,8 +69,7 @@ def logged_steps(out: Path) -> list[int]:
 def assert_refused(code: int, err: str, *needles: str) -> None:
     assert code == 2, err
     assert "Traceback" not in err
-    # A progress bar may end its line with \r and no newline: the error line starts after it.
-    lines = [line[line.index("error:"):] for line in re.split(r"[\r\n]", err) if "error:" in line]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]  # its own line, after any progress bar
     assert len(lines) == 1, err
     for needle in needles:
         assert needle in lines[0], lines[0]

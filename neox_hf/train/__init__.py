@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(args.recipe, notices=args.notices, overwrite=args.overwrite)
     except NeoXHFError as err:
-        print(f"error: {err}", file=sys.stderr)
+        # A failure mid-run leaves the progress bar's line open (it ends in \r): start the error on a line of its own.
+        print(f"\nerror: {err}", file=sys.stderr)
         return 2
     return 0
