@@ -92,8 +92,11 @@ def _check_adapter_fits(model: PeftModel, adapter: Path, base_path) -> None:
 
 def adapter_base_path(adapter_path) -> str:
     """The base model folder an adapter folder records (adapter_config.json `base_model_name_or_path`)."""
-    config = json.loads((Path(adapter_path) / ADAPTER_CONFIG).read_text())
-    base = config.get("base_model_name_or_path")
+    config_file = Path(adapter_path) / ADAPTER_CONFIG
+    try:
+        base = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise CheckpointError(f"{config_file} is not a JSON object ({err}); save the adapter again") from err
     if not base or not (Path(base) / "config.json").is_file():
         raise CheckpointError(f"{adapter_path}/{ADAPTER_CONFIG} names base model {base!r}, which is not a local model "
                               "folder; merge it first (`neox_hf merge BASE ADAPTER OUT`) and use the merged folder")

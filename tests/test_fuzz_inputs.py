@@ -200,7 +200,10 @@ def _cli_fixtures(tmp: Path) -> dict[str, Path]:
     bad_json.write_text('{"text": "fine"}\n{not json\n')
     wrong_key = tmp / "wrong-key.jsonl"
     wrong_key.write_text('{"body": "a document"}\n')
-    return {"random": random, "run": run_folder, "bad_json": bad_json, "wrong_key": wrong_key}
+    adapter = tmp / "broken-adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{not json")
+    return {"random": random, "run": run_folder, "bad_json": bad_json, "wrong_key": wrong_key, "adapter": adapter}
 
 
 CLI = [
@@ -212,6 +215,8 @@ CLI = [
     ("generate-missing-model", ["generate", "{tmp}/none", "--prompt", "x"], "not found"),
     ("generate-no-mode", ["generate", "{random}"], "required"),
     ("eval-random-folder", ["eval", "{random}", "--data", "{bad_json}"], "config.json"),
+    ("eval-corrupt-adapter-config", ["eval", "{adapter}", "--data", "{bad_json}"], "adapter_config.json"),
+    ("generate-corrupt-adapter-config", ["generate", "{adapter}", "--prompt", "x"], "adapter_config.json"),
     ("eval-batch-size-zero", ["eval", "{random}", "--data", "{bad_json}", "--batch-size", "0"], "--batch-size"),
     ("export-finished-run", ["export", "{run}", "{tmp}/o"], "checkpoints"),
     ("export-random-folder", ["export", "{random}", "{tmp}/o"], "not a neox_hf training checkpoint"),
