@@ -200,6 +200,7 @@ def _cli_fixtures(tmp: Path) -> dict[str, Path]:
     bad_json.write_text('{"text": "fine"}\n{not json\n')
     wrong_key = tmp / "wrong-key.jsonl"
     wrong_key.write_text('{"body": "a document"}\n')
+    (tmp / "corrupt.jsonl.gz").write_bytes(b"not gzip at all\n")
     adapter = tmp / "broken-adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{not json")
@@ -229,6 +230,8 @@ CLI = [
                                    "--output-prefix", "{tmp}/c"], "--text-key"),
     ("preprocess-invalid-json", ["preprocess", "{bad_json}", "--tokenizer", str(BUNDLED_TOKENIZER),
                                  "--output-prefix", "{tmp}/c"], "bad.jsonl:2"),
+    ("preprocess-corrupt-gzip", ["preprocess", "{tmp}/corrupt.jsonl.gz", "--tokenizer", str(BUNDLED_TOKENIZER),
+                                 "--output-prefix", "{tmp}/c"], "corrupt.jsonl.gz: cannot be read"),
     ("preprocess-missing-input", ["preprocess", "{tmp}/none.jsonl", "--tokenizer", str(BUNDLED_TOKENIZER),
                                   "--output-prefix", "{tmp}/c"], "not found"),
     ("preprocess-workers-zero", ["preprocess", "{bad_json}", "--tokenizer", str(BUNDLED_TOKENIZER),

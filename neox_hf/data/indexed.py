@@ -204,26 +204,36 @@ def _tokenized_documents(jsonl_paths, tokenizer, text_key: str, workers: int, ba
 
 
 def _jsonl_texts(jsonl_paths, text_key: str, counts: dict) -> Iterator[str]:
+    paths = [jsonl_paths] if isinstance(jsonl_paths, (str, Path)) else list(jsonl_paths)
+    for path in paths:
+        try:
+            yield from _texts_of_file(path, text_key, counts)
+        except DataError:
+            raise
+        except Exception as err:  # gzip / zstandard / OS errors of a damaged or mislabelled file
+            raise DataError(f"{path}: cannot be read ({type(err).__name__}: {err}); the file is damaged or its suffix "
+                            "does not match its compression (.jsonl, .jsonl.gz, .jsonl.zst)") from err
+
+
+def _texts_of_file(path, text_key: str, counts: dict) -> Iterator[str]:
     import json
 
     from neox_hf.data.sources import open_text_file
 
-    paths = [jsonl_paths] if isinstance(jsonl_paths, (str, Path)) else list(jsonl_paths)
-    for path in paths:
-        with open_text_file(path) as lines:
-            for line_no, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    text = row.get(text_key)
-                except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
-                    raise DataError(f"{path}:{line_no}: not a JSON object ({err}); fix or remove the line") from err
-                if isinstance(text, str) and text:  # preprocess_data.py also drops empty documents
-                    yield text
-                elif not isinstance(text, str):
-                    counts["skipped"] = counts.get("skipped", 0) + 1
-                    counts.setdefault("keys_seen", set()).update(map(str, row))
+    with open_text_file(path) as lines:
+        for line_no, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                text = row.get(text_key)
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+                raise DataError(f"{path}:{line_no}: not a JSON object ({err}); fix or remove the line") from err
+            if isinstance(text, str) and text:  # preprocess_data.py also drops empty documents
+                yield text
+            elif not isinstance(text, str):
+                counts["skipped"] = counts.get("skipped", 0) + 1
+                counts.setdefault("keys_seen", set()).update(map(str, row))
 
 
 def _text_batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
