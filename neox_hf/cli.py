@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 from neox_hf.errors import NeoXHFError
 
@@ -95,16 +96,32 @@ def _add_preprocess(parser):
 
 def _run_preprocess(args) -> int:
     from neox_hf.data import write_indexed_dataset
+    from neox_hf.errors import UsageError
     from neox_hf.interop.tokenizer import load_tokenizer
 
+    if args.workers < 1:
+        raise UsageError(f"--workers must be ≥ 1, got {args.workers}")
+    missing = [path for path in args.inputs if not Path(path).is_file()]
+    if missing:
+        raise UsageError(f"input file not found: {missing[0]}; give .jsonl / .jsonl.gz / .jsonl.zst files")
+    counts: dict = {}
     bin_path, idx_path = write_indexed_dataset(args.inputs, load_tokenizer(args.tokenizer), args.output_prefix,
-                                               text_key=args.text_key, append_eod=args.append_eod, workers=args.workers)
-    print(f"wrote {bin_path} and {idx_path}")
+                                               text_key=args.text_key, append_eod=args.append_eod, workers=args.workers,
+                                               counts=counts)
+    print(f"wrote {bin_path} and {idx_path}: {counts.get('documents', 0)} documents"
+          + (f", {counts['skipped']} skipped (no string {args.text_key!r} field)" if counts.get("skipped") else ""))
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse prints the usage and then the error; the project's rule is one line naming the problem and the fix."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="neox_hf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="neox_hf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train from a recipe (same as run_clm_neox.py)", add_help=False)
     for name, (module, add, _, help_text) in _COMMANDS.items():

@@ -27,3 +27,11 @@ class HubError(NeoXHFError):
 
 class LaunchError(NeoXHFError):
     """The launch (process count, launcher flags) cannot give the recipe's layout."""
+
+
+class TrainingDiverged(NeoXHFError):
+    """The loss or gradient norm became non-finite: the recipe's optimisation settings diverge."""
+
+
+class UsageError(NeoXHFError):
+    """A command-line argument or flag is wrong (not a recipe value)."""

@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from neox_hf.data import build_eval_loader
-from neox_hf.errors import DataError
-from neox_hf.finetune import load_for_inference
+from neox_hf.errors import DataError, UsageError
+from neox_hf.inference import load_for_inference
+from neox_hf.io import atomic_write_text
 from neox_hf.recipe import DataConfig, DataSource
 
 PERPLEXITY_METRIC = Path(__file__).resolve().parent / "metrics" / "perplexity"
@@ -101,12 +102,16 @@ def add_eval_arguments(parser) -> None:
 
 
 def run_eval(args) -> int:
+    for flag, value in (("--batch-size", args.batch_size), ("--seq-length", args.seq_length),
+                        ("--max-batches", args.max_batches)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be ≥ 1, got {value}")
     result = evaluate_model(args.model, args.data, tokenizer_path=args.tokenizer, template=_unescape(args.template),
                             prompt_template=_unescape(args.prompt_template), text_key=args.text_key,
                             seq_length=args.seq_length, batch_size=args.batch_size, max_batches=args.max_batches)
     print(format_eval_result(result))
     if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_text(args.output, json.dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""PEFT fine-tuning: LoRA wrapping from the recipe, adapter saves that survive ZeRO-3, merging, loading for inference.
+"""PEFT fine-tuning: LoRA wrapping from the recipe, adapter saves that survive ZeRO-3, merging.
 
 Gaps filled over peft:
 - `get_peft_model` silently accepts a `target_modules` name that matches nothing as long as another name matches,
@@ -10,28 +10,31 @@ Gaps filled over peft:
   embedding, so we pass False and stay offline.
 - merging writes a stock GPTNeoX folder (`architectures: ["GPTNeoXForCausalLM"]`) with the tokenizer, via
   `save_hf_folder`, and bad folders raise `CheckpointError` instead of a deep OSError / size-mismatch trace.
-- `load_for_inference` opens either a full model folder or an adapter folder (base + adapter) with its tokenizer,
-  so `neox_hf eval` and `neox_hf generate` accept both.
+
+Loading a folder for inference (full model or base + adapter) lives in `neox_hf.inference`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
-from transformers import AutoTokenizer, GPTNeoXForCausalLM
 
-from neox_hf.errors import CheckpointError, RecipeError
+from neox_hf.errors import RecipeError
+from neox_hf.inference import (  # noqa: F401  (re-exported: callers loaded models through finetune before)
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    folder_tokenizer,
+    is_adapter_folder,
+    load_adapter_model,
+    load_base_model,
+    load_for_inference,
+)
 from neox_hf.interop.hf_folder import save_hf_folder
-from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, load_tokenizer
+from neox_hf.io import move_files_into, staging_folder
 from neox_hf.recipe import PeftConfig, Recipe
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MERGED_SUBDIR = "merged"
 
 
@@ -100,21 +103,17 @@ def save_adapter(accelerator, model, out_dir, *, tokenizer=None, extra_files: di
 
 
 def _save_adapter_atomically(peft_model: PeftModel, out: Path, state_dict, tokenizer, extra_files: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    staging = out / ".tmp-adapter"
-    shutil.rmtree(staging, ignore_errors=True)
-    _record_absolute_base_path(peft_model)
-    # state_dict holds base weights too; peft keeps only the adapter's keys.
-    peft_model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(staging)
-    for name, text in extra_files.items():
-        (staging / name).write_text(text)
-    if (out / ADAPTER_CONFIG).exists():
-        os.remove(out / ADAPTER_CONFIG)  # not loadable until the new weights are in
-    for path in sorted(staging.iterdir(), key=lambda p: p.name == ADAPTER_CONFIG):
-        os.replace(path, out / path.name)
-    staging.rmdir()
+    with staging_folder(out) as staging:
+        _record_absolute_base_path(peft_model)
+        # state_dict holds base weights too; peft keeps only the adapter's keys.
+        peft_model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        for name, text in extra_files.items():
+            (staging / name).write_text(text)
+        if (out / ADAPTER_CONFIG).exists():
+            os.remove(out / ADAPTER_CONFIG)  # not loadable until the new weights are in
+        move_files_into(staging, out, last=ADAPTER_CONFIG)
 
 
 def _record_absolute_base_path(peft_model: PeftModel) -> None:
@@ -152,86 +151,16 @@ def check_peft_recipe(recipe: Recipe) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Loading and merging
+# Merging
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def is_adapter_folder(path) -> bool:
-    return (Path(path) / ADAPTER_CONFIG).is_file()
-
-
-def load_base_model(path) -> GPTNeoXForCausalLM:
-    """Stock GPTNeoXForCausalLM in fp32 from a model folder, or CheckpointError naming the folder."""
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise CheckpointError(f"model folder {folder} has no config.json: give a folder written by save_pretrained "
-                              "(e.g. a training run's output.dir or `neox_hf merge` output)")
-    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-    if model_type != "gpt_neox":
-        raise CheckpointError(f"{folder}/config.json has model_type {model_type!r}; neox_hf loads only 'gpt_neox' models")
-    try:
-        return GPTNeoXForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    except (OSError, ValueError, RuntimeError) as err:
-        raise CheckpointError(f"cannot load the model in {folder}: {err}") from err
-
-
-def load_adapter_model(base_path, adapter_path) -> PeftModel:
-    """Base folder + adapter folder → PeftModel (inference mode)."""
-    adapter = Path(adapter_path)
-    if not is_adapter_folder(adapter):
-        raise CheckpointError(f"{adapter} has no {ADAPTER_CONFIG}: give the folder a LoRA run (or save_adapter) wrote")
-    base = load_base_model(base_path)
-    try:
-        return PeftModel.from_pretrained(base, adapter)
-    except (OSError, ValueError, RuntimeError) as err:  # size mismatch when the adapter was trained on another base
-        raise CheckpointError(f"adapter {adapter} does not fit base model {base_path}: {err}") from err
-
-
-def adapter_base_path(adapter_path) -> str:
-    """The base model folder an adapter folder records (adapter_config.json `base_model_name_or_path`)."""
-    config = json.loads((Path(adapter_path) / ADAPTER_CONFIG).read_text())
-    base = config.get("base_model_name_or_path")
-    if not base or not (Path(base) / "config.json").is_file():
-        raise CheckpointError(f"{adapter_path}/{ADAPTER_CONFIG} names base model {base!r}, which is not a local model "
-                              "folder; merge it first (`neox_hf merge BASE ADAPTER OUT`) and use the merged folder")
-    return base
 
 
 def merge_adapter(base_path, adapter_path, out_dir) -> Path:
     """base + adapter merged into plain weights (`merge_and_unload`), saved as a stock GPTNeoX folder with the
     tokenizer of the adapter folder, else of the base folder, when one is there."""
     merged = load_adapter_model(base_path, adapter_path).merge_and_unload()
-    tokenizer = _folder_tokenizer(adapter_path) or _folder_tokenizer(base_path)
+    tokenizer = folder_tokenizer(adapter_path) or folder_tokenizer(base_path)
     return save_hf_folder(merged, out_dir, tokenizer=tokenizer)
-
-
-def _folder_tokenizer(folder):
-    if not (Path(folder) / "tokenizer.json").is_file() and not (Path(folder) / "tokenizer_config.json").is_file():
-        return None
-    return AutoTokenizer.from_pretrained(str(folder))
-
-
-def load_for_inference(model_path, tokenizer_path: str | None = None):
-    """(model in eval mode, tokenizer) from a model folder or an adapter folder; checks the vocab covers the tokenizer."""
-    folder = Path(model_path)
-    if not folder.is_dir():
-        raise CheckpointError(f"model folder not found: {folder}")
-    if is_adapter_folder(folder):
-        model = load_adapter_model(adapter_base_path(folder), folder)
-    else:
-        model = load_base_model(folder)
-    tokenizer = _inference_tokenizer(folder, tokenizer_path)
-    check_vocab_covers_tokenizer(model.config.vocab_size, tokenizer, where=str(folder))
-    model.eval()
-    return model, tokenizer
-
-
-def _inference_tokenizer(folder: Path, tokenizer_path: str | None):
-    if tokenizer_path:
-        return load_tokenizer(tokenizer_path)
-    if _folder_tokenizer(folder) is None:
-        raise CheckpointError(f"{folder} has no tokenizer files; pass --tokenizer PATH (a tokenizers JSON or HF folder)")
-    return load_tokenizer(str(folder))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ from typing import Iterable, Iterator, TextIO
 import torch
 from transformers import set_seed
 
-from neox_hf.errors import DataError
-from neox_hf.finetune import load_for_inference
+from neox_hf.errors import DataError, UsageError
+from neox_hf.inference import load_for_inference
+from neox_hf.io import atomic_path
 
 
 @dataclass
@@ -114,6 +115,7 @@ def add_generate_arguments(parser) -> None:
 
 def run_generate(args, *, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    check_generate_arguments(args)
     model, tokenizer = load_for_inference(args.model, args.tokenizer)
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, not args.greedy)
     prompts, output_file = _mode_prompts(args, stdin)
@@ -126,6 +128,20 @@ def run_generate(args, *, stdin: TextIO | None = None, stdout: TextIO | None = N
     count = write_completions(completions, output_file, echo=echo)
     print(f"{count} completion(s) written to {output_file}", file=stdout)
     return 0
+
+
+def check_generate_arguments(args) -> None:
+    """Refuse sampling settings transformers would reject deep inside `generate`, before the model is loaded."""
+    checks = [
+        (args.max_new_tokens >= 1, f"--max-new-tokens must be ≥ 1, got {args.max_new_tokens}"),
+        (args.temperature >= 0, f"--temperature must be ≥ 0 (0 = greedy), got {args.temperature}"),
+        (0 < args.top_p <= 1, f"--top-p must be in (0, 1] (1 = off), got {args.top_p}"),
+        (args.top_k >= 0, f"--top-k must be ≥ 0 (0 = off), got {args.top_k}"),
+        (args.unconditional is None or args.unconditional >= 1, f"--unconditional must be ≥ 1, got {args.unconditional}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UsageError(message)
 
 
 def _echo(completion: Completion, stream: TextIO | None) -> None:
@@ -159,13 +175,10 @@ def read_prompt_file(path) -> list[str]:
 def write_completions(completions: Iterable[Completion], path: Path, *, echo: TextIO | None = None) -> int:
     """Write jsonl to a temporary name and rename, so a crashed run leaves no partial output file;
     `echo` also prints each completion as it comes (interactive mode)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
     count = 0
-    with tmp.open("w", encoding="utf-8") as f:
+    with atomic_path(path) as tmp, tmp.open("w", encoding="utf-8") as f:
         for completion in completions:
             f.write(completion.to_json() + "\n")
             _echo(completion, echo)
             count += 1
-    tmp.replace(path)
     return count

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -58,7 +60,7 @@ class ModelConfig:
 class TokenizerConfig:
     """A tokenizers JSON file (GPT-NeoX `vocab_file`) or an HF tokenizer folder / Hub id."""
 
-    path: str = "shared:tokenizers/gpt-neox-20b.json"
+    path: str = "examples/data/gpt-neox-20b-tokenizer.json"  # bundled in the repository (run from its root)
     eos_token: str = "<|endoftext|>"
     pad_token: str = "<|padding|>"
 
@@ -120,6 +122,7 @@ class DataConfig:
     weight_by_num_documents: bool = False  # gpt-neox: blending weights from document counts (GPT-NeoX's rule)
     weighted_sampler_alpha: float = 1.0
     curriculum: Optional[CurriculumConfig] = None  # sequence-length curriculum
+    max_skipped_fraction: float = 0.01  # undecodable documents (bad JSON, missing text) above this fail the run
 
 
 @dataclass
@@ -285,13 +288,18 @@ def _coerce_scalar(hint, value, path: str, source: str):
         if isinstance(value, float) and value.is_integer():
             return int(value)
     elif hint is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `1e-4` as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads `1e-4` as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):
+                raise RecipeError(f"{source}: `{path}` must be a finite number, got {value!r}")
+            return number
     elif hint is str:
         if isinstance(value, str):
             return value
@@ -303,6 +311,15 @@ def _coerce_scalar(hint, value, path: str, source: str):
 # ----------------------------------------------------------------------------------------------------------------
 # Validation (ranges and cross-field rules)
 # ----------------------------------------------------------------------------------------------------------------
+
+
+# transformers' ACT2FN names (tests/test_reliability.py checks the list against transformers.activations).
+HIDDEN_ACTIVATIONS = (
+    "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate", "gelu_python", "gelu_10", "quick_gelu",
+    "relu", "relu2", "relu6", "leaky_relu", "silu", "swish", "mish", "tanh", "sigmoid", "linear", "hardswish",
+)
+# What transformers' save_pretrained accepts as max_shard_size (convert_file_size_to_int).
+_SHARD_SIZE = re.compile(r"\d+\s*(GIB|MIB|KIB|GB|MB|KB|gib|mib|kib|gb|mb|kb|GiB|MiB|KiB|Gb|Mb|Kb)")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -319,6 +336,17 @@ def validate(recipe: Recipe) -> None:
         f"`model.hidden_size` ({m.hidden_size}) must be divisible by `model.num_attention_heads` ({m.num_attention_heads})",
     )
     _require(0.0 < m.rotary_pct <= 1.0, f"`model.rotary_pct` must be in (0, 1], got {m.rotary_pct}")
+    for name in ("hidden_dropout", "attention_dropout"):
+        _require(0.0 <= getattr(m, name) < 1.0, f"`model.{name}` is a probability in [0, 1), got {getattr(m, name)}")
+    for name in ("layer_norm_eps", "init_method_std", "rotary_emb_base"):
+        _require(getattr(m, name) > 0, f"`model.{name}` must be > 0, got {getattr(m, name)}")
+    _require(m.hidden_act in HIDDEN_ACTIVATIONS,
+             f"`model.hidden_act` = {m.hidden_act!r} is not an activation transformers knows; use one of "
+             f"{', '.join(HIDDEN_ACTIVATIONS)} (GPT-NeoX's bias_gelu_fusion is gelu_new)")
+    if m.vocab_size is not None:
+        _require(m.vocab_size > 0, f"`model.vocab_size` must be > 0, got {m.vocab_size}")
+    if m.intermediate_size is not None:
+        _require(m.intermediate_size > 0, f"`model.intermediate_size` must be > 0, got {m.intermediate_size}")
     if m.max_position_embeddings is not None:
         _require(
             m.max_position_embeddings >= m.seq_length,
@@ -328,6 +356,10 @@ def validate(recipe: Recipe) -> None:
         _require(getattr(t, name) > 0, f"`train.{name}` must be > 0, got {getattr(t, name)}")
     _require(t.eval_iters >= 0, f"`train.eval_iters` must be ≥ 0, got {t.eval_iters}")
     _require(t.lr > 0, f"`train.lr` must be > 0, got {t.lr}")
+    for name in ("adam_beta1", "adam_beta2"):
+        _require(0.0 <= getattr(t, name) < 1.0, f"`train.{name}` must be in [0, 1), got {getattr(t, name)}")
+    _require(t.adam_eps > 0, f"`train.adam_eps` must be > 0, got {t.adam_eps}")
+    _require(t.weight_decay >= 0, f"`train.weight_decay` must be ≥ 0, got {t.weight_decay}")
     _require(0 <= t.min_lr <= t.lr, f"`train.min_lr` must be in [0, train.lr={t.lr}], got {t.min_lr}")
     _require(0.0 <= t.warmup < 1.0, f"`train.warmup` is a fraction of the decay steps in [0, 1), got {t.warmup}")
     _require(t.clip_grad >= 0, f"`train.clip_grad` must be ≥ 0 (0 disables clipping), got {t.clip_grad}")
@@ -355,6 +387,8 @@ def validate(recipe: Recipe) -> None:
     _require(d.pad_to_multiple_of >= 1, f"`data.pad_to_multiple_of` must be ≥ 1, got {d.pad_to_multiple_of}")
     if p.sequence_parallel:
         _validate_sequence_parallel(recipe)
+    _require(0.0 <= d.max_skipped_fraction <= 1.0,
+             f"`data.max_skipped_fraction` must be in [0, 1], got {d.max_skipped_fraction}")
     _require(d.buffer_size >= 1, f"`data.buffer_size` must be ≥ 1, got {d.buffer_size}")
     _require(0.0 <= d.validation_fraction < 1.0, f"`data.validation_fraction` must be in [0, 1), got {d.validation_fraction}")
     if d.max_tokens_per_batch is not None:
@@ -365,8 +399,14 @@ def validate(recipe: Recipe) -> None:
         _require(s.weight > 0, f"data source `{s.path}`: `weight` must be > 0, got {s.weight}")
     _validate_trackers(recipe.output)
     _validate_eval_tasks(t)
+    _require(bool(_SHARD_SIZE.fullmatch(str(recipe.output.max_shard_size))),
+             f"`output.max_shard_size` = {recipe.output.max_shard_size!r} is not a size; write a whole number and a "
+             "unit, e.g. 5GB, 500MB or 2GiB")
+    _require(bool(recipe.output.dir.strip()), "`output.dir` is empty: give the folder the run writes, e.g. outputs/run")
     if recipe.peft.method is not None:
         _require(recipe.peft.r > 0, f"`peft.r` must be > 0, got {recipe.peft.r}")
+        _require(recipe.peft.alpha > 0, f"`peft.alpha` must be > 0, got {recipe.peft.alpha}")
+        _require(0.0 <= recipe.peft.dropout < 1.0, f"`peft.dropout` is a probability in [0, 1), got {recipe.peft.dropout}")
         _require(
             p.tensor_parallel == 1,
             "`peft.method` with `parallel.tensor_parallel > 1` is refused: LoRA wraps nn.Linear layers, which tensor "
@@ -476,17 +516,52 @@ def _validate_sequence_parallel(recipe: Recipe) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML keeps the last of two equal keys silently; a recipe that sets `lr` twice is a mistake to report."""
+
+
+def _mapping_without_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise RecipeError(f"{loader.name}: key `{key}` appears twice in one mapping (lines {seen[key] + 1} and "
+                              f"{key_node.start_mark.line + 1}); keep one")
+        seen[key] = key_node.start_mark.line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
 def load_yaml_file(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}. Give a path such as recipes/tiny.yaml")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise RecipeError(f"cannot read recipe file {path}: {err}. Give a UTF-8 YAML file") from err
+    try:
+        raw = yaml.load(text, Loader=_loader_for(path)) or {}
     except yaml.YAMLError as err:
-        raise RecipeError(f"{path}: not valid YAML: {err}") from err
+        raise RecipeError(f"{path}: not valid YAML: {_one_line(err)}") from err
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe must be a mapping of sections, got {type(raw).__name__}")
     return raw
+
+
+def _loader_for(path: Path):
+    def make(stream):
+        loader = _UniqueKeyLoader(stream)
+        loader.name = str(path)
+        return loader
+
+    return make
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())
 
 
 def parse_overrides(argv: list[str]) -> dict:
@@ -505,7 +580,11 @@ def parse_overrides(argv: list[str]) -> dict:
             i += 1
         if "." not in key:
             raise RecipeError(f"override `--{key}` must name a section and a key, e.g. `--train.lr 3e-4`")
-        _set_nested(overrides, key.replace("-", "_").split("."), yaml.safe_load(value))
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise RecipeError(f"override `--{key}`: value {value!r} is not valid YAML ({_one_line(err)}); quote it") from err
+        _set_nested(overrides, key.replace("-", "_").split("."), parsed)
         i += 1
     return overrides
 

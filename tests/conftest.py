@@ -41,6 +41,10 @@ def accelerate_launch_command(script, *args, zero_stage: int, num_processes: int
     ]
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "distributed: launches several processes (accelerate launch / torchrun)")
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from neox_hf.interop.tokenizer import load_tokenizer

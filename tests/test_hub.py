@@ -348,11 +348,46 @@ def test_training_run_pushes_pythia_step_branches_and_final_main(hub, tmp_path):
     assert {"step4", "step8"} <= set(hub.branches(REPO))
     main_files = hub.files(REPO, "main")
     assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", "recipe.yaml"} <= set(main_files)
+    # Only the model's own files: no optimizer states, RNG pickles, step copies, logs or lock.
+    assert not [name for name in main_files if name.startswith(("checkpoints/", "hub_steps/", "runs/"))
+                or name in ("train_log.jsonl", ".neox_hf.lock")], sorted(main_files)
     card = main_files["README.md"].decode()
     assert "library_name: transformers" in card and "Tokens trained" in card and "tinyshakespeare" in card
     cache = tmp_path / "hf-cache"  # the repo name recurs across tests: never read another test's download
     step4 = GPTNeoXForCausalLM.from_pretrained(REPO, revision="step4", cache_dir=cache)
-    local4 = GPTNeoXForCausalLM.from_pretrained(out / "hub_steps" / "step4")
+    # Each step copy is deleted once pushed; the step-4 training checkpoint holds the same weights.
+    assert not (out / "hub_steps" / "step4").exists() and not (out / "hub_steps" / "step8").exists()
+    from neox_hf.interop.convert import export_training_checkpoint
+
+    local4 = GPTNeoXForCausalLM.from_pretrained(
+        export_training_checkpoint(out / "checkpoints" / "step_00000004", tmp_path / "local4"))
     final = GPTNeoXForCausalLM.from_pretrained(REPO, cache_dir=cache)
     assert all(torch.equal(a, b) for a, b in zip(step4.state_dict().values(), local4.state_dict().values()))
     assert not torch.equal(step4.gpt_neox.embed_in.weight, final.gpt_neox.embed_in.weight)  # step 4 ≠ step 8
+
+
+def test_failed_step_push_keeps_the_folder_and_names_the_retry_command(hub, tmp_path):
+    folder = make_model_folder(tmp_path / "hub_steps" / "step3", layers=1, marker="step 3")
+    pusher = HubPusher(REPO, token=BAD_TOKEN, backoff_s=0.01, delete_after=True)
+    pusher.push_step(folder, 3)
+    with pytest.raises(HubError) as failure:
+        pusher.close()
+    assert f"retry with `neox_hf push {folder} {REPO} --revision step3`" in str(failure.value)
+    assert BAD_TOKEN not in str(failure.value)
+    assert folder.is_dir()  # kept for the retry
+
+    ok = HubPusher(REPO, delete_after=True, **FAST)
+    ok.push_step(folder, 3)
+    ok.close()
+    assert not folder.exists() and hub.files(REPO, "step3")
+
+
+def test_push_cli_of_a_run_folder_uploads_only_the_model_files(hub, tmp_path, capsys):
+    from neox_hf.cli import main
+
+    run = make_model_folder(tmp_path / "run", layers=1, marker="run")
+    (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000002" / "optimizer.bin").write_bytes(b"adam state")
+    (run / "train_log.jsonl").write_text('{"step": 1}\n')
+    assert main(["push", str(run), REPO]) == 0
+    assert set(hub.files(REPO, "main")) == {"config.json", "model.safetensors", "README.md"}

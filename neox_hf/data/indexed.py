@@ -14,7 +14,6 @@ preprocess_data.py writes one item per document (no sentence splitting), so doc_
 
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -23,6 +22,7 @@ import numpy as np
 
 from neox_hf.data.files import open_text_file
 from neox_hf.errors import DataError
+from neox_hf.io import atomic_path
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -146,14 +146,17 @@ def _pointers(sizes: np.ndarray, itemsize: int) -> np.ndarray:
 
 
 def write_indexed_dataset(jsonl_paths, tokenizer, out_prefix: str | Path, *, text_key: str = "text",
-                          append_eod: bool = True, workers: int = 1, batch_size: int = 1000) -> tuple[Path, Path]:
+                          append_eod: bool = True, workers: int = 1, batch_size: int = 1000,
+                          counts: dict | None = None) -> tuple[Path, Path]:
     """Tokenize `.jsonl` (also `.gz` / `.zst`) files into `<out_prefix>.bin/.idx`, byte-compatible with
     GPT-NeoX's `preprocess_data.py --jsonl-keys text_key [--append-eod]` with the same tokenizer.
 
     As there: empty texts are dropped, each document is one item ended by EOD when `append_eod`, the dtype
     is uint16 below a 65,500-token vocabulary, else int32. `workers > 1` tokenizes batches in a process pool
     (order kept). Both files are written to temporary names and renamed, so a crash never leaves a pair that
-    looks complete. Returns (bin_path, idx_path).
+    looks complete (and nothing is left on failure). A run that finds no document with a string `text_key`
+    field raises DataError instead of writing an empty corpus. `counts`, when given, receives "documents" and
+    "skipped" (lines without a string `text_key`). Returns (bin_path, idx_path).
     """
     bin_path, idx_path = indexed_paths(out_prefix)
     bin_path.parent.mkdir(parents=True, exist_ok=True)
@@ -163,18 +166,27 @@ def write_indexed_dataset(jsonl_paths, tokenizer, out_prefix: str | Path, *, tex
         raise DataError("write_indexed_dataset: append_eod=True but the tokenizer has no eos_token; "
                         "build it with eos_token='<|endoftext|>' or pass append_eod=False")
     sizes: list[int] = []
-    tmp_bin, tmp_idx = bin_path.with_name(bin_path.name + ".tmp"), idx_path.with_name(idx_path.name + ".tmp")
-    with open(tmp_bin, "wb") as out:
-        for ids in _tokenized_documents(jsonl_paths, tokenizer, text_key, workers, batch_size):
-            if append_eod:
-                ids.append(eod)
-            out.write(np.asarray(ids, dtype=dtype).tobytes(order="C"))
-            sizes.append(len(ids))
-    with open(tmp_idx, "wb") as out:
-        out.write(index_bytes(sizes, dtype))
-    os.replace(tmp_bin, bin_path)
-    os.replace(tmp_idx, idx_path)
+    counts = {} if counts is None else counts
+    counts.update(documents=0, skipped=0)
+    with atomic_path(bin_path) as tmp_bin, atomic_path(idx_path) as tmp_idx:
+        with open(tmp_bin, "wb") as out:
+            for ids in _tokenized_documents(jsonl_paths, tokenizer, text_key, workers, batch_size, counts):
+                if append_eod:
+                    ids.append(eod)
+                out.write(np.asarray(ids, dtype=dtype).tobytes(order="C"))
+                sizes.append(len(ids))
+        if not sizes:
+            raise DataError(f"no document has a non-empty string field {text_key!r} ({counts['skipped']} line(s) "
+                            f"without one{_keys_seen(counts)}); pass --text-key with the field that holds the text")
+        with open(tmp_idx, "wb") as out:
+            out.write(index_bytes(sizes, dtype))
+    counts["documents"] = len(sizes)
     return bin_path, idx_path
+
+
+def _keys_seen(counts: dict) -> str:
+    keys = counts.get("keys_seen")
+    return f"; the lines have keys {sorted(keys)}" if keys else ""
 
 
 def index_bytes(sizes: list[int], dtype) -> bytes:
@@ -186,8 +198,9 @@ def index_bytes(sizes: list[int], dtype) -> bytes:
     return header + sizes_arr.tobytes() + pointers.tobytes() + doc_idx.tobytes()
 
 
-def _tokenized_documents(jsonl_paths, tokenizer, text_key: str, workers: int, batch_size: int) -> Iterator[list[int]]:
-    batches = _text_batches(_jsonl_texts(jsonl_paths, text_key), batch_size)
+def _tokenized_documents(jsonl_paths, tokenizer, text_key: str, workers: int, batch_size: int,
+                         counts: dict) -> Iterator[list[int]]:
+    batches = _text_batches(_jsonl_texts(jsonl_paths, text_key, counts), batch_size)
     if workers <= 1:
         encoded = (_encode(tokenizer, batch) for batch in batches)
         yield from (ids for batch in encoded for ids in batch if ids)
@@ -199,21 +212,35 @@ def _tokenized_documents(jsonl_paths, tokenizer, text_key: str, workers: int, ba
             yield from (ids for ids in batch if ids)
 
 
-def _jsonl_texts(jsonl_paths, text_key: str) -> Iterator[str]:
-    import json
-
+def _jsonl_texts(jsonl_paths, text_key: str, counts: dict) -> Iterator[str]:
     paths = [jsonl_paths] if isinstance(jsonl_paths, (str, Path)) else list(jsonl_paths)
     for path in paths:
-        with open_text_file(path) as lines:
-            for line_no, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    text = json.loads(line).get(text_key)
-                except (json.JSONDecodeError, AttributeError) as err:
-                    raise DataError(f"{path}:{line_no}: not a JSON object ({err}); fix or remove the line") from err
-                if isinstance(text, str) and text:  # preprocess_data.py also drops empty documents
-                    yield text
+        try:
+            yield from _texts_of_file(path, text_key, counts)
+        except DataError:
+            raise
+        except Exception as err:  # gzip / zstandard / OS errors of a damaged or mislabelled file
+            raise DataError(f"{path}: cannot be read ({type(err).__name__}: {err}); the file is damaged or its suffix "
+                            "does not match its compression (.jsonl, .jsonl.gz, .jsonl.zst)") from err
+
+
+def _texts_of_file(path, text_key: str, counts: dict) -> Iterator[str]:
+    import json
+
+    with open_text_file(path) as lines:
+        for line_no, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                text = row.get(text_key)
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+                raise DataError(f"{path}:{line_no}: not a JSON object ({err}); fix or remove the line") from err
+            if isinstance(text, str) and text:  # preprocess_data.py also drops empty documents
+                yield text
+            elif not isinstance(text, str):
+                counts["skipped"] = counts.get("skipped", 0) + 1
+                counts.setdefault("keys_seen", set()).update(map(str, row))
 
 
 def _text_batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:

@@ -67,7 +67,15 @@ def convert_neox_checkpoint(checkpoint_dir, neox_config_paths: list[str], out_di
 
 def export_hf_to_neox(hf_folder, out_dir, *, tp_size: int = 1, step: int = 0) -> str:
     """HF GPTNeoX folder → GPT-NeoX sequential-layout checkpoint for `tp_size` ranks."""
-    model = NeoXForCausalLM.from_pretrained(hf_folder, dtype="auto")
+    from neox_hf.inference import check_model_folder
+
+    if tp_size < 1:
+        raise CheckpointError(f"--tp must be ≥ 1, got {tp_size}")
+    check_model_folder(hf_folder)
+    try:
+        model = NeoXForCausalLM.from_pretrained(hf_folder, dtype="auto")
+    except (OSError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"cannot load the model in {hf_folder}: {err}") from err
     return export_neox_checkpoint(model, model.config, out_dir, tp_size=tp_size, step=step)
 
 
@@ -90,8 +98,17 @@ def training_checkpoint_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tens
 def export_training_checkpoint(checkpoint_dir, out_dir) -> Path:
     """`neox_hf export`: a resumable checkpoint (any ZeRO stage) → consolidated HF folder with tokenizer."""
     checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise CheckpointError(f"checkpoint folder not found: {checkpoint_dir}; give a checkpoints/step_* folder or "
+                              "the checkpoints/ folder of a run")
+    if (checkpoint_dir / "checkpoints").is_dir():
+        raise CheckpointError(f"{checkpoint_dir} is a run's output folder (already a Hugging Face model folder when the "
+                              f"run finished); to export a checkpoint give `neox_hf export {checkpoint_dir / 'checkpoints'} OUT`")
     if (checkpoint_dir / "latest").is_file():
         checkpoint_dir = checkpoint_dir / (checkpoint_dir / "latest").read_text().strip()
+    if (checkpoint_dir / "config.json").is_file() and not list(checkpoint_dir.glob("trainer_state_rank*.pt")):
+        raise CheckpointError(f"{checkpoint_dir} is a Hugging Face model folder, not a training checkpoint: load it "
+                              "with from_pretrained as it is (nothing to export)")
     if not (checkpoint_dir / "config.json").is_file():
         raise CheckpointError(f"{checkpoint_dir / 'config.json'} is missing: not a neox_hf training checkpoint")
     config = NeoXConfig.from_pretrained(checkpoint_dir)

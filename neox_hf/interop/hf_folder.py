@@ -8,26 +8,23 @@ so a folder with a config always has complete weights.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
+
+from neox_hf.io import move_files_into, staging_folder
 
 
 def save_hf_folder(model, out_dir, *, state_dict=None, tokenizer=None, extra_files: dict[str, str] | None = None,
                    max_shard_size: str = "5GB") -> Path:
     """save_pretrained (safetensors, sharded above max_shard_size) + tokenizer + extra text files, atomically."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    staging = out_dir / ".tmp-model"
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(staging)
-    for name, text in (extra_files or {}).items():
-        (staging / name).write_text(text)
-    _remove_stale_weights(out_dir, keep={p.name for p in staging.iterdir()})
-    for path in sorted(staging.iterdir(), key=lambda p: p.name == "config.json"):
-        os.replace(path, out_dir / path.name)
-    staging.rmdir()
+    with staging_folder(out_dir) as staging:
+        model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        for name, text in (extra_files or {}).items():
+            (staging / name).write_text(text)
+        _remove_stale_weights(out_dir, keep={p.name for p in staging.iterdir()})
+        move_files_into(staging, out_dir, last="config.json")
     return out_dir
 
 

@@ -24,8 +24,6 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import shutil
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +31,7 @@ from pathlib import Path
 import torch
 
 from neox_hf.errors import CheckpointError
+from neox_hf.io import atomic_folder, atomic_write_text
 
 PIPELINE_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 SEQUENTIAL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -210,18 +209,11 @@ def write_sequential_checkpoint(
     final_dir = out / step_name
     if final_dir.exists():
         raise CheckpointError(f"{final_dir}: already exists; choose another out_dir or step, or delete it")
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{step_name}.", dir=out))
-    try:
+    with atomic_folder(final_dir, replace=False) as tmp_dir:
         for rank, module in enumerate(rank_modules):
             states = _deepspeed_model_states(module, len(rank_modules), step)
             torch.save(states, tmp_dir / f"mp_rank_{rank:02d}_model_states.pt")
-        os.replace(tmp_dir, final_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    latest_tmp = out / ".latest.tmp"
-    latest_tmp.write_text(step_name)
-    os.replace(latest_tmp, out / "latest")
+    atomic_write_text(out / "latest", step_name)
     return final_dir
 
 

@@ -7,6 +7,7 @@ embedding covers every id the tokenizer can emit.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -23,14 +24,20 @@ def load_tokenizer(path: str, *, eos_token: str = "<|endoftext|>", pad_token: st
     if location.suffix == ".json":
         if not location.is_file():
             raise RecipeError(f"tokenizer file not found: {location}. Set `tokenizer.path` to a tokenizers JSON file or an HF folder")
+        vocab = _json_tokenizer_vocab(location)
+        # PreTrainedTokenizerFast would add a missing special token as a new id (a typo would then end every
+        # document and become eos_token_id): the roles must name tokens the file already has.
+        for token, role in ((eos_token, "eos_token"), (pad_token, "pad_token")):
+            _require_token_in(vocab, token, role, where=str(location))
         tokenizer = PreTrainedTokenizerFast(
             tokenizer_file=str(location), bos_token=eos_token, eos_token=eos_token, unk_token=eos_token, pad_token=pad_token
         )
     else:
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as err:
-            raise RecipeError(f"cannot load tokenizer from {path!r}: {err}. Set `tokenizer.path` to a tokenizers JSON file or an HF folder") from err
+        except Exception as err:  # OSError, ValueError, or the tokenizers library's own error for a corrupt file
+            raise RecipeError(f"cannot load tokenizer from {path!r}: {_first_line(err)}. Set `tokenizer.path` to a "
+                              "tokenizers JSON file or an HF folder") from err
         if tokenizer.eos_token is None:
             tokenizer.eos_token = eos_token
         if tokenizer.pad_token is None:
@@ -38,6 +45,28 @@ def load_tokenizer(path: str, *, eos_token: str = "<|endoftext|>", pad_token: st
     _require_token(tokenizer, tokenizer.eos_token, "eos_token")
     _require_token(tokenizer, tokenizer.pad_token, "pad_token")
     return tokenizer
+
+
+def _json_tokenizer_vocab(location: Path) -> dict[str, int]:
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(location)).get_vocab(with_added_tokens=True)
+    except Exception as err:  # tokenizers raises a bare Exception for malformed JSON
+        raise RecipeError(f"{location} is not a valid tokenizers JSON file ({_first_line(err)}); set `tokenizer.path` "
+                          "to the tokenizer.json the model uses (e.g. examples/data/gpt-neox-20b-tokenizer.json)") from err
+
+
+def _require_token_in(vocab: dict, token: str, role: str, where: str) -> None:
+    if token not in vocab:
+        close = difflib.get_close_matches(token, [t for t in vocab if t.startswith("<") or t.startswith("[")], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise RecipeError(f"`tokenizer.{role}` = {token!r} is not a token of {where}{hint}; set it to a token the "
+                          "tokenizer already has, e.g. '<|endoftext|>'")
+
+
+def _first_line(err: BaseException) -> str:
+    return next(iter(str(err).strip().splitlines()), type(err).__name__)
 
 
 def _require_token(tokenizer, token: str, role: str) -> None:

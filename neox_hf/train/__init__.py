@@ -9,9 +9,12 @@ from neox_hf.errors import NeoXHFError
 
 def main(argv: list[str] | None = None) -> int:
     """`run_clm_neox.py` entry: parse → (print config | train). Bad input exits 2 with the message."""
-    from neox_hf.train.args import parse_run_args
+    from neox_hf.train.args import USAGE, parse_run_args
 
     argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(f"usage: {USAGE}")
+        return 0
     try:
         args = parse_run_args(argv)
     except NeoXHFError as err:
@@ -25,8 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     from neox_hf.train.loop import train
 
     try:
-        train(args.recipe, notices=args.notices)
+        train(args.recipe, notices=args.notices, overwrite=args.overwrite)
     except NeoXHFError as err:
-        print(f"error: {err}", file=sys.stderr)
+        # A failure mid-run leaves the progress bar's line open (it ends in \r): start the error on a line of its own.
+        print(f"\nerror: {err}", file=sys.stderr)
         return 2
     return 0

@@ -7,7 +7,6 @@ thing that happens between steps (logging, eval, checkpoints, Hub pushes) owns i
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -25,10 +24,18 @@ from neox_hf.plot import model_card_section, write_run_plot
 from neox_hf.recipe import Recipe
 from neox_hf.trackers import init_tracker_kwargs, tracker_names
 from neox_hf.train.checkpoint import TrainState, find_resume_checkpoint, load_checkpoint, save_checkpoint
+from neox_hf.train.guards import (
+    check_before_build,
+    check_finite,
+    check_skipped_documents,
+    claim_output_dir,
+    step_log_line,
+    truncate_train_log,
+)
 from neox_hf.train.prefetch import Prefetcher
 from neox_hf.train.run_log import record_evaluation
 from neox_hf.train.schedule import build_lr_scheduler
-from neox_hf.train.step import StepResult, eval_loss_sums, loss_scale, train_step
+from neox_hf.train.step import StepResult, dp_sum, eval_loss_sums, loss_scale, train_step
 
 
 @dataclass
@@ -40,8 +47,21 @@ class RunResult:
     final_eval_loss: float | None
 
 
-def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
-    """Run the recipe end to end; return where the model went and the losses seen."""
+def train(recipe: Recipe, *, notices: list[str] | None = None, overwrite: bool = False) -> RunResult:
+    """Run the recipe end to end; return where the model went and the losses seen.
+
+    Before anything is built: the settings checkable without a model, and `output.dir` (refused when it holds an
+    earlier run, unless resuming or `overwrite`; locked for the run)."""
+    check_before_build(recipe)
+    lock = claim_output_dir(recipe, overwrite=overwrite)
+    try:
+        return _train(recipe, notices)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(recipe: Recipe, notices: list[str] | None) -> RunResult:
     accelerator, layout = init_distributed(recipe, log_with=tracker_names(recipe) or None)
     _set_seed(recipe.train.seed)
     check_peft_recipe(recipe)
@@ -59,10 +79,13 @@ def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
     eval_batches = build_eval_loader(recipe.data, tokenizer, max_batches=recipe.train.eval_iters, **data_args)
     scheduler = build_lr_scheduler(optimizer, recipe.train)
     state = TrainState()
-    resume_from = find_resume_checkpoint(recipe.train.resume, recipe.output.dir)
+    resume_from = find_resume_checkpoint(recipe.train.resume, recipe.output.dir,
+                                         notify=lambda message: accelerator.print(f"note: {message}"))
     if resume_from is not None:
         state = load_checkpoint(accelerator, resume_from, scheduler=scheduler, data_loader=loader)
         accelerator.print(f"resumed from {resume_from} at step {state.step}")
+    if recipe.train.resume is not None and accelerator.is_main_process:
+        truncate_train_log(recipe.output.dir, state.step)  # steps after the resume point are redone
     run = TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, tokenizer, layout,
                       _hub_pusher(recipe) if accelerator.is_main_process else None)
     if accelerator.is_main_process:
@@ -189,6 +212,7 @@ class StepLogger:
         self.run, self.state, self.history = run, state, history
         self.pending: list[tuple[int, StepResult, float, float, int | None]] = []
         self.window_start = time.perf_counter()
+        self.reported_skipped = 0  # undecodable documents already reported
 
     def record(self, result: StepResult, lr: float, data_wait: float, seq_length: int | None = None) -> None:
         self.pending.append((self.state.step, result, lr, data_wait, seq_length))
@@ -202,6 +226,9 @@ class StepLogger:
                               for _, r, _, _, _ in self.pending]).tolist()
         entries = []
         for (step, result, lr, wait, seq_length), (loss, tokens, samples, grad_norm) in zip(self.pending, values):
+            # Before anything of this step is logged or saved: a diverged run stops here, naming the step.
+            check_finite(step, loss, None if result.skipped or result.grad_norm is None else grad_norm,
+                         output_dir=self.run.recipe.output.dir)
             self.state.consumed_tokens += int(tokens)
             self.state.consumed_samples += int(samples)
             self.history.train_losses.append(loss)
@@ -225,7 +252,23 @@ class StepLogger:
             _append_step_log(self.run.recipe.output.dir, entries)
         accelerator.log(metrics, step=self.state.step)
         self.pending, self.window_start = [], time.perf_counter()
+        self.reported_skipped = _report_skipped_documents(self.run, self.reported_skipped)
         return {"loss": f"{metrics['train/loss']:.4f}", "lr": f"{metrics['train/lr']:.2e}"}
+
+
+def _report_skipped_documents(run: TrainingRun, reported: int) -> int:
+    """Print how many documents were undecodable (summed over ranks) when the count grew; fail above
+    data.max_skipped_fraction. Returns the count now reported."""
+    stats = getattr(run.loader, "stats", None)
+    if stats is None:
+        return reported
+    local = torch.tensor([stats.get("skipped_undecodable", 0), stats.get("documents", 0)], device=run.accelerator.device)
+    skipped, documents = (int(v) for v in dp_sum(run.layout, local))
+    line = check_skipped_documents({"skipped_undecodable": skipped, "documents": documents},
+                                   run.recipe.data.max_skipped_fraction)
+    if line is not None and skipped > reported:
+        run.accelerator.print(f"note: {line}")
+    return skipped
 
 
 def _append_step_log(output_dir, entries: list[dict]) -> None:
@@ -233,7 +276,7 @@ def _append_step_log(output_dir, entries: list[dict]) -> None:
     path = Path(output_dir) / "train_log.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as log_file:
-        log_file.writelines(json.dumps(entry) + "\n" for entry in entries)
+        log_file.writelines(step_log_line(entry) + "\n" for entry in entries)
 
 
 def _eval_and_log(run: TrainingRun, state: TrainState, history: History) -> None:
@@ -298,7 +341,8 @@ def _hub_pusher(recipe: Recipe):
     from neox_hf.hub import HubPusher
 
     hub = recipe.train.push_to_hub
-    return HubPusher(hub.repo_id, private=hub.private, revision_per_step=hub.revision_per_step)
+    # delete_after: hub_steps/step{N} exists only to be uploaded; a failed push keeps it for the retry command.
+    return HubPusher(hub.repo_id, private=hub.private, revision_per_step=hub.revision_per_step, delete_after=True)
 
 
 def _write_card(run: TrainingRun, state: TrainState, eval_loss: float | None, folder: Path) -> None:
@@ -311,6 +355,7 @@ def _write_card(run: TrainingRun, state: TrainState, eval_loss: float | None, fo
         folder, recipe_yaml=recipe.to_yaml(), model_config=config.to_dict(),
         num_parameters=parameter_count(unwrapped, run.layout), tokens_trained=state.consumed_tokens,
         data_sources=[{"path": s.path, "weight": s.weight} for s in recipe.data.sources], eval_loss=eval_loss,
+        extra_markdown=model_card_section(folder),
     )
 
 

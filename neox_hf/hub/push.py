@@ -1,4 +1,4 @@
-"""Push trained models and step checkpoints to the Hugging Face Hub, and write their model card.
+"""Push trained models and step checkpoints to the Hugging Face Hub.
 
 `huggingface_hub` does the talking (`create_repo`, `create_branch`, `upload_folder`). This module
 adds what a training run needs on top of it:
@@ -9,18 +9,19 @@ adds what a training run needs on top of it:
   `create_repo` / `create_branch`, and a run that trained for days should not lose its push to one
   503. Failures retrying cannot fix (401/403/404, bad request) become one `HubError` that names the
   repo and the fix, and never contains the token;
-- `HubPusher`, a background uploader, so the training loop hands over a folder and keeps going;
-- `write_model_card`, a README.md built from the recipe and the facts of the run.
+- `HubPusher`, a background uploader, so the training loop hands over a folder and keeps going, and deletes each
+  local step folder once it is on the Hub;
+- `model_folder_files`: a run's `output.dir` also holds checkpoints (optimizer states, RNG pickles), step copies
+  and TensorBoard runs; only the model's own files are uploaded.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import queue
-import tempfile
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import httpx2
-from huggingface_hub import HfApi, ModelCard, ModelCardData
+from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
 from neox_hf.errors import HubError
@@ -37,7 +38,6 @@ from neox_hf.errors import HubError
 logger = logging.getLogger(__name__)
 
 MAIN_BRANCH = "main"
-CARD_TAGS = ["gpt_neox", "causal-lm", "neox_hf"]
 LOGIN_FIX = "run `hf auth login` (formerly `huggingface-cli login`) or set HF_TOKEN to a token with write access"
 
 # 408/429 and 5xx are the Hub being busy or briefly down; anything else 4xx will fail the same way again.
@@ -52,6 +52,53 @@ def step_revision(step: int) -> str:
     if step < 0:
         raise HubError(f"step must be >= 0 to name a Hub branch, got {step}")
     return f"step{step}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What of a run's folder is the model
+
+# A run's output.dir is a model folder plus run state: checkpoints/ (optimizer states, RNG pickles), hub_steps/,
+# runs/ (TensorBoard), train_log.jsonl, the lock. The model is its top-level weights, configs, tokenizer, card,
+# recipe, and plots.
+_MODEL_FILE_PATTERNS = (
+    "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "config.json", "generation_config.json",
+    "adapter_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja", "README.md", "recipe.yaml", "*.png", "*.svg",
+)
+_MODEL_SUBFOLDERS = ("plots",)
+
+
+def model_folder_files(folder: str | os.PathLike) -> list[str]:
+    """The relative paths of `folder` that belong on the Hub: the model's own files, not the run's state."""
+    import fnmatch
+
+    folder = Path(folder)
+    files = [p.name for p in sorted(folder.iterdir())
+             if p.is_file() and any(fnmatch.fnmatch(p.name, pattern) for pattern in _MODEL_FILE_PATTERNS)]
+    for sub in _MODEL_SUBFOLDERS:
+        if (folder / sub).is_dir():
+            files += [p.relative_to(folder).as_posix() for p in sorted((folder / sub).rglob("*")) if p.is_file()]
+    return files
+
+
+def is_run_folder(folder: str | os.PathLike) -> bool:
+    """A training run's output.dir (it holds run state beside the model)."""
+    folder = Path(folder)
+    return any((folder / name).exists() for name in ("checkpoints", "hub_steps", "train_log.jsonl", "runs"))
+
+
+def retry_command(folder: str | os.PathLike, repo_id: str, revision: str) -> str:
+    """The `neox_hf push` command that redoes a failed push."""
+    suffix = "" if revision == MAIN_BRANCH else f" --revision {revision}"
+    return f"neox_hf push {folder} {repo_id}{suffix}"
+
+
+def has_token(token: str | None = None) -> bool:
+    """Whether a token is available without asking the network: explicit, HF_TOKEN, or `hf auth login`'s file."""
+    from huggingface_hub import constants
+
+    return bool(token or os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+                or Path(constants.HF_TOKEN_PATH).is_file())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -70,8 +117,10 @@ def push_folder(
     backoff_s: float = 2.0,
     exact: bool = False,
     endpoint: str | None = None,
+    only: list[str] | None = None,
 ) -> str:
-    """Upload every file of `folder` to `repo_id` at branch `revision` (default `main`); return the commit URL.
+    """Upload every file of `folder` (or only the relative paths in `only`) to `repo_id` at branch `revision`
+    (default `main`); return the commit URL.
 
     Creates the repo and the branch when missing (a new branch starts from `main`). With `exact=True`
     files on the branch that are not in `folder` are deleted, so the branch holds exactly this
@@ -84,6 +133,9 @@ def push_folder(
     folder = Path(folder)
     if not folder.is_dir() or not any(folder.iterdir()):
         raise HubError(f"cannot push {folder}: it is not a folder with files in it")
+    if only is not None and not only:
+        raise HubError(f"cannot push {folder}: it holds no model files (config.json, weights, tokenizer); "
+                       "push the folder a training run or `neox_hf export` wrote")
     revision = revision or MAIN_BRANCH
     api = HfApi(endpoint=endpoint, token=token)
 
@@ -99,6 +151,7 @@ def push_folder(
             revision=revision,
             commit_message=commit_message or f"Upload {folder.name} with neox_hf",
             delete_patterns="*" if exact else None,
+            allow_patterns=only,
         )
         return commit.commit_url
 
@@ -194,6 +247,8 @@ class _PushJob:
     revision: str
     commit_message: str
     exact: bool
+    only: list[str] | None = None  # relative paths to upload (None: the whole folder)
+    delete_after: bool = False  # a local copy made only for the Hub (hub_steps/step{N}): removed once pushed
 
 
 class HubPusher:
@@ -202,7 +257,9 @@ class HubPusher:
     `push_step(folder, step)` returns at once; `wait()` blocks until everything queued is uploaded and
     re-raises the first failure; `close()` does the same and stops the worker. A failed push is logged
     when it happens and does not stop later pushes (a later checkpoint is still worth having).
-    The folders must stay on disk until uploaded: call `wait()` before deleting or overwriting one.
+    The folders must stay on disk until uploaded: call `wait()` before deleting or overwriting one. With
+    `delete_after=True`, `push_step` deletes the step folder once its push succeeded (a failed one stays, and the
+    failure names the `neox_hf push` command that retries it). `push_final` uploads only the model's own files.
 
     With `revision_per_step=True` (Pythia convention) step N goes to branch `step{N}`, holding exactly
     that checkpoint; with False every step overwrites `main`. `push_final` always goes to `main`.
@@ -215,12 +272,14 @@ class HubPusher:
         private: bool = False,
         token: str | None = None,
         revision_per_step: bool = True,
+        delete_after: bool = False,
         max_retries: int = 3,
         backoff_s: float = 2.0,
         endpoint: str | None = None,
     ):
         self.repo_id = repo_id
         self.revision_per_step = revision_per_step
+        self.delete_after = delete_after
         self.commit_urls: list[str] = []  # in push order, for logging / tests
         self._push_kwargs = dict(
             private=private, token=token, max_retries=max_retries, backoff_s=backoff_s, endpoint=endpoint
@@ -233,14 +292,13 @@ class HubPusher:
 
     def push_step(self, folder: str | os.PathLike, step: int) -> None:
         """Queue the checkpoint of `step` for upload and return immediately."""
-        if self.revision_per_step:
-            self._submit(_PushJob(Path(folder), step_revision(step), f"Checkpoint at step {step}", exact=True))
-        else:
-            self._submit(_PushJob(Path(folder), MAIN_BRANCH, f"Checkpoint at step {step}", exact=False))
+        revision = step_revision(step) if self.revision_per_step else MAIN_BRANCH
+        self._submit(_PushJob(Path(folder), revision, f"Checkpoint at step {step}", exact=self.revision_per_step,
+                              delete_after=self.delete_after))
 
     def push_final(self, folder: str | os.PathLike) -> None:
-        """Queue the finished model for upload to `main` and return immediately."""
-        self._submit(_PushJob(Path(folder), MAIN_BRANCH, "Final model", exact=False))
+        """Queue the finished model (its own files: no checkpoints, step copies or logs) for upload to `main`."""
+        self._submit(_PushJob(Path(folder), MAIN_BRANCH, "Final model", exact=False, only=model_folder_files(folder)))
 
     def wait(self) -> None:
         """Block until every queued push is done; raise the first failure since the last wait()."""
@@ -278,13 +336,15 @@ class HubPusher:
             try:
                 url = push_folder(
                     job.folder, self.repo_id, revision=job.revision, commit_message=job.commit_message,
-                    exact=job.exact, **self._push_kwargs,
+                    exact=job.exact, only=job.only, **self._push_kwargs,
                 )
                 self.commit_urls.append(url)
                 logger.info("pushed %s to %s@%s", job.folder, self.repo_id, job.revision)
+                if job.delete_after:
+                    shutil.rmtree(job.folder, ignore_errors=True)
             except Exception as err:  # kept for wait()/close(); the worker must survive to push the rest
                 logger.error("background push of %s failed: %s", job.folder, err)
-                self._failures.append(err)
+                self._failures.append(_with_retry_command(err, job, self.repo_id))
             finally:
                 self._jobs.task_done()
         self._jobs.task_done()
@@ -299,145 +359,14 @@ class HubPusher:
         raise first
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Model card
-
-# Keys of a GPTNeoXConfig dict the card reports, with their label.
-_ARCHITECTURE_FIELDS = [
-    ("num_hidden_layers", "Layers"),
-    ("hidden_size", "Hidden size"),
-    ("num_attention_heads", "Attention heads"),
-    ("max_position_embeddings", "Sequence length"),
-    ("rotary_pct", "Rotary fraction (rotary_pct)"),
-    ("use_parallel_residual", "Parallel residual"),
-    ("vocab_size", "Vocabulary size"),
-]
-
-
-def write_model_card(
-    folder: str | os.PathLike,
-    *,
-    recipe_yaml: str,
-    model_config: dict,
-    num_parameters: int,
-    tokens_trained: int,
-    data_sources: list[dict],
-    eval_loss: float | None,
-    license: str = "apache-2.0",
-    datasets: list[str] | None = None,
-) -> Path:
-    """Write `folder/README.md`: Hub metadata (library, tags, license, datasets) and the facts of the run.
-
-    `model_config` is a GPTNeoXConfig as a dict; `data_sources` are the recipe's blend, each
-    {"path": ..., "weight": ...}; `datasets` are Hub dataset ids for the metadata, if any.
-    The file is replaced atomically, so a crash never leaves a half-written card next to the weights.
-    """
-    metadata = ModelCardData(
-        library_name="transformers",
-        pipeline_tag="text-generation",
-        license=license,
-        tags=list(CARD_TAGS),
-        datasets=list(datasets) if datasets else None,
-    )
-    body = model_card_body(
-        recipe_yaml=recipe_yaml,
-        model_config=model_config,
-        num_parameters=num_parameters,
-        tokens_trained=tokens_trained,
-        data_sources=data_sources,
-        eval_loss=eval_loss,
-    )
-    card = ModelCard(f"---\n{metadata.to_yaml()}\n---\n\n{body}")
-    return write_text_atomically(Path(folder) / "README.md", str(card))
-
-
-def model_card_body(
-    *,
-    recipe_yaml: str,
-    model_config: dict,
-    num_parameters: int,
-    tokens_trained: int,
-    data_sources: list[dict],
-    eval_loss: float | None,
-) -> str:
-    """The Markdown body of the model card (everything below the YAML front matter)."""
-    sections = [
-        "# GPT-NeoX model trained with neox_hf",
-        "## Architecture\n\n" + architecture_table(model_config),
-        "## Training\n\n"
-        f"- Parameters: {num_parameters:,} ({human_count(num_parameters)})\n"
-        f"- Tokens trained: {tokens_trained:,} ({human_count(tokens_trained)})",
-        "## Data\n\n" + data_table(data_sources),
-        "## Evaluation\n\n" + evaluation_lines(eval_loss),
-        "## Recipe\n\nThe exact recipe this model was trained with:\n\n" + fenced(recipe_yaml, "yaml"),
-    ]
-    return "\n\n".join(sections) + "\n"
-
-
-def with_legacy_rotary_keys(model_config: dict) -> dict:
-    """transformers 5 configs keep the rotary fraction and base in `rope_parameters`; the card shows GPT-NeoX's names."""
-    rope = model_config.get("rope_parameters") or {}
-    legacy = {"rotary_pct": rope.get("partial_rotary_factor"), "rotary_emb_base": rope.get("rope_theta")}
-    return {**{k: v for k, v in legacy.items() if v is not None}, **model_config}
-
-
-def architecture_table(model_config: dict) -> str:
-    model_config = with_legacy_rotary_keys(model_config)
-    missing = [key for key, _ in _ARCHITECTURE_FIELDS if key not in model_config]
-    if missing:
-        raise HubError(f"model_config lacks {', '.join(missing)}; pass the GPTNeoXConfig as a dict (config.to_dict())")
-    rows = [f"| {label} | {model_config[key]} |" for key, label in _ARCHITECTURE_FIELDS]
-    return "| | |\n|---|---|\n" + "\n".join(rows)
-
-
-def data_table(data_sources: list[dict]) -> str:
-    for index, source in enumerate(data_sources):
-        if "path" not in source or "weight" not in source:
-            raise HubError(f"data_sources[{index}] needs 'path' and 'weight', got keys {sorted(source)}")
-    rows = [f"| `{source['path']}` | {source['weight']} |" for source in data_sources]
-    return "| Source | Weight |\n|---|---|\n" + "\n".join(rows)
-
-
-def evaluation_lines(eval_loss: float | None) -> str:
-    if eval_loss is None:
-        return "- Final eval loss: not measured"
-    try:
-        perplexity = f"{math.exp(eval_loss):.4f}"
-    except OverflowError:
-        perplexity = "inf"
-    return f"- Final eval loss: {eval_loss:.4f}\n- Perplexity (exp of the loss): {perplexity}"
-
-
-def human_count(n: int) -> str:
-    """1234567 -> "1.23M"."""
-    for divisor, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
-        if abs(n) >= divisor:
-            return f"{n / divisor:.2f}{suffix}"
-    return str(n)
-
-
-def fenced(text: str, language: str) -> str:
-    """`text` in a Markdown code block whose fence is longer than any backtick run inside it."""
-    longest, run = 0, 0
-    for char in text:
-        run = run + 1 if char == "`" else 0
-        longest = max(longest, run)
-    fence = "`" * max(3, longest + 1)
-    return f"{fence}{language}\n{text.rstrip()}\n{fence}"
-
-
-def write_text_atomically(path: Path, text: str) -> Path:
-    """Write `text` to `path` via a temp file in the same folder and os.replace; return `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+def _with_retry_command(err: Exception, job: _PushJob, repo_id: str) -> Exception:
+    """A HubError that also says how to redo this push by hand (the folder is still on disk)."""
+    if not isinstance(err, HubError):
+        return err
+    command = retry_command(job.folder, repo_id, job.revision)
+    retried = HubError(f"{err}; once fixed, retry with `{command}`")
+    retried.__cause__ = err
+    return retried
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -453,18 +382,30 @@ def add_push_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--private", action="store_true", help="create the repo as private if it does not exist")
     parser.add_argument("--commit-message", default=None)
     parser.add_argument("--max-retries", type=int, default=3, help="retries on transient Hub errors")
+    parser.add_argument("--all-files", action="store_true",
+                        help="upload everything in a run's folder, checkpoints and logs included (default: the model's files)")
     return parser
 
 
 def run_push(args: argparse.Namespace) -> int:
-    """Run `neox_hf push` from parsed arguments; print the commit URL and return the exit code."""
+    """Run `neox_hf push` from parsed arguments; print the commit URL and return the exit code.
+
+    Refuses at once (not after retries) when no token is configured; a training run's folder uploads only the
+    model's own files unless `--all-files`."""
+    if not has_token():
+        raise HubError(f"no Hugging Face token found, so the Hub would refuse the push to '{args.repo_id}'; {LOGIN_FIX}")
+    if args.max_retries < 0:
+        raise HubError(f"--max-retries must be >= 0, got {args.max_retries}")
+    folder = Path(args.folder)
+    only = model_folder_files(folder) if folder.is_dir() and is_run_folder(folder) and not args.all_files else None
     url = push_folder(
-        args.folder,
+        folder,
         args.repo_id,
         revision=args.revision,
         private=args.private,
         commit_message=args.commit_message,
         max_retries=args.max_retries,
+        only=only,
     )
     print(url)
     return 0

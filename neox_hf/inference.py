@@ -1,0 +1,136 @@
+"""Loading a saved model for inference: a full model folder, or an adapter folder (base + LoRA adapter), with its
+tokenizer, so `neox_hf eval`, `neox_hf generate` and `neox_hf merge` accept both.
+
+Gaps filled over transformers / peft: bad folders raise `CheckpointError` naming the folder and the fix instead of a
+deep OSError or size-mismatch trace; peft only warns when an adapter's weights do not fit the base (its keys are
+skipped), we refuse; and the model's embedding is checked to cover every id the tokenizer can emit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from transformers import AutoTokenizer, GPTNeoXForCausalLM
+
+from neox_hf.errors import CheckpointError
+from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, load_tokenizer
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def is_adapter_folder(path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def check_model_folder(path) -> Path:
+    """A local folder with a GPTNeoX config.json, or CheckpointError naming the folder and the fix."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder not found: {folder}")
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"model folder {folder} has no config.json: give a folder written by save_pretrained "
+                              "(e.g. a training run's output.dir or `neox_hf merge` output)")
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise CheckpointError(f"{folder}/config.json is not a JSON object ({err}); save the model again") from err
+    if model_type != "gpt_neox":
+        raise CheckpointError(f"{folder}/config.json has model_type {model_type!r}; neox_hf loads only 'gpt_neox' models")
+    return folder
+
+
+def load_base_model(path) -> GPTNeoXForCausalLM:
+    """Stock GPTNeoXForCausalLM in fp32 from a model folder, or CheckpointError naming the folder."""
+    folder = check_model_folder(path)
+    try:
+        return GPTNeoXForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    except Exception as err:  # OSError, ValueError, RuntimeError, or safetensors' own error for a truncated file
+        raise CheckpointError(f"cannot load the model in {folder}: {_first_line(err)}; save or download it again") from err
+
+
+def load_adapter_model(base_path, adapter_path) -> PeftModel:
+    """Base folder + adapter folder → PeftModel (inference mode)."""
+    adapter = Path(adapter_path)
+    if not is_adapter_folder(adapter):
+        raise CheckpointError(f"{adapter} has no {ADAPTER_CONFIG}: give the folder a LoRA run (or save_adapter) wrote")
+    base = load_base_model(base_path)
+    try:
+        model = PeftModel.from_pretrained(base, adapter)
+    except (OSError, ValueError, RuntimeError) as err:  # size mismatch when the adapter was trained on another base
+        raise CheckpointError(f"adapter {adapter} does not fit base model {base_path}: {err}") from err
+    _check_adapter_fits(model, adapter, base_path)
+    return model
+
+
+def _check_adapter_fits(model: PeftModel, adapter: Path, base_path) -> None:
+    """peft only warns when adapter weights find no module of the base (another layer count or module names) and
+    leaves those LoRA layers at their initial zero update: refuse, naming both folders."""
+    weights = adapter / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise CheckpointError(f"{adapter} has no {ADAPTER_WEIGHTS}: the adapter folder is incomplete; save it again")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), framework="pt") as stored_file:
+            stored = set(stored_file.keys())
+    except Exception as err:  # safetensors raises its own error type for a truncated header
+        raise CheckpointError(f"cannot read {weights}: {err}. The file is corrupt; save the adapter again") from err
+    expected = {name.replace(".default", "") for name, _ in model.named_parameters() if "lora_" in name}
+    unmatched, untouched = stored - expected, expected - stored
+    if unmatched or untouched:
+        example = sorted(unmatched or untouched)[0]
+        raise CheckpointError(
+            f"adapter {adapter} does not fit base model {base_path}: {len(unmatched)} adapter weight(s) match no "
+            f"module of the base and {len(untouched)} LoRA weight(s) of the base get none (e.g. {example}); "
+            "use the base model the adapter was trained on"
+        )
+
+
+def adapter_base_path(adapter_path) -> str:
+    """The base model folder an adapter folder records (adapter_config.json `base_model_name_or_path`)."""
+    config_file = Path(adapter_path) / ADAPTER_CONFIG
+    try:
+        base = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise CheckpointError(f"{config_file} is not a JSON object ({err}); save the adapter again") from err
+    if not base or not (Path(base) / "config.json").is_file():
+        raise CheckpointError(f"{adapter_path}/{ADAPTER_CONFIG} names base model {base!r}, which is not a local model "
+                              "folder; merge it first (`neox_hf merge BASE ADAPTER OUT`) and use the merged folder")
+    return base
+
+
+def folder_tokenizer(folder):
+    if not (Path(folder) / "tokenizer.json").is_file() and not (Path(folder) / "tokenizer_config.json").is_file():
+        return None
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def load_for_inference(model_path, tokenizer_path: str | None = None):
+    """(model in eval mode, tokenizer) from a model folder or an adapter folder; checks the vocab covers the tokenizer."""
+    folder = Path(model_path)
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder not found: {folder}")
+    if is_adapter_folder(folder):
+        model = load_adapter_model(adapter_base_path(folder), folder)
+    else:
+        model = load_base_model(folder)
+    tokenizer = _inference_tokenizer(folder, tokenizer_path)
+    check_vocab_covers_tokenizer(model.config.vocab_size, tokenizer, where=str(folder))
+    model.eval()
+    return model, tokenizer
+
+
+def _inference_tokenizer(folder: Path, tokenizer_path: str | None):
+    if tokenizer_path:
+        return load_tokenizer(tokenizer_path)
+    if folder_tokenizer(folder) is None:
+        raise CheckpointError(f"{folder} has no tokenizer files; pass --tokenizer PATH (a tokenizers JSON or HF folder)")
+    return load_tokenizer(str(folder))
+
+
+def _first_line(err: BaseException) -> str:
+    return next(iter(str(err).strip().splitlines()), type(err).__name__)

@@ -1,0 +1,303 @@
+"""Run-level guards: what a training run checks before it builds anything, and at every step, so a mistake costs
+seconds instead of a run.
+
+Each function is called from `train()` / the step loop with plain values and raises a `NeoXHFError` subclass (one
+line naming the problem and the fix) or returns what the loop needs:
+
+- `claim_output_dir`: a non-empty `output.dir` is refused unless the run resumes (`--resume`) or replaces it
+  (`--overwrite`); a lock file stops a second run on the same folder and names the holder.
+- `check_before_build`: every setting that can be checked without the model (precision, paths, data sources,
+  `from_pretrained`) is, before minutes are spent building it.
+- `check_finite(step, loss, grad_norm)`: a non-finite loss or gradient norm stops the run before anything of that
+  step is logged or saved.
+- `truncate_train_log`: after a resume from step N, `train_log.jsonl` keeps only steps ≤ N, so no step repeats.
+- `check_skipped_documents`: undecodable documents are reported, and fail the run above
+  `data.max_skipped_fraction`.
+
+Gap filled: Accelerate and transformers leave all of this to the script (`Trainer`'s `overwrite_output_dir` only
+guards `resume_from_checkpoint`; nothing stops a run on NaN).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import shutil
+import socket
+from pathlib import Path
+
+from neox_hf.errors import DataError, RecipeError, TrainingDiverged
+from neox_hf.io import atomic_write_text
+from neox_hf.recipe import Recipe
+
+LOCK_NAME = ".neox_hf.lock"
+TRAIN_LOG = "train_log.jsonl"
+# What a run writes besides the model files (`--overwrite` removes these, nothing else of the folder).
+RUN_STATE = ("checkpoints", "hub_steps", "runs", TRAIN_LOG, "merged")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The output folder: refusal, overwrite, lock
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def check_output_dir(output_dir, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to train into a folder that already holds something, unless resuming or told to overwrite."""
+    folder = Path(output_dir)
+    if folder.exists() and not folder.is_dir():
+        raise RecipeError(f"`output.dir` {folder} is a file, not a folder; choose another `--output.dir`")
+    if resume or overwrite or not folder.is_dir():
+        return
+    contents = sorted(p.name for p in folder.iterdir() if p.name != LOCK_NAME)
+    if contents:
+        shown = ", ".join(contents[:4]) + (", …" if len(contents) > 4 else "")
+        raise RecipeError(
+            f"`output.dir` {folder} is not empty ({shown}): continue that run with --resume, replace it with "
+            "--overwrite, or choose another `--output.dir`"
+        )
+
+
+def clear_previous_run(output_dir) -> list[str]:
+    """`--overwrite`: remove what an earlier run wrote (model files, checkpoints, step copies, logs); other files of
+    the folder are left alone. Returns the names removed."""
+    from neox_hf.hub.push import model_folder_files
+
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return []
+    names = [name for name in RUN_STATE if (folder / name).exists()]
+    names += sorted({name.split("/")[0] for name in model_folder_files(folder)})  # plots/… → plots
+    for name in names:
+        path = folder / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return names
+
+
+class RunLock:
+    """An exclusive lock on `output.dir` for the life of a run (an OS file lock: released even when the process is
+    killed). A second run on the folder is refused with the holder's host, process id and start time."""
+
+    def __init__(self, output_dir):
+        self.path = Path(output_dir) / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        import fcntl
+
+        folder = self.path.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as err:
+            raise RecipeError(f"`output.dir` {folder} cannot be written ({err.strerror}); choose a folder you can "
+                              "write with --output.dir") from err
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = os.read(fd, 1024).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RecipeError(f"`output.dir` {folder} is in use by another run ({holder}); wait for it to finish, or "
+                              "choose another --output.dir") from err
+        os.ftruncate(fd, 0)
+        stamp = datetime.datetime.now().isoformat(timespec="seconds")
+        os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}, started {stamp}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        import fcntl
+
+        self.path.unlink(missing_ok=True)  # while still holding it, so no other run's lock file is removed
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def claim_output_dir(recipe: Recipe, *, overwrite: bool = False, is_main_process: bool | None = None) -> RunLock | None:
+    """Check `output.dir` (every rank, so all refuse together), then on the main process lock it and, with
+    `overwrite`, clear the previous run. Returns the lock to release at the end (None on other ranks).
+
+    Called before the Accelerator exists, so the main process is read from the launcher's RANK (creating accelerate's
+    PartialState here would set up the process group before the recipe's backend is chosen)."""
+    check_output_dir(recipe.output.dir, resume=recipe.train.resume is not None, overwrite=overwrite)
+    if is_main_process is None:
+        is_main_process = int(os.environ.get("RANK", "0")) == 0
+    if not is_main_process:
+        return None
+    lock = RunLock(recipe.output.dir).acquire()
+    if overwrite:
+        try:
+            clear_previous_run(recipe.output.dir)
+        except BaseException:
+            lock.release()
+            raise
+    return lock
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Settings checked before the model is built
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def check_before_build(recipe: Recipe) -> None:
+    """Everything checkable without the model: precision on this machine, the pretrained folder, data sources."""
+    check_precision(recipe)
+    check_from_pretrained(recipe.model.from_pretrained)
+    check_data_sources(recipe)
+    check_hub_token(recipe)
+    check_resume_path(recipe)
+
+
+def check_resume_path(recipe: Recipe) -> None:
+    """An explicit `train.resume` path must be a checkpoint now (`auto` may find none: the run starts at step 0)."""
+    from neox_hf.train.checkpoint import find_resume_checkpoint
+
+    if recipe.train.resume not in (None, "auto"):
+        find_resume_checkpoint(recipe.train.resume, recipe.output.dir, notify=lambda message: None)
+
+
+def check_hub_token(recipe: Recipe) -> None:
+    """`train.push_to_hub` without a token would train, then fail every push: say so now."""
+    from neox_hf.hub.push import LOGIN_FIX, has_token
+
+    if recipe.train.push_to_hub is not None and not has_token():
+        raise RecipeError(f"`train.push_to_hub` is set but no Hugging Face token is configured; {LOGIN_FIX}, or "
+                          "drop `train.push_to_hub`")
+
+
+def check_precision(recipe: Recipe, *, cuda_available: bool | None = None) -> None:
+    """Without DeepSpeed, fp16 needs torch's CUDA autocast and GradScaler; on CPU Accelerate would silently train
+    fp32 while the run reports fp16."""
+    import torch
+
+    from neox_hf.parallel.accelerator import wants_deepspeed
+
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if recipe.train.precision == "fp16" and not cuda and not wants_deepspeed(recipe.parallel):
+        raise RecipeError(
+            "`train.precision: fp16` without DeepSpeed needs a GPU (on CPU it would train in fp32); use "
+            "`--train.precision bf16` or `fp32` here, or launch with DeepSpeed (`--parallel.zero_stage 1`)"
+        )
+
+
+def check_from_pretrained(path: str | None) -> None:
+    """A local `model.from_pretrained` folder must exist and hold a config; a Hub id (`org/name`) is left to the Hub."""
+    if not path:
+        return
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise RecipeError(f"`model.from_pretrained` {folder} has no config.json: give a folder save_pretrained "
+                              "wrote (a finished run's output.dir) or a Hub model id")
+        return
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not folder.exists()
+    if not looks_like_hub_id:
+        raise RecipeError(f"`model.from_pretrained` {path} not found: give an existing model folder or a Hub model "
+                          "id such as EleutherAI/pythia-70m")
+    if _hub_offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(path, "config.json"), str):
+            raise RecipeError(f"`model.from_pretrained` {path} is not in the local Hub cache and HF_HUB_OFFLINE is set; "
+                              "download it first (`hf download` with network) or give a local folder")
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(name, "").lower() in ("1", "true", "yes") for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def check_data_sources(recipe: Recipe) -> None:
+    """Every local source resolves to files (or a .bin/.idx pair) now, not after the model is built."""
+    from neox_hf.data.sources import resolve_files, source_format
+
+    if not recipe.data.sources:
+        raise DataError("`data.sources` is empty: give at least one source, e.g. "
+                        "`--data.sources '[{path: examples/data/tinyshakespeare.txt}]'`")
+    for source in recipe.data.sources + recipe.data.validation:
+        fmt = source_format(source)
+        if fmt not in ("hub", "indexed"):
+            resolve_files(source)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Every step
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def check_finite(step: int, loss: float, grad_norm: float | None = None, *, output_dir=None) -> None:
+    """Stop the run when the loss or the gradient norm of `step` is NaN or infinite (the weights are no longer
+    usable): raise before the step is logged or saved, naming the step and the last good checkpoint."""
+    bad = [f"{name} {value}" for name, value in (("loss", loss), ("gradient norm", grad_norm))
+           if value is not None and not math.isfinite(float(value))]
+    if not bad:
+        return
+    where = _last_checkpoint_text(output_dir)
+    raise TrainingDiverged(
+        f"training diverged at step {step} ({', '.join(bad)}); nothing of this step was saved{where}. Lower "
+        "`train.lr` (or raise `train.warmup` / set `train.clip_grad`) and start again, or --resume from the checkpoint"
+    )
+
+
+def _last_checkpoint_text(output_dir) -> str:
+    if output_dir is None:
+        return ""
+    pointer = Path(output_dir) / "checkpoints" / "latest"
+    if pointer.is_file():
+        return f"; the last good checkpoint is {pointer.parent / pointer.read_text().strip()}"
+    return "; there is no checkpoint yet"
+
+
+def truncate_train_log(output_dir, step: int) -> int:
+    """Drop `train_log.jsonl` lines of steps after `step` (written by a run this one resumes behind, or torn by a
+    kill mid-write), so the log holds each step once. Returns the number of lines dropped."""
+    path = Path(output_dir) / TRAIN_LOG
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            entry_step = json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            dropped += 1
+            continue
+        if entry_step <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+    return dropped
+
+
+def step_log_line(entry: dict) -> str:
+    """One `train_log.jsonl` line; strict JSON (a non-finite value is a bug: `check_finite` runs first)."""
+    return json.dumps(entry, allow_nan=False)
+
+
+def check_skipped_documents(stats: dict, max_fraction: float) -> str | None:
+    """A line reporting undecodable documents (invalid JSON, a missing or non-string text field) seen so far, or
+    None when there are none; raises DataError when they exceed `max_fraction` of the documents read."""
+    skipped = int(stats.get("skipped_undecodable", 0))
+    if not skipped:
+        return None
+    read = skipped + int(stats.get("documents", 0))
+    fraction = skipped / max(read, 1)
+    line = (f"{skipped} of {read} documents skipped as undecodable (invalid JSON, or the text field missing or not a "
+            "string)")
+    if fraction > max_fraction:
+        raise DataError(f"{line}: {fraction:.1%} is above `data.max_skipped_fraction` ({max_fraction:g}); fix the "
+                        "data or `text_key` / `template`, or raise `data.max_skipped_fraction` to accept it")
+    return line

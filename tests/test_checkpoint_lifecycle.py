@@ -1,0 +1,213 @@
+"""Checkpoint lifecycle, end to end through the real entry point: runs interleaved with resumes from older
+checkpoints, deleted and dangling `latest` pointers, truncated and corrupt files, a changed model, a second run on
+the same folder. After each: `latest` names a complete checkpoint, no checkpoint the user could still need is gone,
+`train_log.jsonl` holds each step once, and every refusal is one line with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from neox_hf.train import main
+from neox_hf.train.checkpoint import checkpoint_name, is_complete_checkpoint
+from tests.conftest import BUNDLED_TOKENIZER, REPO
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    yield
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory) -> Path:
+    """A few kB of real text: enough for a dozen tiny steps, cheap to count and tokenize."""
+    path = tmp_path_factory.mktemp("data") / "small.txt"
+    path.write_text((REPO / "examples" / "data" / "tinyshakespeare.txt").read_text()[:20000])
+    return path
+
+
+def tiny_args(out: Path, data: Path, *extra: str, steps: int = 6, save: int = 2, keep: int = 2) -> list[str]:
+    return [
+        str(REPO / "recipes" / "tiny.yaml"), "--model.num_layers", "1", "--model.hidden_size", "32",
+        "--model.seq_length", "32", "--train.micro_batch_size", "2", "--train.eval_iters", "0",
+        "--output.tensorboard", "false", "--tokenizer.path", str(BUNDLED_TOKENIZER),
+        "--data.sources", f"[{{path: {data}}}]", "--output.dir", str(out), "--train.train_iters", str(steps),
+        "--train.save_interval", str(save), "--train.keep_last_n", str(keep), *extra,
+    ]
+
+
+def run(args: list[str], capsys) -> tuple[int, str, str]:
+    code = main(args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def checkpoints(out: Path) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*"))
+
+
+def latest(out: Path) -> Path:
+    folder = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    assert is_complete_checkpoint(folder), folder
+    return folder
+
+
+def logged_steps(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def assert_refused(code: int, err: str, *needles: str) -> None:
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]  # its own line, after any progress bar
+    assert len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_resume_from_older_checkpoint_prunes_only_the_current_timeline(tmp_path, small_text, capsys,
+                                                                       fresh_accelerate_state):
+    out = tmp_path / "run"
+    code, _, err = run(tiny_args(out, small_text, steps=10, save=5), capsys)
+    assert code == 0, err
+    assert checkpoints(out) == [5, 10] and latest(out).name == checkpoint_name(10)
+
+    # Resume from step 5 with a finer save interval and keep_last_n 1: the old pruning kept the highest names
+    # (step 10), deleted the new checkpoints and left `latest` dangling.
+    code, outp, err = run(tiny_args(out, small_text, "--train.resume", str(out / "checkpoints" / "step_00000005"),
+                                    steps=8, save=1, keep=1), capsys)
+    assert code == 0, err
+    assert "resumed from" in outp and "at step 5" in outp
+    assert latest(out).name == checkpoint_name(8)
+    assert checkpoints(out) == [8, 10]  # the longer run's step 10 is another timeline: kept
+    assert logged_steps(out) == list(range(1, 9))  # steps 6..10 of the first run were dropped, none repeats
+
+    # `latest` deleted: --resume continues from the most recently written checkpoint (8), not the highest (10).
+    (out / "checkpoints" / "latest").unlink()
+    code, outp, err = run(tiny_args(out, small_text, "--resume", steps=9, save=1, keep=1), capsys)
+    assert code == 0, err
+    assert "most recently written complete checkpoint, step_00000008" in outp and "at step 8" in outp
+    assert latest(out).name == checkpoint_name(9) and checkpoints(out) == [9, 10]
+
+    # `latest` dangling (names a folder that is gone): the same fallback, with a notice.
+    (out / "checkpoints" / "latest").write_text("step_00000042")
+    code, outp, err = run(tiny_args(out, small_text, "--resume", steps=9, save=1, keep=1), capsys)
+    assert code == 0, err
+    assert "names step_00000042" in outp and "at step 9" in outp
+    assert latest(out).name == checkpoint_name(9)
+    assert logged_steps(out) == list(range(1, 10))
+
+
+def test_damaged_checkpoints_are_refused_naming_the_file_and_the_previous_one(tmp_path, small_text, capsys,
+                                                                              fresh_accelerate_state):
+    out = tmp_path / "run"
+    code, _, err = run(tiny_args(out, small_text, steps=4, save=2), capsys)
+    assert code == 0, err
+    step4 = latest(out)
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+
+    # A changed model shape on resume.
+    code, _, err = run(tiny_args(out, small_text, "--resume", "--model.hidden_size", "64", steps=6), capsys)
+    assert_refused(code, err, "another shape", str(step4))
+
+    # A truncated weight file.
+    weights = step4 / "model.safetensors"
+    original = weights.read_bytes()
+    weights.write_bytes(original[: len(original) // 2])
+    code, _, err = run(tiny_args(out, small_text, "--resume", steps=6), capsys)
+    assert_refused(code, err, str(weights), "step_00000002")
+    weights.write_bytes(original)
+
+    # A corrupt RNG pickle (accelerate alone would skip it with an info log and resume with other randomness).
+    rng = step4 / "random_states_0.pkl"
+    rng.write_bytes(b"not a pickle")
+    code, _, err = run(tiny_args(out, small_text, "--resume", steps=6), capsys)
+    assert_refused(code, err, str(rng), "--train.resume", "step_00000002")
+
+    # A truncated trainer state.
+    rng.unlink()
+    state = step4 / "trainer_state_rank0.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    code, _, err = run(tiny_args(out, small_text, "--resume", steps=6), capsys)
+    assert_refused(code, err, str(state))
+
+    # Nothing was deleted or repointed by the refusals.
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+    assert (out / "checkpoints" / "latest").read_text() == step4.name
+
+
+def test_reused_folder_is_refused_overwritten_only_when_asked_and_locked_while_running(tmp_path, small_text, capsys,
+                                                                                      fresh_accelerate_state):
+    out = tmp_path / "run"
+    code, _, err = run(tiny_args(out, small_text, steps=4, save=2), capsys)
+    assert code == 0, err
+    model_bytes = (out / "model.safetensors").read_bytes()
+
+    code, _, err = run(tiny_args(out, small_text, steps=2, save=2), capsys)
+    assert_refused(code, err, "not empty", "--resume", "--overwrite")
+    assert (out / "model.safetensors").read_bytes() == model_bytes and checkpoints(out) == [2, 4]
+
+    code, _, err = run(tiny_args(out, small_text, "--resume", "--overwrite"), capsys)
+    assert_refused(code, err, "--resume", "--overwrite")
+
+    # A second run while one holds the folder (a real other process holding the lock).
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom neox_hf.train.guards import RunLock\n"
+         "lock = RunLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\ntime.sleep(60)\n", str(out)],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        code, _, err = run(tiny_args(out, small_text, "--resume", steps=6), capsys)
+        assert_refused(code, err, "in use by another run", f"pid {holder.pid}")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert latest(out).name == checkpoint_name(4)
+
+    # --overwrite: the earlier run's checkpoints, log and model go; the new run owns the folder.
+    code, _, err = run(tiny_args(out, small_text, "--overwrite", steps=2, save=2), capsys)
+    assert code == 0, err
+    assert checkpoints(out) == [2] and latest(out).name == checkpoint_name(2)
+    assert logged_steps(out) == [1, 2]
+    assert not (out / ".neox_hf.lock").exists()
+
+
+def test_diverging_run_stops_naming_the_step_and_saves_nothing_non_finite(tmp_path, small_text, capsys,
+                                                                         fresh_accelerate_state):
+    out = tmp_path / "run"
+    code, _, err = run(tiny_args(out, small_text, "--train.lr", "1e6", "--train.min_lr", "0", "--train.warmup", "0",
+                                 "--train.clip_grad", "0", steps=12, save=1, keep=3), capsys)
+    assert_refused(code, err, "diverged at step", "train.lr")
+    assert not (out / "model.safetensors").exists()  # no final save
+    text = (out / "train_log.jsonl").read_text() if (out / "train_log.jsonl").exists() else ""
+    assert "NaN" not in text and "Infinity" not in text
+    for line in text.splitlines():
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-finite {c} in train_log.jsonl"))
+    if (out / "checkpoints" / "latest").exists():  # the last good checkpoint is named and complete
+        assert latest(out).name in err
+
+
+def test_undecodable_documents_are_reported_and_fail_above_the_threshold(tmp_path, capsys, fresh_accelerate_state):
+    text = (REPO / "examples" / "data" / "tinyshakespeare.txt").read_text()[:40000].split("\n\n")
+    data = tmp_path / "mixed.jsonl"
+    # Every third line is broken JSON or has a non-string text: a third of the documents are undecodable.
+    lines = [json.dumps({"text": t}) if i % 3 else ("{broken" if i % 2 else json.dumps({"text": 7}))
+             for i, t in enumerate(text)]
+    data.write_text("\n".join(lines) + "\n")
+    code, _, err = run(tiny_args(tmp_path / "strict", data, steps=4, save=4), capsys)
+    assert_refused(code, err, "skipped as undecodable", "data.max_skipped_fraction")
+    code, outp, err = run(tiny_args(tmp_path / "lenient", data, "--data.max_skipped_fraction", "0.5", steps=4, save=4),
+                          capsys)
+    assert code == 0, err
+    assert "documents skipped as undecodable" in outp

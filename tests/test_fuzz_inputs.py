@@ -1,0 +1,265 @@
+"""Bad input, as a new user types it: recipe values, YAML files, command-line arguments, files and folders.
+
+Every case must exit with status 2, print exactly one `error:` line that names the problem (the needle) and no
+`Traceback`. All run in-process through the entry-point functions (`neox_hf.train.main`, `neox_hf.cli.main`) and
+fail before any model is built, so the whole file takes seconds once the libraries are imported.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import BUNDLED_TOKENIZER, REPO
+
+TINY = str(REPO / "recipes" / "tiny.yaml")
+
+# (id, extra arguments after recipes/tiny.yaml --print-config, needle of the error line)
+RECIPE_VALUES = [
+    ("lr-inf", ["--train.lr", ".inf"], "finite"),
+    ("lr-nan", ["--train.lr", ".nan"], "finite"),
+    ("lr-inf-string", ["--train.lr", "inf"], "finite"),
+    ("lr-negative", ["--train.lr", "-1"], "train.lr"),
+    ("lr-word", ["--train.lr", "fast"], "train.lr"),
+    ("adam-beta1-one", ["--train.adam_beta1", "1.0"], "adam_beta1"),
+    ("adam-beta2-above-one", ["--train.adam_beta2", "1.5"], "adam_beta2"),
+    ("adam-eps-zero", ["--train.adam_eps", "0"], "adam_eps"),
+    ("weight-decay-negative", ["--train.weight_decay", "-0.1"], "weight_decay"),
+    ("dropout-above-one", ["--model.hidden_dropout", "1.5"], "hidden_dropout"),
+    ("attention-dropout-negative", ["--model.attention_dropout", "-0.1"], "attention_dropout"),
+    ("unknown-activation", ["--model.hidden_act", "gleu"], "hidden_act"),
+    ("shard-size-word", ["--output.max_shard_size", "banana"], "max_shard_size"),
+    ("shard-size-fraction", ["--output.max_shard_size", "1.5GB"], "max_shard_size"),
+    ("zero-layers", ["--model.num_layers", "0"], "num_layers"),
+    ("heads-do-not-divide", ["--model.hidden_size", "30"], "divisible"),
+    ("hidden-size-float", ["--model.hidden_size", "1.5"], "hidden_size"),
+    ("zero-stage-5", ["--parallel.zero_stage", "5"], "zero_stage"),
+    ("precision-fp8", ["--train.precision", "fp8"], "precision"),
+    ("keep-last-zero", ["--train.keep_last_n", "0"], "keep_last_n"),
+    ("warmup-above-one", ["--train.warmup", "1.5"], "warmup"),
+    ("min-lr-above-lr", ["--train.min_lr", "1"], "min_lr"),
+    ("validation-fraction-one", ["--data.validation_fraction", "1"], "validation_fraction"),
+    ("micro-batch-zero", ["--train.micro_batch_size", "0"], "micro_batch_size"),
+    ("rotary-zero", ["--model.rotary_pct", "0"], "rotary_pct"),
+    ("eval-iters-negative", ["--train.eval_iters", "-1"], "eval_iters"),
+    ("layer-norm-eps-zero", ["--model.layer_norm_eps", "0"], "layer_norm_eps"),
+    ("skipped-fraction-two", ["--data.max_skipped_fraction", "2"], "max_skipped_fraction"),
+    ("peft-dropout-one", ["--peft.method", "lora", "--peft.dropout", "1.0"], "peft.dropout"),
+    ("output-dir-empty", ["--output.dir", ""], "output.dir"),
+    ("source-weight-zero", ["--data.sources", "[{path: a.jsonl, weight: 0}]"], "weight"),
+    ("sources-not-a-list", ["--data.sources", "a.jsonl"], "data.sources"),
+    ("unknown-section", ["--trian.lr", "1"], "trian"),
+    ("unknown-key", ["--train.lrr", "1"], "did you mean `lr`"),
+    ("override-without-value", ["--train.lr"], "has no value"),
+    ("override-without-key", ["--train", "1"], "unknown option '--train'"),
+    ("override-bad-yaml", ["--train.lr", "[1"], "not valid YAML"),
+    ("flag-typo", ["--resum"], "did you mean --resume"),
+    ("resume-and-overwrite", ["--resume", "--overwrite"], "--overwrite"),
+    ("seq-length-above-positions", ["--model.max_position_embeddings", "64"], "max_position_embeddings"),
+]
+
+
+def run_train(argv: list[str], capsys) -> tuple[int, str]:
+    from neox_hf.train import main
+
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    from neox_hf.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse
+        code = exit_.code
+    return code, capsys.readouterr().err
+
+
+def assert_one_line_error(code: int, err: str, needle: str) -> None:
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    assert needle in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("args,needle", [c[1:] for c in RECIPE_VALUES], ids=[c[0] for c in RECIPE_VALUES])
+def test_bad_recipe_value_is_refused_in_one_line(args, needle, capsys):
+    assert_one_line_error(*run_train([TINY, "--print-config", *args], capsys), needle)
+
+
+YAML_FILES = [
+    ("duplicate-key", "train:\n  lr: 1.0e-3\n  lr: 2.0e-3\n", "appears twice"),
+    ("duplicate-section", "train:\n  lr: 1.0e-3\ntrain:\n  seed: 1\n", "appears twice"),
+    ("syntax-error", "train:\n  lr: [1, 2\n", "not valid YAML"),
+    ("top-level-list", "- train\n- model\n", "mapping"),
+    ("section-not-mapping", "train: 3\n", "mapping"),
+    ("unknown-section", "trainer:\n  lr: 1\n", "trainer"),
+]
+
+
+@pytest.mark.parametrize("text,needle", [c[1:] for c in YAML_FILES], ids=[c[0] for c in YAML_FILES])
+def test_bad_yaml_file_is_refused_in_one_line(text, needle, tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(text)
+    assert_one_line_error(*run_train([str(recipe), "--print-config"], capsys), needle)
+
+
+def test_undecodable_and_missing_recipe_files_are_refused(tmp_path, capsys):
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    assert_one_line_error(*run_train([str(binary), "--print-config"], capsys), "binary.yaml")
+    assert_one_line_error(*run_train([str(tmp_path / "nope.yaml")], capsys), "not found")
+    assert_one_line_error(*run_train(["--print-config"], capsys), "no recipe given")
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    yield
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def _bad_files(tmp: Path) -> dict[str, Path]:
+    corrupt = tmp / "corrupt-tokenizer.json"
+    corrupt.write_text('{"model": ')
+    blocker = tmp / "a-file"
+    blocker.write_text("x")
+    used = tmp / "used"
+    used.mkdir()
+    (used / "train_log.jsonl").write_text('{"step": 1}\n')
+    return {"corrupt": corrupt, "blocker": blocker, "used": used}
+
+
+# Cases that pass --print-config's validation and are refused when training starts, before the model is built.
+RUNTIME = [
+    ("eos-token-typo", ["--tokenizer.eos_token", "<|endoftxt|>"], "did you mean '<|endoftext|>'"),
+    ("pad-token-typo", ["--tokenizer.pad_token", "<|pad|>"], "pad_token"),
+    ("tokenizer-missing", ["--tokenizer.path", "{tmp}/missing.json"], "not found"),
+    ("tokenizer-corrupt", ["--tokenizer.path", "{corrupt}"], "not a valid tokenizers JSON"),
+    ("from-pretrained-missing", ["--model.from_pretrained", "{tmp}/no-model"], "from_pretrained"),
+    ("from-pretrained-not-a-model", ["--model.from_pretrained", "{tmp}"], "config.json"),
+    ("from-pretrained-hub-id-offline", ["--model.from_pretrained", "no-such-org/no-such-model"], "offline_marker"),
+    ("data-missing", ["--data.sources", "[{{path: {tmp}/none.jsonl}}]"], "no file matches"),
+    ("data-no-suffix", ["--data.sources", "[{{path: {tmp}/x/data}}]"], "format"),
+    ("output-under-a-file", ["--output.dir", "{blocker}/out"], "cannot be written"),
+    ("output-is-a-file", ["--output.dir", "{blocker}"], "is a file"),
+    ("output-holds-a-run", ["--output.dir", "{used}"], "--overwrite"),
+    ("resume-path-missing", ["--train.resume", "{tmp}/ckpt", "--output.dir", "{tmp}/o2"], "not found"),
+]
+
+
+@pytest.mark.parametrize("args,needle", [c[1:] for c in RUNTIME], ids=[c[0] for c in RUNTIME])
+def test_bad_run_setting_is_refused_before_the_model_is_built(args, needle, tmp_path, capsys, monkeypatch,
+                                                            fresh_accelerate_state):
+    files = _bad_files(tmp_path)
+    args = [a.format(tmp=tmp_path, **files) for a in args]
+    if needle == "offline_marker":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        needle = "not in the local Hub cache"
+    base = [TINY, "--tokenizer.path", str(BUNDLED_TOKENIZER), "--output.dir", str(tmp_path / "out"),
+            "--data.sources", f"[{{path: {REPO / 'examples' / 'data' / 'tinyshakespeare.txt'}}}]"]
+    assert_one_line_error(*run_train([*base, *args], capsys), needle)
+
+
+def test_fp16_without_deepspeed_on_cpu_is_refused(tmp_path, capsys, fresh_accelerate_state):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("fp16 without DeepSpeed is valid on a GPU")
+    code, err = run_train([TINY, "--train.precision", "fp16", "--output.dir", str(tmp_path / "o")], capsys)
+    assert_one_line_error(code, err, "fp16")
+    assert "bf16" in err
+
+
+def test_push_to_hub_without_a_token_is_refused_before_training(tmp_path, capsys, monkeypatch, fresh_accelerate_state):
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    code, err = run_train([TINY, "--train.push_to_hub", "{repo_id: me/tiny}", "--output.dir", str(tmp_path / "o")],
+                          capsys)
+    assert_one_line_error(code, err, "token")
+
+
+def _cli_fixtures(tmp: Path) -> dict[str, Path]:
+    random = tmp / "random"
+    random.mkdir()
+    (random / "notes.txt").write_text("hello")
+    run_folder = tmp / "finished-run"
+    (run_folder / "checkpoints").mkdir(parents=True)
+    (run_folder / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
+    bad_json = tmp / "bad.jsonl"
+    bad_json.write_text('{"text": "fine"}\n{not json\n')
+    wrong_key = tmp / "wrong-key.jsonl"
+    wrong_key.write_text('{"body": "a document"}\n')
+    (tmp / "corrupt.jsonl.gz").write_bytes(b"not gzip at all\n")
+    adapter = tmp / "broken-adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{not json")
+    return {"random": random, "run": run_folder, "bad_json": bad_json, "wrong_key": wrong_key, "adapter": adapter}
+
+
+CLI = [
+    ("no-command", [], "required"),
+    ("unknown-command", ["fly"], "invalid choice"),
+    ("generate-negative-temperature", ["generate", "{random}", "--prompt", "x", "--temperature", "-1"], "--temperature"),
+    ("generate-top-p-above-one", ["generate", "{random}", "--prompt", "x", "--top-p", "2"], "--top-p"),
+    ("generate-zero-tokens", ["generate", "{random}", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
+    ("generate-missing-model", ["generate", "{tmp}/none", "--prompt", "x"], "not found"),
+    ("generate-no-mode", ["generate", "{random}"], "required"),
+    ("eval-random-folder", ["eval", "{random}", "--data", "{bad_json}"], "config.json"),
+    ("eval-corrupt-adapter-config", ["eval", "{adapter}", "--data", "{bad_json}"], "adapter_config.json"),
+    ("generate-corrupt-adapter-config", ["generate", "{adapter}", "--prompt", "x"], "adapter_config.json"),
+    ("eval-batch-size-zero", ["eval", "{random}", "--data", "{bad_json}", "--batch-size", "0"], "--batch-size"),
+    ("export-finished-run", ["export", "{run}", "{tmp}/o"], "checkpoints"),
+    ("export-random-folder", ["export", "{random}", "{tmp}/o"], "not a neox_hf training checkpoint"),
+    ("export-missing", ["export", "{tmp}/none", "{tmp}/o"], "not found"),
+    ("export-neox-random-folder", ["export-neox", "{random}", "{tmp}/o"], "config.json"),
+    ("export-neox-missing", ["export-neox", "{tmp}/none", "{tmp}/o"], "not found"),
+    ("export-neox-tp-zero", ["export-neox", "{random}", "{tmp}/o", "--tp", "0"], "--tp"),
+    ("export-neox-tp-word", ["export-neox", "{random}", "{tmp}/o", "--tp", "two"], "--tp"),
+    ("preprocess-wrong-text-key", ["preprocess", "{wrong_key}", "--tokenizer", str(BUNDLED_TOKENIZER),
+                                   "--output-prefix", "{tmp}/c"], "--text-key"),
+    ("preprocess-invalid-json", ["preprocess", "{bad_json}", "--tokenizer", str(BUNDLED_TOKENIZER),
+                                 "--output-prefix", "{tmp}/c"], "bad.jsonl:2"),
+    ("preprocess-corrupt-gzip", ["preprocess", "{tmp}/corrupt.jsonl.gz", "--tokenizer", str(BUNDLED_TOKENIZER),
+                                 "--output-prefix", "{tmp}/c"], "corrupt.jsonl.gz: cannot be read"),
+    ("preprocess-missing-input", ["preprocess", "{tmp}/none.jsonl", "--tokenizer", str(BUNDLED_TOKENIZER),
+                                  "--output-prefix", "{tmp}/c"], "not found"),
+    ("preprocess-workers-zero", ["preprocess", "{bad_json}", "--tokenizer", str(BUNDLED_TOKENIZER),
+                                 "--output-prefix", "{tmp}/c", "--workers", "0"], "--workers"),
+    ("merge-missing-base", ["merge", "{tmp}/none", "{random}", "{tmp}/o"], "adapter_config.json"),
+    ("convert-neox-missing", ["convert-neox", "{tmp}/none", "--config", "{tmp}/none.yml", "{tmp}/o"], "none"),
+    ("train-subcommand-typo", ["train", TINY, "--print-confg"], "did you mean --print-config"),
+]
+
+
+@pytest.mark.parametrize("args,needle", [c[1:] for c in CLI], ids=[c[0] for c in CLI])
+def test_bad_cli_use_is_refused_in_one_line(args, needle, tmp_path, capsys):
+    files = _cli_fixtures(tmp_path)
+    args = [a.format(tmp=tmp_path, **files) for a in args]
+    assert_one_line_error(*run_cli(args, capsys), needle)
+    assert not list(tmp_path.glob("**/.tmp-*")), "a failed command left temporary files"
+
+
+def test_push_without_a_token_says_so_before_any_retry(tmp_path, capsys, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    folder = _cli_fixtures(tmp_path)["run"]
+    assert_one_line_error(*run_cli(["push", str(folder), "me/model"], capsys), "no Hugging Face token")
+
+
+def test_the_fuzz_covers_at_least_forty_bad_inputs():
+    cases = len(RECIPE_VALUES) + len(YAML_FILES) + 3 + len(RUNTIME) + 2 + len(CLI) + 1
+    assert cases >= 40, cases
