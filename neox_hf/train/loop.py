@@ -93,12 +93,12 @@ def _train(recipe: Recipe, notices: list[str] | None) -> RunResult:
     if tracker_names(recipe):
         accelerator.init_trackers(**init_tracker_kwargs(recipe))  # the resolved recipe, secrets redacted
     history = History()
-    if eval_batches and state.step == 0:
+    if run.has_eval and state.step == 0:
         history.eval_losses.append((0, evaluate(run)))
         accelerator.print(f"step 0: eval loss {history.eval_losses[-1][1]:.4f}")
         record_evaluation(accelerator, recipe.output.dir, 0, history.eval_losses[-1][1], {})
     run_steps(run, state, history)
-    final_eval = evaluate(run) if eval_batches else None
+    final_eval = evaluate(run) if run.has_eval else None
     if final_eval is not None:
         history.eval_losses.append((state.step, final_eval))
         accelerator.print(f"final eval loss {final_eval:.4f}  perplexity {math.exp(min(final_eval, 50)):.2f}")
@@ -136,12 +136,17 @@ class TrainingRun:
     layout: object = None  # neox_hf.parallel.Layout; None means one process
     pusher: object = None  # HubPusher on the main process when train.push_to_hub is set
     loader_position: object = None  # set by run_steps: the prefetcher, whose state is the last consumed batch's
+    has_eval: bool = field(init=False, default=False)  # any data-parallel rank has eval batches
 
     def __post_init__(self):
         if self.layout is None:
             from neox_hf.parallel import Layout
 
             self.layout = Layout()
+        # Evaluation is collective: a rank whose share of a small validation set is empty must still take part,
+        # so whether to evaluate is decided over every data-parallel rank, not from this rank's batches.
+        count = torch.tensor(len(self.eval_batches or []), device=self.accelerator.device)
+        self.has_eval = bool(dp_sum(self.layout, count) > 0)
 
 
 @dataclass
@@ -173,7 +178,7 @@ def run_steps(run: TrainingRun, state: TrainState, history: History | None = Non
             progress.update(1)
             if _due(state.step, t.log_interval) or state.step == t.train_iters:
                 progress.set_postfix(step_log.flush())
-            if _due(state.step, t.eval_interval) and state.step < t.train_iters and (run.eval_batches or t.eval_tasks):
+            if _due(state.step, t.eval_interval) and state.step < t.train_iters and (run.has_eval or t.eval_tasks):
                 _eval_and_log(run, state, history)
                 step_log.window_start = time.perf_counter()  # tokens/s leaves out the evaluation
             if t.save_interval and _due(state.step, t.save_interval):
@@ -280,7 +285,7 @@ def _append_step_log(output_dir, entries: list[dict]) -> None:
 
 
 def _eval_and_log(run: TrainingRun, state: TrainState, history: History) -> None:
-    eval_loss = evaluate(run) if run.eval_batches else None
+    eval_loss = evaluate(run) if run.has_eval else None
     if eval_loss is not None:
         history.eval_losses.append((state.step, eval_loss))
         run.accelerator.print(f"step {state.step}: eval loss {eval_loss:.4f}")
