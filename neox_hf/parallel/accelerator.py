@@ -28,8 +28,10 @@ def launched_with_deepspeed() -> bool:
 
 
 def wants_deepspeed(parallel: ParallelConfig) -> bool:
-    if parallel.tensor_parallel > 1:
-        return True  # DeepSpeed (handed our mpu) is what reduces gradients over the data-parallel group only
+    if parallel.tensor_parallel > 1 or parallel.pipeline_parallel > 1:
+        # DeepSpeed (handed our mpu, or its pipeline grid) reduces gradients over the data-parallel group only; pipeline
+        # stages run in DeepSpeed's PipelineEngine.
+        return True
     if parallel.use_deepspeed is not None:
         return parallel.use_deepspeed
     return parallel.zero_stage > 0 or parallel.deepspeed_config is not None or launched_with_deepspeed()
@@ -70,9 +72,10 @@ def deepspeed_config(parallel: ParallelConfig, train: TrainConfig) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if parallel.tensor_parallel > 1:
-        # accelerate would fill "auto" with every process; the data-parallel size is world / TP.
-        data_parallel = max(1, int(os.environ.get("WORLD_SIZE", "1")) // parallel.tensor_parallel)
+    model_parallel = parallel.tensor_parallel * parallel.pipeline_parallel
+    if model_parallel > 1:
+        # accelerate would fill "auto" with every process; the data-parallel size is world / (TP × pipeline stages).
+        data_parallel = max(1, int(os.environ.get("WORLD_SIZE", "1")) // model_parallel)
         config["train_batch_size"] = train.micro_batch_size * train.gradient_accumulation_steps * data_parallel
     if parallel.deepspeed_config:
         config = merge_dicts(config, _read_json(parallel.deepspeed_config))
