@@ -23,7 +23,7 @@ def recipe_dict(out_dir, *, pp=1, tp=1, dp=1, zero_stage=1, steps=STEPS, activat
     return {
         "model": {"num_attention_heads": 4},
         "train": {"train_iters": steps, "micro_batch_size": GLOBAL_ROWS // dp, "gradient_accumulation_steps": GAS,
-                  "lr": 1e-2, "min_lr": 1e-3, "warmup": 0.25, "clip_grad": 1.0, "log_interval": 1,
+                  "lr": 3e-3, "min_lr": 3e-4, "warmup": 0.25, "clip_grad": 1.0, "log_interval": 1,
                   "eval_interval": 100, "precision": precision, "loss_normalization": normalization, "save_interval": 1},
         "parallel": {"pipeline_parallel": pp, "tensor_parallel": tp, "zero_stage": zero_stage, "use_deepspeed": pp * tp * dp > 1,
                      "activation_checkpointing": activation_checkpointing},

@@ -53,6 +53,7 @@ def main(args) -> None:
     world = int(os.environ["WORLD_SIZE"])
     dp = world // (args.pp * args.tp)
     out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     recipe = recipe_from_dict(recipe_dict(out, pp=args.pp, tp=args.tp, dp=dp,
                                           activation_checkpointing=args.activation_checkpointing))
     accelerator = build_accelerator(recipe)
