@@ -72,7 +72,7 @@ def one_process(model_dir, mode: str, tmp_path, dp_for_eval: int = 1):
     optimizer = build_optimizer(model, recipe)
     scheduler = build_lr_scheduler(optimizer, recipe.train)
     evals = {"before": _eval(model, mode, dp_for_eval)}
-    losses, tokens = {}, {}
+    losses, tokens, norms = {}, {}, {}
     for step in range(1, STEPS + 1):
         micro_batches = rank_micro_batches(step, mode, 0, 1)
         total_tokens = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
@@ -81,13 +81,13 @@ def one_process(model_dir, mode: str, tmp_path, dp_for_eval: int = 1):
             loss_sum, _ = _forward_sums(model, mb)
             (loss_sum / total_tokens).backward()
             step_sum += loss_sum.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.train.clip_grad)
+        norms[step] = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.train.clip_grad).item()
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
         losses[step], tokens[step] = step_sum / total_tokens, total_tokens
     evals["after"] = _eval(model, mode, dp_for_eval)
-    return losses, tokens, evals, model
+    return losses, tokens, norms, evals, model
 
 
 @torch.no_grad()
@@ -101,11 +101,13 @@ def _eval(model, mode: str, dp: int) -> float:
 
 
 def assert_same_training(out_dir, reference, mode: str):
-    losses, tokens, evals, model = reference
+    losses, tokens, norms, evals, model = reference
     log = step_log(out_dir)
     assert sorted(log) == list(range(1, STEPS + 1))
+    assert norms[1] > 1.0  # clipping is active: the norm DeepSpeed clips by must be the whole model's
     for step in log:
         assert abs(log[step]["loss"] - losses[step]) <= LOSS_TOL, (step, log[step]["loss"], losses[step])
+        assert abs(log[step]["grad_norm"] - norms[step]) <= 1e-4, (step, log[step]["grad_norm"], norms[step])
         assert log[step]["tokens"] == tokens[step] and log[step]["samples"] == GAS * 4 and not log[step]["skipped"]
     got_evals = json.loads((out_dir / "eval.json").read_text())
     for when in ("before", "after"):
@@ -144,6 +146,7 @@ def test_pipeline2_x_tensor2_pad_mode_with_activation_checkpointing(models, tmp_
     out = tmp_path / "run"
     launch(out, models / "untied", 4, "--pp", "2", "--tp", "2", "--mode", "pad", "--activation-checkpointing")
     assert_same_training(out, one_process(models / "untied", "pad", tmp_path), "pad")
+    assert_export_equals_final(out, tmp_path / "exported")  # stages × TP shards of DeepSpeed's layer files merged
 
 
 def test_pipeline2_x_data2_zero1_tied_embeddings_isolated_documents(models, tmp_path):
@@ -165,12 +168,81 @@ def test_sigkill_at_step3_then_resume_continues_exactly(models, pp2_run, tmp_pat
 
 
 def test_export_of_a_pipeline_checkpoint_equals_the_final_folder(pp2_run, tmp_path):
+    assert_export_equals_final(pp2_run, tmp_path / "exported")
+
+
+def assert_export_equals_final(run_dir, exported_dir):
     from safetensors.torch import load_file
 
     from neox_hf.cli import main
 
-    assert main(["export", str(pp2_run / "checkpoints"), str(tmp_path / "exported")]) == 0
-    exported = load_file(tmp_path / "exported" / "model.safetensors")
-    final = load_file(pp2_run / "final" / "model.safetensors")
+    assert main(["export", str(run_dir / "checkpoints"), str(exported_dir)]) == 0
+    exported = load_file(exported_dir / "model.safetensors")
+    final = load_file(run_dir / "final" / "model.safetensors")
     assert sorted(exported) == sorted(final)
     assert all(torch.equal(exported[k], final[k]) for k in final)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One process: partition, report, stage materialisation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method,parts", [("type:transformer", [0, 3, 7]), ("uniform", [0, 4, 7]),
+                                          ("parameters", [0, 3, 7])])
+def test_partition_methods_split_the_pipeline_layers(method, parts):
+    from neox_hf.parallel.pipeline import partition_stages
+
+    assert partition_stages(tiny_config(), 2, method) == parts  # embedding, 4 layers, final norm, head
+
+
+def test_gpt_neox_20b_partition_puts_11_transformer_layers_on_each_of_4_stages():
+    from neox_hf.parallel.pipeline import partition_stages, pipeline_layer_infos
+
+    config = tiny_config(num_hidden_layers=44)
+    parts = partition_stages(config, 4)
+    infos = pipeline_layer_infos(config)
+    per_stage = [sum(i.name == "TransformerLayerPipe" for i in infos[a:b]) for a, b in zip(parts, parts[1:])]
+    assert per_stage == [11, 11, 11, 11]
+
+
+def test_bad_partitions_are_refused_by_name():
+    from neox_hf.errors import RecipeError
+    from neox_hf.parallel.pipeline import partition_stages
+
+    with pytest.raises(RecipeError, match="type:attention.*matches none"):
+        partition_stages(tiny_config(), 2, "type:attention")
+    with pytest.raises(RecipeError, match="empty"):
+        partition_stages(tiny_config(num_hidden_layers=2), 6, "uniform")  # 5 pipeline layers, 6 stages
+
+
+def test_startup_report_names_layers_parameters_and_bubble():
+    from neox_hf.parallel.pipeline import bubble_fraction, partition_stages, pipeline_report
+
+    config = tiny_config(tie_word_embeddings=True)
+    lines = pipeline_report(config, partition_stages(config, 2), micro_batches=4, tp=2)
+    assert lines[0].startswith("pipeline stage 0: embedding + layers 0–1; ")
+    assert lines[1].startswith("pipeline stage 1: layers 2–3 + final norm + head (tied to the embedding); ")
+    assert "per tensor-parallel rank" in lines[0] and lines[2].endswith("= 0.200")
+    assert bubble_fraction(4, 32) == pytest.approx(3 / 35)  # GPT-NeoX-20B: 4 stages, 32 micro-batches
+
+
+def test_stage_builder_reads_only_its_tensors_and_initialises_like_gpt_neox(models):
+    from neox_hf.model import NeoXConfig
+    from neox_hf.model.modeling import init_std
+    from neox_hf.parallel.layout import Layout
+    from neox_hf.parallel.pipeline import StageBuilder
+
+    config = NeoXConfig.from_pretrained(models / "untied")
+    stock = GPTNeoXForCausalLM.from_pretrained(models / "untied")
+    loaded = StageBuilder(config, Layout(), folder=str(models / "untied")).build("gpt_neox.layers.2")
+    for key, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, stock.state_dict()[f"gpt_neox.layers.2.{key}"]), key
+    torch.manual_seed(0)
+    fresh = StageBuilder(config, Layout()).build("gpt_neox.layers.3")
+    assert not any(p.is_meta for p in fresh.parameters())
+    qkv, out = fresh.attention.query_key_value.weight, fresh.mlp.dense_4h_to_h.weight
+    small = init_std("small_init", hidden_size=32, num_layers=4)
+    wang = init_std("wang_init", hidden_size=32, num_layers=4)
+    assert abs(qkv.std().item() - small) < 0.15 * small and abs(out.std().item() - wang) < 0.15 * wang
+    assert torch.equal(fresh.input_layernorm.weight, torch.ones(32))
