@@ -4,7 +4,7 @@
 
     python benchmarks/parallel_memory.py --layouts "pipeline 2,pipeline 2 × TP2"   (the 1-process baseline always runs)
 
-Runs our training step (neox_hf.train.loop: build_model → prepare_model_and_optimizer → causal_lm_loss) under
+Runs our training step (neox_hf.parallel: build_model → parallelize; neox_hf.train.loss: causal_lm_loss) under
 `accelerate launch` for: 1 process (no DeepSpeed), DP2 ZeRO-1/2/3, TP2 (ZeRO-1), TP2 with sequence parallelism,
 TP2×DP2 (ZeRO-1, 4 processes), and pipeline 2 / pipeline 2 × TP2 (DeepSpeed's pipeline engine through
 neox_hf.parallel.pipeline, PIPE_MICRO_BATCHES micro-batches of the same shape per step; ZeRO-1 as GPT-NeoX, and
@@ -154,14 +154,15 @@ def layers_peak(module, batch: dict) -> int:
 def loss_computation_peak(module, batch: dict) -> int:
     """Peak bytes of the head + cross-entropy, forward and backward to the hidden states and the head's weight (not
     kept: a model state)."""
-    from neox_hf.train.loop import loss_from_hidden
+    from neox_hf.train.loss import head_loss
 
     with torch.no_grad():
         hidden = module.base_model(input_ids=batch["input_ids"], use_cache=False).last_hidden_state
     hidden.requires_grad_(True)
     weights = _trainable(module.get_output_embeddings())
     with PeakTensorBytes() as tracker:
-        grads = torch.autograd.grad(loss_from_hidden(module, hidden, batch["labels"]), [hidden, *weights])
+        loss_sum, _ = head_loss(module.get_output_embeddings(), hidden, batch["labels"])
+        grads = torch.autograd.grad(loss_sum, [hidden, *weights])
         return tracker.peak(excluding=grads[1:])
 
 
@@ -177,9 +178,10 @@ def rank_parameter_bytes(model) -> int:
 def worker(args) -> None:
     from neox_hf.interop.tokenizer import load_tokenizer
     from neox_hf.parallel.accelerator import build_accelerator
-    from neox_hf.parallel.tensor_parallel import build_parallel_groups
+    from neox_hf.parallel import build_model, parallelize
+    from neox_hf.parallel.layout import build_layout
     from neox_hf.recipe import recipe_from_dict
-    from neox_hf.train.loop import build_model, causal_lm_loss, prepare_model_and_optimizer
+    from neox_hf.train.loss import causal_lm_loss
 
     recipe = recipe_from_dict({
         "model": {"num_layers": args.layers, "hidden_size": args.hidden, "num_attention_heads": 12, "seq_length": SEQ},
@@ -194,8 +196,8 @@ def worker(args) -> None:
     tokenizer = load_tokenizer(recipe.tokenizer.path)
     if args.pp > 1:
         return pipeline_worker(args, recipe, accelerator, tokenizer)
-    groups = build_parallel_groups(args.tp) if args.tp > 1 else None
-    model, optimizer = prepare_model_and_optimizer(accelerator, recipe, build_model(recipe, tokenizer, groups), groups)
+    layout = build_layout(recipe.parallel)
+    model, optimizer = parallelize(build_model(recipe, tokenizer, layout), layout, recipe, accelerator)
     generator = torch.Generator().manual_seed(0)
     module = getattr(model, "module", model)
     timings, loss_peaks, layer_peaks = [], [], []
@@ -204,7 +206,8 @@ def worker(args) -> None:
         batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
         start = time.perf_counter()
         with accelerator.autocast():
-            loss, _ = causal_lm_loss(model, batch)
+            loss_sum, tokens = causal_lm_loss(model, batch)
+            loss = loss_sum / tokens
         accelerator.backward(loss)
         elapsed = time.perf_counter() - start
         del loss
@@ -234,13 +237,13 @@ def pipeline_worker(args, recipe, accelerator, tokenizer) -> None:
     from neox_hf.model import config_from_recipe
     from neox_hf.parallel.layout import build_layout
     from neox_hf.parallel.pipeline import build_pipeline_module, pipeline_train_step
-    from neox_hf.train.loop import build_optimizer
+    from neox_hf.parallel import build_optimizer
 
     layout = build_layout(recipe.parallel)
     vocab = padded_vocab_size(len(tokenizer), recipe.model.make_vocab_size_divisible_by, layout.tp)
     config = config_from_recipe(recipe.model, vocab_size=vocab)
     module = build_pipeline_module(config, layout, partition_method=recipe.parallel.pipe_partition_method)
-    engine, optimizer = accelerator.prepare(module, build_optimizer(module, recipe))
+    engine, optimizer = accelerator.prepare(module, build_optimizer(module, recipe.train))
     compute, measured = {"s": 0.0, "optimizer": 0.0}, {}
     from deepspeed.runtime.pipe import schedule
 

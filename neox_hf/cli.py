@@ -29,6 +29,7 @@ _COMMANDS = {
     "merge": ("neox_hf.finetune", "add_merge_arguments", "run_merge", "merge a LoRA adapter into its base model"),
     "eval": ("neox_hf.evaluation", "add_eval_arguments", "run_eval", "loss and perplexity of a model on a file"),
     "generate": ("neox_hf.generation", "add_generate_arguments", "run_generate", "generate text with a model"),
+    "batches": ("neox_hf.batches", "add_batches_arguments", "run_batches", "the batches of steps S..E in GPT-NeoX's order"),
 }
 
 

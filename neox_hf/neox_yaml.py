@@ -276,24 +276,63 @@ def _translate_sequence_parallel(args: dict, recipe: dict, notices: list[str]) -
 
 
 def _translate_data(args: dict, recipe: dict, notices: list[str]) -> set[str]:
+    """Data paths, weights and labels; a config that names its data gets GPT-NeoX's exact sample order
+    (`data.order: gpt-neox`): `data_path` + `split` (default "969, 30, 1") or `train_data_paths` blended by weight."""
     paths = args.get("train_data_paths") or ([args["data_path"]] if args.get("data_path") else [])
     weights = args.get("train_data_weights") or [1.0] * len(paths)
     if len(weights) != len(paths):
         raise RecipeError(f"train_data_weights has {len(weights)} entries but train_data_paths has {len(paths)}; give one weight per path")
+    labels = args.get("train_label_data_paths") or []
+    if labels and len(labels) != len(paths):
+        raise RecipeError(f"train_label_data_paths has {len(labels)} entries but train_data_paths has {len(paths)}; give one per path")
     if paths:
-        _put(recipe, "data.sources", [{"path": p, "weight": float(w), "format": "indexed"} for p, w in zip(paths, weights)])
+        sources = [{"path": p, "weight": float(w), "format": "indexed"} for p, w in zip(paths, weights)]
+        for source, label in zip(sources, labels):
+            source["label_path"] = label
+        _put(recipe, "data.sources", sources)
+        _put(recipe, "data.order", "gpt-neox")
+        if args.get("seed") is not None:
+            _put(recipe, "data.seed", int(args["seed"]))  # GPT-NeoX shuffles its index with the run's seed
     valid = args.get("valid_data_paths") or []
     if valid and valid != paths:
-        _put(recipe, "data.validation", [{"path": p, "format": "indexed"} for p in valid])
+        valid_weights = args.get("valid_data_weights") or [1.0] * len(valid)
+        _put(recipe, "data.validation", [{"path": p, "weight": float(w), "format": "indexed"}
+                                         for p, w in zip(valid, valid_weights)])
+    if paths and not args.get("train_data_paths"):
+        _put(recipe, "data.split", str(args.get("split") or DEFAULT_SPLIT))
     elif args.get("split") and not args.get("train_data_paths"):
         parts = [float(x) for x in str(args["split"]).split(",")]
         if len(parts) >= 2 and sum(parts) > 0:
             _put(recipe, "data.validation_fraction", parts[1] / sum(parts))
+    for key in ("pack_impl", "allow_chopped", "eod_mask_loss", "weight_by_num_documents", "weighted_sampler_alpha"):
+        if args.get(key) is not None:
+            _put(recipe, f"data.{key}", args[key])
+    _translate_curriculum(args.get("curriculum_learning"), recipe)
     if args.get("test_data_paths"):
         notices.append("test_data_paths are not used during training (evaluate afterwards with `neox_hf eval`)")
     if args.get("load"):
         notices.append(f"load: {args['load']} → resume from it with `--train.resume PATH`, or import a GPT-NeoX checkpoint with `neox_hf convert-neox`")
-    return {"train_data_paths", "train_data_weights", "data_path", "valid_data_paths", "test_data_paths", "split", "load", "label_data_paths"}
+    return {"train_data_paths", "train_data_weights", "data_path", "valid_data_paths", "valid_data_weights",
+            "test_data_paths", "test_data_weights", "split", "load", "label_data_paths", "train_label_data_paths",
+            "pack_impl", "allow_chopped", "eod_mask_loss", "weight_by_num_documents", "weighted_sampler_alpha",
+            "curriculum_learning", "curriculum_seqlen"}
+
+
+DEFAULT_SPLIT = "969, 30, 1"  # GPT-NeoX's default `split`
+_CURRICULUM_SCHEDULE_KEYS = ("total_curriculum_step", "difficulty_step", "root_degree", "difficulty", "max_step")
+
+
+def _translate_curriculum(curriculum, recipe: dict) -> None:
+    """GPT-NeoX's DeepSpeed `curriculum_learning` block → data.curriculum (only the seqlen metric exists)."""
+    if not curriculum or not curriculum.get("enabled", False):
+        return
+    kind = curriculum.get("curriculum_type", "seqlen")
+    if kind != "seqlen":
+        raise _refuse("curriculum_learning.curriculum_type", kind, "only the seqlen curriculum is supported")
+    block = {k: curriculum[k] for k in ("min_difficulty", "max_difficulty", "schedule_type") if k in curriculum}
+    schedule = curriculum.get("schedule_config") or {}
+    block.update({k: schedule[k] for k in _CURRICULUM_SCHEDULE_KEYS if k in schedule})
+    _put(recipe, "data.curriculum", block)
 
 
 def load_neox_recipe_dict(paths: list[str | Path]) -> NeoXTranslation:

@@ -75,6 +75,22 @@ class DataSource:
     prompt_template: Optional[str] = None  # part of the text whose labels are masked (SFT), e.g. "Question: {question}\nAnswer: "
     format: Optional[Literal["json", "parquet", "text", "indexed", "hub"]] = None  # default: from the suffix
     split: str = "train"
+    label_path: Optional[str] = None  # order gpt-neox: a .bin/.idx of labels aligned with `path` (GPT-NeoX train_label_data_paths; -100 = no loss)
+
+
+@dataclass
+class CurriculumConfig:
+    """Sequence-length curriculum (GPT-NeoX `curriculum_learning` through DeepSpeed's CurriculumScheduler, seqlen):
+    step s trains on the first L(s) tokens of each sample, L rising from min_difficulty to max_difficulty."""
+
+    min_difficulty: int = 64
+    max_difficulty: int = 2048  # usually model.seq_length
+    schedule_type: Literal["fixed_linear", "fixed_root", "fixed_discrete"] = "fixed_linear"
+    total_curriculum_step: int = 1000  # fixed_linear / fixed_root: steps from min to max
+    difficulty_step: int = 8  # fixed_linear / fixed_root: lengths are multiples of this
+    root_degree: int = 2  # fixed_root
+    difficulty: list[int] = field(default_factory=list)  # fixed_discrete: the lengths …
+    max_step: list[int] = field(default_factory=list)  # … and the last step of each but the last
 
 
 @dataclass
@@ -94,6 +110,16 @@ class DataConfig:
     append_eod: bool = True
     shuffle: bool = True
     seed: int = 1234
+    # stream: our shuffled document stream; gpt-neox: GPT-NeoX's exact sample order (.bin/.idx sources, pack mode;
+    # the default for GPT-NeoX configs); preshuffled: Pythia's pre-shuffled rows of seq_length + 1 tokens, in order
+    order: Literal["stream", "gpt-neox", "preshuffled"] = "stream"
+    split: Optional[str] = None  # gpt-neox: "969,30,1" splits one source's documents train/valid/test (GPT-NeoX data_path)
+    pack_impl: Literal["packed", "pack_until_overflow", "unpacked"] = "packed"  # gpt-neox: GPT-NeoX `pack_impl`
+    allow_chopped: bool = True  # gpt-neox, not packed: False drops documents longer than seq_length + 1
+    eod_mask_loss: bool = False  # no loss on predictions made from an EOD token (GPT-NeoX `eod_mask_loss`)
+    weight_by_num_documents: bool = False  # gpt-neox: blending weights from document counts (GPT-NeoX's rule)
+    weighted_sampler_alpha: float = 1.0
+    curriculum: Optional[CurriculumConfig] = None  # sequence-length curriculum
 
 
 @dataclass
@@ -333,6 +359,7 @@ def validate(recipe: Recipe) -> None:
     _require(0.0 <= d.validation_fraction < 1.0, f"`data.validation_fraction` must be in [0, 1), got {d.validation_fraction}")
     if d.max_tokens_per_batch is not None:
         _require(d.max_tokens_per_batch > 0, f"`data.max_tokens_per_batch` must be > 0, got {d.max_tokens_per_batch}")
+    _validate_data_order(recipe)
     for i, s in enumerate(d.sources + d.validation):
         _require(bool(s.path), f"`data.sources[{i}].path` is empty: give a file glob, a .bin/.idx prefix or a dataset name")
         _require(s.weight > 0, f"data source `{s.path}`: `weight` must be > 0, got {s.weight}")
@@ -374,6 +401,46 @@ def _validate_pipeline(recipe: Recipe) -> None:
     _require(recipe.peft.method is None,
              "`peft.method` with `parallel.pipeline_parallel > 1` is refused: fine-tune adapters with ZeRO data "
              "parallelism (pipeline_parallel: 1)")
+
+
+def _validate_data_order(recipe: Recipe) -> None:
+    """GPT-NeoX's order and the curriculum: what they need from the rest of the recipe."""
+    d, m = recipe.data, recipe.model
+    if d.order != "stream":
+        _require(d.mode == "pack", f"`data.order: {d.order}` reproduces GPT-NeoX's packed samples; set `data.mode: pack`")
+        _require(not d.isolate_documents, f"`data.order: {d.order}` gives GPT-NeoX's samples as they are; "
+                                          "set `data.isolate_documents: false`")
+        for s in d.sources + d.validation:
+            _require(s.format in (None, "indexed") and not s.template and not s.prompt_template,
+                     f"`data.order: {d.order}` reads GPT-NeoX .bin/.idx prefixes; source `{s.path}` is not one "
+                     "(tokenize it with `neox_hf preprocess`, or use `data.order: stream`)")
+    if d.split is not None:
+        _require(d.order == "gpt-neox", "`data.split` splits documents as GPT-NeoX does; it needs `data.order: gpt-neox` "
+                                         "(or remove it: `--data.split null`, and hold out with data.validation_fraction)")
+    for s in d.sources + d.validation:
+        _require(s.label_path is None or d.order == "gpt-neox",
+                 f"data source `{s.path}`: `label_path` needs `data.order: gpt-neox`")
+    _require(d.weighted_sampler_alpha > 0, f"`data.weighted_sampler_alpha` must be > 0, got {d.weighted_sampler_alpha}")
+    c = d.curriculum
+    if c is not None:
+        _require(0 < c.min_difficulty <= c.max_difficulty <= m.seq_length,
+                 f"`data.curriculum` needs 0 < min_difficulty ({c.min_difficulty}) ≤ max_difficulty "
+                 f"({c.max_difficulty}) ≤ model.seq_length ({m.seq_length})")
+        if c.schedule_type == "fixed_discrete":
+            _require(len(c.difficulty) >= 1 and len(c.difficulty) == len(c.max_step) + 1,
+                     "`data.curriculum` fixed_discrete needs `difficulty` with one more entry than `max_step`, "
+                     "e.g. difficulty: [256, 1024, 2048], max_step: [100, 500]")
+            _require(all(0 < x <= m.seq_length for x in c.difficulty),
+                     f"`data.curriculum.difficulty` entries must be in [1, model.seq_length={m.seq_length}]")
+        else:
+            _require(c.total_curriculum_step > 0 and c.difficulty_step > 0 and c.root_degree > 0,
+                     "`data.curriculum` total_curriculum_step, difficulty_step and root_degree must be > 0")
+        if recipe.parallel.sequence_parallel:
+            tp = recipe.parallel.tensor_parallel
+            lengths = (c.difficulty if c.schedule_type == "fixed_discrete" else [c.difficulty_step, c.max_difficulty])
+            _require(all(x % tp == 0 for x in lengths),
+                     f"`data.curriculum` with sequence parallelism: every length must split over tensor_parallel ({tp}); "
+                     "make difficulty_step / max_difficulty (fixed_discrete: each difficulty) multiples of it")
 
 
 def _validate_sequence_parallel(recipe: Recipe) -> None:

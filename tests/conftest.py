@@ -46,3 +46,41 @@ def tokenizer():
     from neox_hf.interop.tokenizer import load_tokenizer
 
     return load_tokenizer(str(BUNDLED_TOKENIZER))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tiers: `pytest -m "not distributed"` is the fast tier (no process launches); the full suite runs everything.
+# ----------------------------------------------------------------------------------------------------------------
+
+_LAUNCHES = ("accelerate_launch_command(", "run_torchrun(", "_launch(", "launch(", "torch.distributed.run")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "distributed: starts several processes (accelerate launch / torchrun)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark `distributed` every test that starts processes, itself or through a fixture, so new multi-process tests
+    land in the slow tier without anyone remembering a decorator."""
+    for item in items:
+        functions = [getattr(item, "function", None)]
+        for defs in getattr(item, "_fixtureinfo", None).name2fixturedefs.values() if hasattr(item, "_fixtureinfo") else []:
+            functions += [d.func for d in defs]
+        if any(_launches(f) for f in functions if f is not None):
+            item.add_marker(pytest.mark.distributed)
+
+
+def _launches(function, depth: int = 2) -> bool:
+    """Whether `function`, or a module-level helper it calls (two levels down), starts processes."""
+    import inspect
+
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+    if any(marker in source for marker in _LAUNCHES) and "def accelerate_launch_command" not in source:
+        return True
+    if depth == 0 or not hasattr(function, "__code__"):
+        return False
+    helpers = [function.__globals__.get(name) for name in function.__code__.co_names]
+    return any(_launches(h, depth - 1) for h in helpers if inspect.isfunction(h) and h.__module__.startswith("tests"))

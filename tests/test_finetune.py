@@ -22,6 +22,7 @@ from neox_hf.data import build_train_loader
 from neox_hf.errors import CheckpointError, RecipeError
 from neox_hf.recipe import PeftConfig
 from neox_hf.train import loop
+from neox_hf.train.loss import causal_lm_loss
 from tests.conftest import accelerate_launch_command
 
 WORKERS = Path(__file__).parent / "workers"
@@ -83,7 +84,7 @@ def test_only_adapter_weights_change_bit_for_bit():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     for step in range(3):
-        loss, _ = loop.causal_lm_loss(model, _batch(step))
+        loss, _ = causal_lm_loss(model, _batch(step))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -117,7 +118,7 @@ def test_prompt_tokens_are_masked_and_never_reach_the_loss(base, tokenizer, tmp_
 
     model = finetune.wrap_with_peft(GPTNeoXForCausalLM.from_pretrained(base), _peft_cfg())
     masked = batch["labels"] == -100
-    loss, tokens = loop.causal_lm_loss(model, batch)
+    loss, tokens = causal_lm_loss(model, batch)
     assert tokens == int((~masked).sum())
     # The logits at masked positions get no gradient: nothing of the prompt's targets enters the loss.
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

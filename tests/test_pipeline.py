@@ -64,12 +64,12 @@ def _forward_sums(model, batch) -> tuple[torch.Tensor, int]:
 def one_process(model_dir, mode: str, tmp_path, dp_for_eval: int = 1):
     """(per-step losses, tokens, eval losses before/after, trained model) of the one-process reference."""
     from neox_hf.recipe import recipe_from_dict
-    from neox_hf.train.loop import build_optimizer
+    from neox_hf.parallel import build_optimizer
     from neox_hf.train.schedule import build_lr_scheduler
 
     recipe = recipe_from_dict(recipe_dict(tmp_path / "reference"))
     model = GPTNeoXForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    optimizer = build_optimizer(model, recipe)
+    optimizer = build_optimizer(model, recipe.train)
     scheduler = build_lr_scheduler(optimizer, recipe.train)
     evals = {"before": _eval(model, mode, dp_for_eval)}
     losses, tokens, norms = {}, {}, {}

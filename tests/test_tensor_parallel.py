@@ -22,13 +22,12 @@ from neox_hf.parallel.tensor_parallel import (
     load_tp_shard_state_dict,
     pad_vocab,
     padded_vocab_size,
-    tp_causal_lm_loss,
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "workers")
 sys.path.insert(0, WORKERS)
-from tp_common import LR, STEPS, batch, tiny_config  # noqa: E402
+from tp_common import LR, STEPS, batch, tiny_config, tp_causal_lm_loss  # noqa: E402
 
 from tests.conftest import free_port  # noqa: E402
 
@@ -184,34 +183,6 @@ def test_vocab_parallel_cross_entropy_equals_cross_entropy_on_gathered_logits(tp
 
 
 @pytest.fixture(scope="module")
-def tp2_dp2(tmp_path_factory):
-    folder = saved_tiny_model(tmp_path_factory.mktemp("dp_model") / "model")
-    out = tmp_path_factory.mktemp("tp_dp_out")
-    run_torchrun(4, "tp_dp.py", folder, out)
-    return folder, rank_results(out, "tp_dp", 4)
-
-
-def test_tp2_dp2_matches_one_process_with_the_global_batch(tp2_dp2):
-    folder, results = tp2_dp2
-    ref_losses = reference_adamw_losses(stock(folder), *batch(batch_size=4, ignore_some=False))
-    # Megatron layout: consecutive ranks share a TP group.
-    assert [(r["tp_rank"], r["dp_rank"]) for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]
-    for rank in results:
-        assert "must divide the world size 4" in rank["refusal"]
-        assert max(abs(a - b) for a, b in zip(rank["plain_losses"], ref_losses)) <= TOL
-
-
-@pytest.mark.parametrize("driver", ["deepspeed", "accelerate"])
-def test_tp2_dp2_under_deepspeed_zero1_with_our_mpu_matches_one_process(tp2_dp2, driver):
-    folder, results = tp2_dp2
-    ref_losses = reference_adamw_losses(stock(folder), *batch(batch_size=4, ignore_some=False), clip_norm=1.0)
-    for rank in results:
-        ds = rank[driver]
-        assert (ds["dp_world_size"], ds["mp_world_size"]) == (2, 2)
-        assert max(abs(a - b) for a, b in zip(ds["losses"], ref_losses)) <= TOL
-
-
-@pytest.fixture(scope="module")
 def tp2_sp(tmp_path_factory):
     models = tmp_path_factory.mktemp("sp_models")
     saved_tiny_model(models / "untied")
@@ -335,3 +306,20 @@ def test_refuses_shapes_that_do_not_split():
 def test_refuses_a_folder_without_safetensors(tmp_path):
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load_tp_shard_state_dict(str(tmp_path), tiny_config(), 0, 2)
+
+
+def test_tp_plan_is_transformers_own_plan_in_our_layer_kinds():
+    from neox_hf.parallel.tp_plan import TP_PLAN, partition_dim, transformers_tp_plan
+
+    assert transformers_tp_plan() == TP_PLAN
+    # Every sharded module's weight is split along the dim its kind implies, and every tensor of a stock model is
+    # covered by the one table (rotary buffers aside).
+    model = GPTNeoXForCausalLM(tiny_config())
+    dims = {k: partition_dim(k) for k in model.state_dict() if "rotary" not in k}
+    assert dims["gpt_neox.layers.0.attention.query_key_value.weight"] == 0
+    assert dims["gpt_neox.layers.1.mlp.dense_4h_to_h.weight"] == 1
+    assert dims["gpt_neox.layers.1.mlp.dense_4h_to_h.bias"] is None
+    assert dims["lm_head.weight"] == dims["gpt_neox.embed_in.weight"] == 0
+    from neox_hf.parallel.tp_plan import split_rule
+
+    assert all(split_rule(k) is not None for k in dims)

@@ -21,6 +21,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from neox_hf.data.files import open_text_file
 from neox_hf.errors import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -82,6 +83,14 @@ class IndexedDataset:
         start = int(self.pointers[first]) // self._tokens.itemsize
         stop = start + int(self.sizes[first:last].sum(dtype=np.int64))
         return self._tokens[start:stop]
+
+    def get(self, item: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens of item `item` from `offset`, `length` of them (default: to its end): GPT-NeoX's
+        `MMapIndexedDataset.get`, which its samplers read items with."""
+        size = int(self.sizes[item])
+        stop = size if length is None else min(offset + length, size)
+        start = int(self.pointers[item]) // self._tokens.itemsize
+        return self._tokens[start + offset: start + stop]
 
 
 def _read_index(idx_path: Path):
@@ -192,8 +201,6 @@ def _tokenized_documents(jsonl_paths, tokenizer, text_key: str, workers: int, ba
 
 def _jsonl_texts(jsonl_paths, text_key: str) -> Iterator[str]:
     import json
-
-    from neox_hf.data.sources import open_text_file
 
     paths = [jsonl_paths] if isinstance(jsonl_paths, (str, Path)) else list(jsonl_paths)
     for path in paths:

@@ -175,9 +175,11 @@ class DataLoader:
 
     def _chunk(self, docs, carry, rng, flush: bool):
         """(batch makers for this chunk, carry state for the next); makers are lazy so a resume skips cheaply."""
-        if self.cfg.mode == "pack":
-            return self._pack_chunk(docs, carry, rng)
-        return self._pad_chunk(docs, carry, rng, flush)
+        makers, carry = self._pack_chunk(docs, carry, rng) if self.cfg.mode == "pack" else \
+            self._pad_chunk(docs, carry, rng, flush)
+        if self.cfg.eod_mask_loss:
+            makers = [lambda make=make: mask_eod_predictions(make(), self.tokenizer.eos_token_id) for make in makers]
+        return makers, carry
 
     def _pad_chunk(self, docs, carry, rng, flush: bool):
         examples = [(np.asarray(i, np.int64), np.asarray(l, np.int64)) for i, l in (carry or [])]
@@ -225,6 +227,12 @@ class DataLoader:
         self.stats["padded_tokens"] += total - real
 
 
+def mask_eod_predictions(batch: dict, eod_id: int) -> dict:
+    """GPT-NeoX's `eod_mask_loss`: no loss on the prediction made from an EOD input position."""
+    batch["labels"][batch["input_ids"] == eod_id] = padding.IGNORE_INDEX
+    return batch
+
+
 def _check_batching(cfg: DataConfig, tokenizer, max_length: int, micro_batch_size: int, seq_length: int) -> None:
     if micro_batch_size < 1 or seq_length < 1:
         raise DataError(f"micro_batch_size ({micro_batch_size}) and seq_length ({seq_length}) must be ≥ 1")
@@ -245,20 +253,79 @@ def _check_batching(cfg: DataConfig, tokenizer, max_length: int, micro_batch_siz
 
 
 def build_train_loader(data_cfg: DataConfig, tokenizer, *, seq_length: int, micro_batch_size: int, dp_rank: int = 0,
-                       dp_size: int = 1, seed: int = 1234) -> DataLoader:
+                       dp_size: int = 1, seed: int = 1234, gradient_accumulation_steps: int = 1,
+                       train_iters: Optional[int] = None, eval_interval: int = 1000, eval_iters: int = 0,
+                       start_step: int = 0):
     """Infinite training batches for this data-parallel rank (reshuffled each epoch with seed + epoch).
-    With tensor parallelism pass the DP rank, so every rank of a TP group gets the same batches."""
+    With tensor parallelism pass the DP rank, so every rank of a TP group gets the same batches.
+
+    `data.order: gpt-neox` / `preshuffled` give GPT-NeoX's samples (`neox_order`): they need `train_iters` and
+    `gradient_accumulation_steps` (the index holds train_iters × global batch samples) and start at `start_step`.
+    Under `data.curriculum` every batch carries `batch["curriculum_seq_length"]` (an int), for the step log."""
     if not data_cfg.sources:
         raise DataError("data.sources is empty: add at least one `- path: ...` under data.sources")
+    curriculum = _curriculum(data_cfg)
+    if data_cfg.order != "stream":
+        return _neox_order_loader(data_cfg, tokenizer, "train", seq_length=seq_length, micro_batch_size=micro_batch_size,
+                                  dp_rank=dp_rank, dp_size=dp_size, seed=seed, accumulation=gradient_accumulation_steps,
+                                  train_iters=train_iters, eval_interval=eval_interval, eval_iters=eval_iters,
+                                  start_step=start_step, curriculum=curriculum)
     role = "train" if data_cfg.validation_fraction > 0 and not data_cfg.validation else "all"
-    return DataLoader(data_cfg, tokenizer, seq_length=seq_length, micro_batch_size=micro_batch_size,
-                      dp_rank=dp_rank, dp_size=dp_size, seed=seed, role=role, cycle=True)
+    loader = DataLoader(data_cfg, tokenizer, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                        dp_rank=dp_rank, dp_size=dp_size, seed=seed, role=role, cycle=True)
+    if curriculum is None:
+        return loader
+    from neox_hf.data.curriculum import CurriculumLoader
+
+    return CurriculumLoader(loader, curriculum, gradient_accumulation_steps, start_step)
+
+
+def _curriculum(data_cfg: DataConfig):
+    if data_cfg.curriculum is None:
+        return None
+    from neox_hf.data.curriculum import SeqlenCurriculum
+
+    return SeqlenCurriculum(data_cfg.curriculum)
+
+
+def _neox_order_loader(data_cfg: DataConfig, tokenizer, role: str, *, seq_length: int, micro_batch_size: int,
+                       dp_rank: int, dp_size: int, seed: int, accumulation: int, train_iters: Optional[int],
+                       eval_interval: int, eval_iters: int, start_step: int = 0, curriculum=None):
+    from neox_hf.data.neox_order import BatchLayout, NeoXOrderLoader, build_split_samples
+
+    if train_iters is None:
+        raise DataError(f"data.order: {data_cfg.order} needs train_iters (GPT-NeoX builds train_iters × global batch "
+                        "samples): pass train_iters= to build_train_loader")
+    layout = BatchLayout(micro_batch_size, accumulation, dp_size)
+    samples = build_split_samples(data_cfg, role, seq_length=seq_length, train_iters=train_iters, layout=layout,
+                                  eval_interval=eval_interval, eval_iters=eval_iters, seed=seed)
+    if samples is None:
+        return None
+    fingerprint = {"order": data_cfg.order, "split": data_cfg.split, "pack_impl": data_cfg.pack_impl,
+                   "seq_length": seq_length, "micro_batch_size": micro_batch_size, "accumulation": accumulation,
+                   "dp_rank": dp_rank, "dp_size": dp_size, "seed": seed, "train_iters": train_iters,
+                   "sources": [s.path for s in data_cfg.sources]}
+    return NeoXOrderLoader(samples, layout, dp_rank, eod_id=tokenizer.eos_token_id if tokenizer is not None else None,
+                           eod_mask_loss=data_cfg.eod_mask_loss, fingerprint=fingerprint, curriculum=curriculum,
+                           start_step=start_step)
 
 
 def build_eval_loader(data_cfg: DataConfig, tokenizer, *, seq_length: int, micro_batch_size: int, max_batches: int,
-                      dp_rank: int = 0, dp_size: int = 1) -> list[dict]:
+                      dp_rank: int = 0, dp_size: int = 1, gradient_accumulation_steps: int = 1,
+                      train_iters: Optional[int] = None, eval_interval: int = 1000, eval_iters: int = 0) -> list[dict]:
     """At most `max_batches` deterministic validation batches (stream order, no shuffling): from
-    `data.validation` sources, else the documents `validation_fraction` holds out of `data.sources`."""
+    `data.validation` sources, else the documents `validation_fraction` holds out of `data.sources`.
+    With `data.order: gpt-neox`: the first `max_batches` micro-batches of GPT-NeoX's valid samples for this rank
+    (the `split` range, or `data.validation` blended)."""
+    if data_cfg.order != "stream":
+        if max_batches <= 0 or (data_cfg.split is None and not data_cfg.validation):
+            return []
+        loader = _neox_order_loader(data_cfg, tokenizer, "valid", seq_length=seq_length,
+                                    micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                    seed=data_cfg.seed, accumulation=gradient_accumulation_steps,
+                                    train_iters=train_iters, eval_interval=eval_interval,
+                                    eval_iters=max(eval_iters, 1))
+        return [] if loader is None else list(islice(loader, max_batches))
     if data_cfg.validation:
         sources, role = data_cfg.validation, "all"
     elif data_cfg.validation_fraction > 0 and data_cfg.sources:
@@ -268,6 +335,24 @@ def build_eval_loader(data_cfg: DataConfig, tokenizer, *, seq_length: int, micro
     loader = DataLoader(data_cfg, tokenizer, seq_length=seq_length, micro_batch_size=micro_batch_size,
                         dp_rank=dp_rank, dp_size=dp_size, seed=data_cfg.seed, role=role, cycle=False, sources=sources)
     return list(islice(loader, max_batches))
+
+
+def build_neox_valid_loader(data_cfg: DataConfig, tokenizer, *, seq_length: int, micro_batch_size: int,
+                            gradient_accumulation_steps: int, train_iters: int, eval_interval: int, eval_iters: int,
+                            dp_rank: int = 0, dp_size: int = 1, iteration: int = 0):
+    """GPT-NeoX's validation stream for `data.order: gpt-neox` (None without a valid split): an endless loader of
+    this rank's valid micro-batches; GPT-NeoX's evaluation takes `eval_iters × gradient_accumulation_steps` of them
+    each time, carrying on where the last one stopped, and a run resumed at `iteration` starts at micro-batch
+    `(iteration × accumulation) // eval_interval × eval_iters` (GPT-NeoX's shift_and_wrap_data_loaders)."""
+    if data_cfg.order == "stream" or (data_cfg.split is None and not data_cfg.validation):
+        return None
+    loader = _neox_order_loader(data_cfg, tokenizer, "valid", seq_length=seq_length, micro_batch_size=micro_batch_size,
+                                dp_rank=dp_rank, dp_size=dp_size, seed=data_cfg.seed,
+                                accumulation=gradient_accumulation_steps, train_iters=train_iters,
+                                eval_interval=eval_interval, eval_iters=eval_iters)
+    if loader is not None:
+        loader.micro_step = (iteration * gradient_accumulation_steps) // eval_interval * eval_iters
+    return loader
 
 
 CHEAP_COUNT_BYTES = 16 * 2**20  # ~4M tokens, ~20 s of tokenizing on 2 cores; above that None, not a guess
@@ -283,13 +368,19 @@ def tokens_per_epoch(data_cfg: DataConfig, tokenizer) -> Optional[int]:
     from neox_hf.data.indexed import IndexedDataset
 
     sources = data_cfg.sources
+    if data_cfg.order == "gpt-neox" and data_cfg.split is not None and len(sources) == 1:
+        from neox_hf.data.neox_order import split_document_ranges
+
+        sizes = IndexedDataset(sources[0].path).sizes
+        first, last = split_document_ranges(data_cfg.split, len(sizes))[:2]
+        return int(sizes[first:last].sum(dtype=np.int64))
     if len(sources) != 1:
         return None
     source = sources[0]
     fmt = source_format(source)
     if fmt == "hub":
         return None
-    if fmt == "indexed" and (data_cfg.validation_fraction == 0 or data_cfg.validation):
+    if fmt == "indexed" and (data_cfg.validation_fraction == 0 or data_cfg.validation or data_cfg.order != "stream"):
         return IndexedDataset(source.path).num_tokens
     if fmt != "indexed" and sum(_file_size(f) for f in resolve_files(source)) > CHEAP_COUNT_BYTES:
         return None

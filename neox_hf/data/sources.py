@@ -20,11 +20,8 @@ its text builder has no "document" notion. Our line readers turn such a line int
 
 from __future__ import annotations
 
-import contextlib
 import glob
-import gzip
 import hashlib
-import io
 import json
 import random
 from pathlib import Path
@@ -32,6 +29,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from neox_hf.data.files import open_text_file
 from neox_hf.data.indexed import IndexedDataset, indexed_paths, is_indexed_prefix
 from neox_hf.errors import DataError
 from neox_hf.recipe import DataSource
@@ -44,23 +42,6 @@ SHARDS_PER_INDEXED_SOURCE = 16  # document ranges, so ranks and epochs can take 
 # ----------------------------------------------------------------------------------------------------------------
 # Files
 # ----------------------------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def open_text_file(path) -> Iterator[io.BufferedIOBase]:
-    """A binary line iterator over a plain, `.gz` or `.zst` file (The Pile ships `.jsonl.zst`)."""
-    path = str(path)
-    if path.endswith(".gz"):
-        with gzip.open(path, "rb") as f:
-            yield f
-    elif path.endswith((".zst", ".zstd")):
-        import zstandard
-
-        with open(path, "rb") as raw, zstandard.ZstdDecompressor().stream_reader(raw) as reader:
-            yield io.BufferedReader(reader)
-    else:
-        with open(path, "rb") as f:
-            yield f
 
 
 def source_format(source: DataSource) -> str:

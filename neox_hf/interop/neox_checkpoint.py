@@ -34,6 +34,16 @@ import transformers
 from transformers import initialization as hf_init
 
 from neox_hf.errors import CheckpointError
+from neox_hf.parallel.tp_plan import (
+    COLUMN,
+    EMBEDDING_TENSORS,
+    FINAL_NORM_TENSORS,
+    HEAD_TENSORS,
+    LAYER_TENSORS,
+    REPLICATED,
+    ROW,
+    ROW_BIAS,
+)
 from neox_hf.interop.neox_files import (
     NeoXCheckpointFiles,
     detect_checkpoint_files,
@@ -41,29 +51,9 @@ from neox_hf.interop.neox_files import (
     write_sequential_checkpoint,
 )
 
-# How a parameter is split over tensor-parallel ranks.
-COLUMN = "column"  # output dim sharded (ColumnParallelLinear, VocabParallelEmbedding): dim 0
-ROW = "row"  # input dim sharded (RowParallelLinear weight): dim 1
-ROW_BIAS = "row_bias"  # RowParallelLinear bias: see merge_row_parallel_bias
-REPLICATED = "replicated"  # layer norms: one full copy per rank
-
-# GPT-NeoX name -> (HF name within the layer, TP rule). QKV rows are ordered
-# [heads_per_rank, 3, head_dim] on each rank, so concatenating ranks gives HF's
-# [heads, 3, head_dim] layout with no reordering.
-LAYER_PARAMS: dict[str, tuple[str, str]] = {
-    "input_layernorm.weight": ("input_layernorm.weight", REPLICATED),
-    "input_layernorm.bias": ("input_layernorm.bias", REPLICATED),
-    "post_attention_layernorm.weight": ("post_attention_layernorm.weight", REPLICATED),
-    "post_attention_layernorm.bias": ("post_attention_layernorm.bias", REPLICATED),
-    "attention.query_key_value.weight": ("attention.query_key_value.weight", COLUMN),
-    "attention.query_key_value.bias": ("attention.query_key_value.bias", COLUMN),
-    "attention.dense.weight": ("attention.dense.weight", ROW),
-    "attention.dense.bias": ("attention.dense.bias", ROW_BIAS),
-    "mlp.linear1.weight": ("mlp.dense_h_to_4h.weight", COLUMN),
-    "mlp.linear1.bias": ("mlp.dense_h_to_4h.bias", COLUMN),
-    "mlp.linear2.weight": ("mlp.dense_4h_to_h.weight", ROW),
-    "mlp.linear2.bias": ("mlp.dense_4h_to_h.bias", ROW_BIAS),
-}
+# The names and split rules come from the one sharding table (parallel/tp_plan.py), inverted to GPT-NeoX name →
+# (HF name, rule).
+LAYER_PARAMS: dict[str, tuple[str, str]] = {neox: (hf, rule) for hf, (neox, rule) in LAYER_TENSORS.items()}
 # Checkpoints from before GPT-NeoX renamed its MLP (read only; we write the new names).
 LEGACY_LAYER_NAMES = {
     "mlp.dense_h_to_4h.weight": "mlp.linear1.weight",
@@ -74,12 +64,9 @@ LEGACY_LAYER_NAMES = {
 # Recomputed from the config by both sides; saved only with `save_inv_freqs`.
 IGNORED_PARAMS = {"attention.rotary_emb.inv_freq"}
 
-EMBEDDING_PARAMS = {"word_embeddings.weight": ("gpt_neox.embed_in.weight", COLUMN)}
-FINAL_NORM_PARAMS = {
-    "norm.weight": ("gpt_neox.final_layer_norm.weight", REPLICATED),
-    "norm.bias": ("gpt_neox.final_layer_norm.bias", REPLICATED),
-}
-FINAL_LINEAR_PARAMS = {"final_linear.weight": ("lm_head.weight", COLUMN)}
+EMBEDDING_PARAMS = {neox: (hf, rule) for hf, (neox, rule) in EMBEDDING_TENSORS.items()}
+FINAL_NORM_PARAMS = {neox: (hf, rule) for hf, (neox, rule) in FINAL_NORM_TENSORS.items()}
+FINAL_LINEAR_PARAMS = {neox: (hf, rule) for hf, (neox, rule) in HEAD_TENSORS.items()}
 
 
 def neox_param_tables(config: transformers.GPTNeoXConfig) -> dict[int, dict[str, tuple[str, str]]]:

@@ -110,17 +110,6 @@ class NeoXForCausalLM(_NeoXInitMixin, GPTNeoXForCausalLM):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    @classmethod
-    def from_neox(cls, checkpoint_dir, neox_config_paths, *, tokenizer=None, trust_pickle: bool = False) -> "NeoXForCausalLM":
-        """Load a GPT-NeoX-native checkpoint (`global_stepN/`, pipeline or sequential layout, any TP size) given the
-        GPT-NeoX YAML it was trained with. `trust_pickle` allows full unpickling (only for files you trust)."""
-        from neox_hf.interop.convert import neox_config_to_hf  # interop depends on the model, not the reverse
-        from neox_hf.interop.neox_checkpoint import neox_to_hf_model
-
-        paths = [neox_config_paths] if isinstance(neox_config_paths, (str, bytes)) or hasattr(neox_config_paths, "__fspath__") else neox_config_paths
-        config, _ = neox_config_to_hf(list(paths), tokenizer)
-        return neox_to_hf_model(checkpoint_dir, config, model_class=cls, trust_pickle=trust_pickle)
-
 
 def _register_stock_key_renames() -> None:
     """Give our classes the stock `embed_out` ↔ `lm_head` rename (keyed by class name in transformers)."""

@@ -28,9 +28,13 @@ def launched_with_deepspeed() -> bool:
 
 
 def wants_deepspeed(parallel: ParallelConfig) -> bool:
-    if parallel.tensor_parallel > 1 or parallel.pipeline_parallel > 1:
-        # DeepSpeed (handed our mpu, or its pipeline grid) reduces gradients over the data-parallel group only; pipeline
-        # stages run in DeepSpeed's PipelineEngine.
+    """Every multi-process run goes through DeepSpeed (ZeRO stage 0 is plain data parallelism): it is what reduces
+    gradients over our data-parallel group only, and the loss calls the decoder directly, which DDP's gradient
+    hooks would not see."""
+    if parallel.tensor_parallel > 1 or parallel.pipeline_parallel > 1 or _launched_distributed():
+        if parallel.use_deepspeed is False:
+            raise RecipeError("`parallel.use_deepspeed: false` with several processes: multi-process training runs "
+                              "through DeepSpeed (zero_stage 0 = plain data parallelism); remove the key")
         return True
     if parallel.use_deepspeed is not None:
         return parallel.use_deepspeed
@@ -74,7 +78,7 @@ def deepspeed_config(parallel: ParallelConfig, train: TrainConfig) -> dict:
     }
     model_parallel = parallel.tensor_parallel * parallel.pipeline_parallel
     if model_parallel > 1:
-        # accelerate would fill "auto" with every process; the data-parallel size is world / (TP × pipeline stages).
+        # accelerate would fill "auto" with every process; the data-parallel size is world / (TP × PP).
         data_parallel = max(1, int(os.environ.get("WORLD_SIZE", "1")) // model_parallel)
         config["train_batch_size"] = train.micro_batch_size * train.gradient_accumulation_steps * data_parallel
     if parallel.pipeline_parallel > 1:
@@ -126,6 +130,8 @@ def build_accelerator(recipe: Recipe, *, log_with: str | None = None) -> Acceler
     """One Accelerator configured from the recipe (single process, DDP, or DeepSpeed ZeRO 0–3)."""
     train, parallel = recipe.train, recipe.parallel
     use_deepspeed = wants_deepspeed(parallel)
+    if use_deepspeed and not _launched_distributed():
+        _single_process_environment()
     kwargs_handlers = []
     if not torch.cuda.is_available() and (use_deepspeed or _launched_distributed()):
         kwargs_handlers.append(InitProcessGroupKwargs(backend="gloo"))
@@ -142,6 +148,19 @@ def build_accelerator(recipe: Recipe, *, log_with: str | None = None) -> Acceler
         project_config=project,
         log_with=log_with,
     )
+
+
+def _single_process_environment() -> None:
+    """DeepSpeed in a plain `python` process (ZeRO on one rank: offload, or the same engine as a larger run) needs
+    the variables a launcher sets; without them its process-group setup fails with a traceback."""
+    import socket
+
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
 
 
 def uses_deepspeed(accelerator: Accelerator) -> bool:

@@ -296,6 +296,11 @@ def _pipeline_module_class():
             super().__init__(layers, **kwargs)
             self.config = config  # accelerate sizes DeepSpeed's "auto" buckets from config.hidden_size
 
+        def save_pretrained(self, folder, *, state_dict: dict, **kwargs):
+            """`save_pretrained` of the whole model, given the merged state dict (`gather_pipeline_state_dict`):
+            what `save_hf_folder` calls, so a pipeline run writes the same stock folder as any other."""
+            model_holding(state_dict, self.config).save_pretrained(folder, **kwargs)
+
         def _partition_layers(self, method="uniform"):
             stage = self._topo.get_coord(self.global_rank).pipe
             self.parts = list(self._neox_parts)
@@ -342,6 +347,56 @@ def build_pipeline_module(config, layout: Layout, *, folder: str | None = None,
     return module
 
 
+def build_pipeline_model(recipe, tokenizer, layout: Layout):
+    """This rank's stage as a PipelineModule, from the recipe: from scratch (GPT-NeoX init, padded vocabulary) or
+    reading only the stage's TP slices of a local safetensors `model.from_pretrained` folder (vocabulary zero-padded
+    when TP does not divide it). Collective; after the Accelerator exists."""
+    from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, padded_vocab_size
+    from neox_hf.model import NeoXConfig, config_from_recipe
+
+    m, p = recipe.model, recipe.parallel
+    folder = m.from_pretrained
+    if folder:
+        if not _has_safetensors(folder):
+            raise CheckpointError(f"`model.from_pretrained: {folder}`: pipeline stages read their layers from a local "
+                                  "safetensors folder (model.safetensors or model.safetensors.index.json); download or "
+                                  "re-save it with save_pretrained(safe_serialization=True) first")
+        config = NeoXConfig.from_pretrained(folder)
+        check_vocab_covers_tokenizer(config.vocab_size, tokenizer, where=folder)
+        if config.vocab_size % layout.tp:
+            config.vocab_size = padded_vocab_size(config.vocab_size, m.make_vocab_size_divisible_by, layout.tp)
+    else:
+        vocab = m.vocab_size or padded_vocab_size(len(tokenizer), m.make_vocab_size_divisible_by, layout.tp)
+        check_vocab_covers_tokenizer(vocab, tokenizer, where="`model.vocab_size`")
+        config = config_from_recipe(m, vocab_size=vocab, bos_token_id=tokenizer.bos_token_id,
+                                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config._attn_implementation = m.attn_implementation
+    config.use_cache = False
+    return build_pipeline_module(config, layout, folder=folder, partition_method=p.pipe_partition_method,
+                                 activation_checkpointing=p.activation_checkpointing,
+                                 loss_normalization=recipe.train.loss_normalization)
+
+
+def _has_safetensors(folder: str) -> bool:
+    path = Path(folder)
+    return (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+
+
+def is_pipeline_module(module) -> bool:
+    return hasattr(module, "_neox_parts")
+
+
+def full_parameter_count(config) -> int:
+    """Parameters of the whole model (every stage; a tied embedding once)."""
+    counts = layer_parameter_counts(config)
+    return sum(counts) - (counts[-1] if config.tie_word_embeddings else 0)
+
+
+def stage_report(module, layout: Layout, micro_batches: int) -> list[str]:
+    """The start-up lines of `pipeline_report` for a built PipelineModule."""
+    return pipeline_report(module.config, module._neox_parts, micro_batches, tp=layout.tp)
+
+
 def _head_provider(module, tied: bool):
     if tied:
         embedding = module.tied_modules[TIED_KEY]
@@ -366,15 +421,14 @@ def tied_head(embedding: nn.Module) -> nn.Module:
 
 
 def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of token cross-entropies, labelled tokens) from the final hidden states; labels aligned, -100 ignored.
+    """(Σ token cross-entropies, labelled tokens) from the final hidden states; labels aligned, -100 ignored.
 
-    Same contract as the training loop's `head_loss`; vocab-parallel under TP (no rank holds full logits)."""
-    tokens = (labels != IGNORE_INDEX).sum()
-    if isinstance(head, VocabParallelLMHead):
-        mean = vocab_parallel_cross_entropy(head.forward_shard(hidden), labels, head.group, head.vocab_start)
-    else:
-        mean = vocab_parallel_cross_entropy(head(hidden), labels, group=None)
-    return mean * tokens, tokens
+    The dispatch of `neox_hf.train.loss.head_loss` (a head with its own `loss_sum` — the vocab-parallel head — computes
+    it with sharded logits; a plain head through the fused cross-entropy); `parallel/` cannot import `train/`."""
+    own_loss = getattr(head, "loss_sum", None)
+    if own_loss is not None:
+        return own_loss(hidden, labels)
+    return vocab_parallel_cross_entropy(head(hidden), labels, group=None, reduction="sum"), (labels != IGNORE_INDEX).sum()
 
 
 class StageLoss:
@@ -408,7 +462,7 @@ class StepResult:
 
     loss: torch.Tensor  # 0-dim: the step's loss as logged, the same on every rank
     tokens: torch.Tensor  # 0-dim: labelled tokens of the step over all data-parallel ranks
-    samples: int
+    samples: torch.Tensor  # 0-dim: sequences of the step over every data-parallel rank
     grad_norm: torch.Tensor | None
     skipped: bool
 
@@ -459,14 +513,15 @@ def pipeline_train_step(engine, micro_batches: list[dict] | None, layout: Layout
     loss = engine.train_batch(data)
     counts = _from_last_stage(counts, layout)
     norm = engine.get_global_grad_norm()
-    return StepResult(loss=loss.detach().reshape(()).float(), tokens=counts[0].clone(), samples=int(counts[1]),
+    return StepResult(loss=loss.detach().reshape(()).float(), tokens=counts[0].clone(), samples=counts[1].clone(),
                       grad_norm=torch.as_tensor(float(norm)) if norm is not None else None,
                       skipped=not engine.was_step_applied())
 
 
 @torch.no_grad()
-def pipeline_eval_loss(engine, batches: list[dict] | None, layout: Layout) -> float:
-    """Token-weighted mean loss over every data-parallel rank's eval batches, the same on every rank. Collective.
+def pipeline_eval_loss_sums(engine, batches: list[dict] | None, layout: Layout, recipe=None) -> torch.Tensor:
+    """[Σ token losses, labelled tokens] (float64, on device) over every data-parallel rank's eval batches, the same
+    on every rank. Collective.
 
     DeepSpeed's eval_batch has a world barrier, so every pipeline evaluates as many micro-batches as the rank with
     most; shorter lists are completed with copies whose labels are all ignored (no loss, no tokens)."""
@@ -474,8 +529,9 @@ def pipeline_eval_loss(engine, batches: list[dict] | None, layout: Layout) -> fl
     count = torch.tensor([len(batches)], dtype=torch.long, device=engine.device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     count = int(count)
+    totals = torch.zeros(2, dtype=torch.float64, device=engine.device)
     if count == 0:
-        return float("nan")
+        return totals
     template = batches[-1] if batches else {"input_ids": torch.zeros(1, 8, dtype=torch.long)}
     filler = {**template, "labels": torch.full_like(template["input_ids"], IGNORE_INDEX)}
     batches += [filler] * (count - len(batches))
@@ -484,13 +540,17 @@ def pipeline_eval_loss(engine, batches: list[dict] | None, layout: Layout) -> fl
     holds_data = layout.is_first_stage or layout.is_last_stage
     data = iter([pipe_micro_batch(b) for b in batches]) if holds_data else None
     engine.eval_batch(data, compute_loss=True, reduce_output=None, bcast_loss=False, num_micro_batches=count)
-    totals = torch.zeros(2, dtype=torch.float64, device=engine.device)
     if layout.is_last_stage:
         totals = torch.stack(loss_fn.records).sum(0).to(engine.device)
         dist.all_reduce(totals, group=layout.dp_group)
-    totals = _from_last_stage(totals, layout)
+    return _from_last_stage(totals, layout)
+
+
+def pipeline_eval_loss(engine, batches: list[dict] | None, layout: Layout) -> float:
+    """Token-weighted mean eval loss over every data-parallel rank's batches (see `pipeline_eval_loss_sums`)."""
+    loss_sum, tokens = pipeline_eval_loss_sums(engine, batches, layout).tolist()
     engine.module.train()
-    return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+    return loss_sum / tokens if tokens > 0 else float("nan")
 
 
 # ----------------------------------------------------------------------------------------------------------------

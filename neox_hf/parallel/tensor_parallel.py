@@ -18,8 +18,8 @@ unmodified `GPTNeoXModel.forward` from the whole sequence, before the split; the
 length must be divisible by the TP size.
 
 After `apply_tensor_parallel` the model is still a working `GPTNeoXForCausalLM`:
-`model(...)`, `model(..., labels=...)` and `generate` give full (gathered) logits. Training
-should use `tp_causal_lm_loss`, which keeps logits sharded along the vocabulary.
+`model(...)`, `model(..., labels=...)` and `generate` give full (gathered) logits. Training's
+loss (`neox_hf.train.loss`) calls the head's `loss_sum`, which keeps logits sharded along the vocabulary.
 
 Attention needs no patching: `GPTNeoXAttention.forward` reshapes with -1 heads
 (`(*input_shape, -1, 3 * head_size)`) and `head_size` is fixed at construction, so a
@@ -61,8 +61,6 @@ __all__ = [
     "apply_tensor_parallel",
     "apply_tensor_parallel_to_part",
     "check_tp_divisibility",
-    "tp_causal_lm_loss",
-    "tp_logits",
     "vocab_parallel_cross_entropy",
     "ColumnParallelLinear",
     "RowParallelLinear",
@@ -148,43 +146,6 @@ def check_tp_divisibility(model: GPTNeoXForCausalLM, tp_size: int) -> None:
             f"GPT-NeoX does (to a multiple of make_vocab_size_divisible_by x tp): "
             f"pad_vocab(model, padded_vocab_size({vocab}, divisible_by=128, tp={tp_size}))"
         )
-
-
-def tp_causal_lm_loss(
-    model: GPTNeoXForCausalLM,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    real_vocab_size: int | None = None,
-) -> torch.Tensor:
-    """The causal-LM loss of `model(input_ids, labels=labels).loss` without full logits.
-
-    `labels` are NOT shifted (same convention as transformers: position t predicts
-    labels[t + 1]); -100 is ignored; the mean is over non-ignored tokens. Pass
-    `real_vocab_size` to exclude vocabulary-padding columns from the softmax.
-    """
-    head = model.get_output_embeddings()
-    if not isinstance(head, VocabParallelLMHead):
-        raise NeoXHFError("tp_causal_lm_loss needs a model prepared by apply_tensor_parallel(model, tp_group)")
-    hidden = model.base_model(
-        input_ids, attention_mask=attention_mask, position_ids=position_ids
-    ).last_hidden_state
-    # Shift before the head: the last position has no target, so its logits are never needed.
-    logits_shard = head.forward_shard(hidden[:, :-1])
-    return vocab_parallel_cross_entropy(
-        logits_shard, labels[:, 1:], head.group, head.vocab_start, real_vocab_size
-    )
-
-
-def tp_logits(
-    model: GPTNeoXForCausalLM,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Full [batch, seq, vocab] logits, gathered on every TP rank (inference and tests)."""
-    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
 
 
 def _parallel_layer(kind: str, module: nn.Module, rank: int, size: int, group, sequence_parallel: bool) -> nn.Module:

@@ -177,12 +177,19 @@ class VocabParallelEmbedding(nn.Module):
 
 class VocabParallelLMHead(ColumnParallelLinear):
     """The output projection split along the vocabulary. `forward` gathers full logits so
-    the stock `GPTNeoXForCausalLM.forward` / `generate` keep working; training should call
-    `forward_shard` + `vocab_parallel_cross_entropy` (see `tp_causal_lm_loss`)."""
+    the stock `GPTNeoXForCausalLM.forward` / `generate` keep working; training calls `loss_sum`,
+    which keeps the logits sharded."""
 
     def __init__(self, weight: torch.Tensor, vocab_start: int, group, sequence_parallel: bool = False):
         super().__init__(weight, None, group, gather_output=True, sequence_parallel=sequence_parallel)
         self.vocab_start = vocab_start
+
+    def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ cross-entropy over labelled tokens, their count) from the final hidden states, labels aligned with
+        them. The hook `neox_hf.train.loss.head_loss` looks for: a head that can compute its own loss."""
+        loss = vocab_parallel_cross_entropy(self.forward_shard(hidden), labels, self.group, self.vocab_start,
+                                            reduction="sum")
+        return loss, (labels != -100).sum()
 
 
 def vocab_parallel_cross_entropy(
@@ -192,11 +199,13 @@ def vocab_parallel_cross_entropy(
     vocab_start: int | None = None,
     real_vocab_size: int | None = None,
     ignore_index: int = -100,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """Mean cross-entropy over non-ignored tokens, from each rank's vocab slice of the logits.
+    """Cross-entropy over non-ignored tokens (`reduction` "mean" or "sum"), from each rank's vocab slice of the
+    logits.
 
     `labels` must already be aligned with `logits_shard` (shape `logits_shard.shape[:-1]`),
-    exactly as for `F.cross_entropy`; `tp_causal_lm_loss` does the causal shift.
+    exactly as for `F.cross_entropy` (the data loader shifts them).
     `vocab_start` defaults to `rank * shard_width`. Columns at or beyond `real_vocab_size`
     (vocabulary padding) are excluded from the softmax. `logits_shard` is not modified.
 
@@ -206,7 +215,10 @@ def vocab_parallel_cross_entropy(
     width = logits_shard.shape[-1]
     if vocab_start is None:
         vocab_start = _group_rank(group) * width
-    return _VocabParallelCrossEntropy.apply(logits_shard, labels, group, vocab_start, real_vocab_size, ignore_index)
+    loss_sum = _VocabParallelCrossEntropy.apply(logits_shard, labels, group, vocab_start, real_vocab_size, ignore_index)
+    if reduction == "sum":
+        return loss_sum
+    return loss_sum / (labels != ignore_index).sum().clamp(min=1)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -240,20 +252,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         probs.div_(sum_exp.unsqueeze(-1))
 
         keep = labels != ignore_index
-        # Labels are replicated over TP, so the count needs no communication.
-        count = keep.sum().clamp(min=1)
-        loss = (sum_exp.log() - target_logit).masked_fill(~keep, 0.0).sum() / count
-        ctx.save_for_backward(probs, local_labels, on_this_rank, keep, count)
+        loss_sum = (sum_exp.log() - target_logit).masked_fill(~keep, 0.0).sum()
+        ctx.save_for_backward(probs, local_labels, on_this_rank, keep)
         ctx.logits_dtype = logits_shard.dtype
-        return loss
+        return loss_sum
 
     @staticmethod
     def backward(ctx, grad_loss):
-        probs, local_labels, on_this_rank, keep, count = ctx.saved_tensors
-        # d loss_t / d z_v = softmax_v - [v == target_t], for each kept token t, averaged over the kept tokens.
+        probs, local_labels, on_this_rank, keep = ctx.saved_tensors
+        # d loss_t / d z_v = softmax_v - [v == target_t], for each kept token t (the loss is their sum).
         grad = probs
         flat = grad.view(-1, grad.shape[-1])
         rows = torch.arange(flat.shape[0], device=flat.device)
         flat[rows, local_labels.reshape(-1)] -= on_this_rank.reshape(-1).to(flat.dtype)
-        grad.mul_((keep.to(grad.dtype) * (grad_loss / count)).unsqueeze(-1))
+        grad.mul_((keep.to(grad.dtype) * grad_loss).unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None, None, None, None

@@ -1,12 +1,49 @@
-"""Which GPTNeoXForCausalLM parameters are sharded, and along which dimension.
+"""The one sharding table: every GPTNeoX tensor's Hugging Face name, GPT-NeoX name and tensor-parallel split rule.
 
-One table, keyed by module path like transformers' `base_model_tp_plan`, read by
-`apply_tensor_parallel` (to build layers), `gather_full_state_dict` (to merge) and
-`load_tp_shard_state_dict` (to slice safetensors), so the three cannot disagree.
+Read by `apply_tensor_parallel` (which layer replaces which module: `TP_PLAN`), `gather_full_state_dict` and
+`load_tp_shard_state_dict` (`partition_dim`), and `interop/neox_checkpoint` (GPT-NeoX names and merge/split rules),
+so the three cannot disagree.
+
+The module-level plan is transformers' own (`GPTNeoXConfig.base_model_tp_plan` + the head's `_tp_plan`), translated
+to our layer kinds; `transformers_tp_plan()` derives it and the tests check it still agrees with the table below.
+Where transformers gathers the head's output (`colwise_gather_output`) we keep the logits sharded for the loss;
+the split of the weight is the same.
 """
 
 from fnmatch import fnmatch
 
+# How a tensor is split over tensor-parallel ranks.
+COLUMN = "column"  # output rows sharded (column-parallel linear, vocab-parallel embedding / head): dim 0
+ROW = "row"  # input columns sharded (row-parallel linear weight): dim 1
+ROW_BIAS = "row_bias"  # row-parallel bias: whole on every rank, added once after the reduce (GPT-NeoX: see merge)
+REPLICATED = "replicated"  # layer norms: one full copy per rank
+_SPLIT_DIM = {COLUMN: 0, ROW: 1}
+
+# HF tensor name inside a GPTNeoX layer → (GPT-NeoX name inside its layer, rule). QKV rows are [heads, 3, head_dim],
+# so contiguous row blocks are whole heads on both sides and ranks concatenate with no reordering.
+LAYER_TENSORS: dict[str, tuple[str, str]] = {
+    "input_layernorm.weight": ("input_layernorm.weight", REPLICATED),
+    "input_layernorm.bias": ("input_layernorm.bias", REPLICATED),
+    "post_attention_layernorm.weight": ("post_attention_layernorm.weight", REPLICATED),
+    "post_attention_layernorm.bias": ("post_attention_layernorm.bias", REPLICATED),
+    "attention.query_key_value.weight": ("attention.query_key_value.weight", COLUMN),
+    "attention.query_key_value.bias": ("attention.query_key_value.bias", COLUMN),
+    "attention.dense.weight": ("attention.dense.weight", ROW),
+    "attention.dense.bias": ("attention.dense.bias", ROW_BIAS),
+    "mlp.dense_h_to_4h.weight": ("mlp.linear1.weight", COLUMN),
+    "mlp.dense_h_to_4h.bias": ("mlp.linear1.bias", COLUMN),
+    "mlp.dense_4h_to_h.weight": ("mlp.linear2.weight", ROW),
+    "mlp.dense_4h_to_h.bias": ("mlp.linear2.bias", ROW_BIAS),
+}
+# Tensors outside the layers: HF name → (GPT-NeoX name in its own pipeline layer, rule).
+EMBEDDING_TENSORS = {"gpt_neox.embed_in.weight": ("word_embeddings.weight", COLUMN)}
+FINAL_NORM_TENSORS = {
+    "gpt_neox.final_layer_norm.weight": ("norm.weight", REPLICATED),
+    "gpt_neox.final_layer_norm.bias": ("norm.bias", REPLICATED),
+}
+HEAD_TENSORS = {"lm_head.weight": ("final_linear.weight", COLUMN)}
+
+# Module path → the layer that replaces it under TP (our kinds).
 TP_PLAN = {
     "gpt_neox.embed_in": "vocab_embedding",
     "gpt_neox.layers.*.attention.query_key_value": "column",
@@ -25,14 +62,18 @@ SEQUENCE_PARALLEL_PLAN = {
     "gpt_neox.final_layer_norm": "sequence_norm",
 }
 
-# Column layers split output rows (weight dim 0, bias too); row layers split input columns
-# (weight dim 1) and keep the bias whole; vocab layers split vocabulary rows.
-_PARTITION_DIMS = {
-    "column": {"weight": 0, "bias": 0},
-    "row": {"weight": 1},
-    "vocab_embedding": {"weight": 0},
-    "vocab_head": {"weight": 0},
-}
+# transformers' parallel styles → our layer kinds (same split of the weight).
+_TRANSFORMERS_STYLES = {"colwise": "column", "rowwise": "row", "embedding_rowwise": "vocab_embedding",
+                        "colwise_gather_output": "vocab_head"}
+
+
+def transformers_tp_plan() -> dict[str, str]:
+    """transformers' GPTNeoX plan (`base_model_tp_plan` under `gpt_neox.`, the head's `_tp_plan`) in our kinds."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    plan = {f"gpt_neox.{k}": v for k, v in (GPTNeoXConfig.base_model_tp_plan or {}).items()}
+    plan.update(getattr(GPTNeoXForCausalLM, "_tp_plan", None) or {})
+    return {name: _TRANSFORMERS_STYLES.get(style, style) for name, style in plan.items()}
 
 
 def layer_kind(module_name: str, plan: dict = TP_PLAN) -> str | None:
@@ -43,8 +84,19 @@ def layer_kind(module_name: str, plan: dict = TP_PLAN) -> str | None:
     return None
 
 
+def split_rule(state_dict_key: str) -> str | None:
+    """The table's rule for an HF state-dict key (None for keys the table does not hold, e.g. rotary buffers)."""
+    for table in (EMBEDDING_TENSORS, FINAL_NORM_TENSORS, HEAD_TENSORS):
+        if state_dict_key in table:
+            return table[state_dict_key][1]
+    prefix, sep, rest = state_dict_key.partition(".layers.")
+    if sep and prefix == "gpt_neox":
+        _, _, inner = rest.partition(".")
+        if inner in LAYER_TENSORS:
+            return LAYER_TENSORS[inner][1]
+    return None
+
+
 def partition_dim(state_dict_key: str) -> int | None:
     """The dimension along which `state_dict_key` is split across TP ranks, or None if replicated."""
-    module_name, _, tensor_name = state_dict_key.rpartition(".")
-    kind = layer_kind(module_name)
-    return _PARTITION_DIMS[kind].get(tensor_name) if kind else None
+    return _SPLIT_DIM.get(split_rule(state_dict_key))

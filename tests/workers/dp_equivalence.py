@@ -16,11 +16,10 @@ import os
 
 import torch
 
-from neox_hf.parallel.accelerator import build_accelerator
+from neox_hf.parallel import build_model, init_distributed, parallelize
 from neox_hf.recipe import recipe_from_dict
 from neox_hf.train.checkpoint import TrainState
-from neox_hf.parallel.tensor_parallel import build_parallel_groups
-from neox_hf.train.loop import TrainingRun, build_model, prepare_model_and_optimizer, run_steps
+from neox_hf.train.loop import TrainingRun, run_steps
 from neox_hf.train.schedule import build_lr_scheduler
 
 GLOBAL_BATCH, SEQ, STEPS, VOCAB = 8, 32, 5, 512
@@ -67,23 +66,22 @@ def main(args) -> None:
         "train": {"train_iters": args.steps, "micro_batch_size": GLOBAL_BATCH // data_parallel, "lr": 1e-3,
                   "min_lr": 1e-4, "warmup": 0.2, "clip_grad": 1.0, "log_interval": 1, "eval_interval": 100,
                   "precision": args.precision},
-        "parallel": {"zero_stage": args.zero_stage, "use_deepspeed": world > 1, "tensor_parallel": args.tensor_parallel,
+        "parallel": {"zero_stage": args.zero_stage, "tensor_parallel": args.tensor_parallel,
                      "offload_optimizer": args.offload_optimizer,
                      "activation_checkpointing": args.activation_checkpointing,
                      "sequence_parallel": args.sequence_parallel,
                      "deepspeed_config": args.deepspeed_config},
         "output": {"dir": args.out_dir, "tensorboard": False},
     })
-    accelerator = build_accelerator(recipe)
-    groups = build_parallel_groups(args.tensor_parallel) if args.tensor_parallel > 1 else None
+    accelerator, layout = init_distributed(recipe)
     # TP layouts load through the loop's sharded path: each rank reads only its slices of the folder.
     settings = recipe.to_dict()
     pretrained = recipe_from_dict({**settings, "model": {**settings["model"], "from_pretrained": args.model_dir}})
-    model = build_model(pretrained, TOKENIZER, groups)
-    model, optimizer = prepare_model_and_optimizer(accelerator, recipe, model, groups)
+    model = build_model(pretrained, TOKENIZER, layout)
+    model, optimizer = parallelize(model, layout, recipe, accelerator)
     scheduler = build_lr_scheduler(optimizer, recipe.train)
-    loader = fixed_batches(groups.dp_rank, groups.dp_size) if groups else fixed_batches(accelerator.process_index, world)
-    run_steps(TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader, [], groups=groups), TrainState())
+    loader = fixed_batches(layout.dp_rank, layout.dp)
+    run_steps(TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader, [], layout=layout), TrainState())
 
 
 if __name__ == "__main__":

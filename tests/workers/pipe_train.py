@@ -30,7 +30,7 @@ from neox_hf.parallel.pipeline import (
 )
 from neox_hf.recipe import recipe_from_dict
 from neox_hf.train.checkpoint import TrainState, find_resume_checkpoint, load_checkpoint, save_checkpoint
-from neox_hf.train.loop import build_optimizer
+from neox_hf.parallel import build_optimizer
 from neox_hf.train.schedule import build_lr_scheduler
 from pipe_common import GAS, eval_batches, rank_micro_batches, recipe_dict
 
@@ -64,7 +64,7 @@ def main(args) -> None:
                                    partition_method=recipe.parallel.pipe_partition_method,
                                    activation_checkpointing=recipe.parallel.activation_checkpointing,
                                    loss_normalization=recipe.train.loss_normalization)
-    optimizer = build_optimizer(module, recipe)
+    optimizer = build_optimizer(module, recipe.train)
     engine, optimizer = accelerator.prepare(module, optimizer)
     scheduler = build_lr_scheduler(optimizer, recipe.train)
     state = TrainState()

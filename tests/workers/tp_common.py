@@ -60,7 +60,6 @@ def gathered_grads(model, tp_group) -> dict:
 
 def tp_adamw_losses(model, input_ids, labels) -> list[float]:
     """Losses of STEPS AdamW steps on one batch, through the vocab-parallel loss."""
-    from neox_hf.parallel.tensor_parallel import tp_causal_lm_loss
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
@@ -75,3 +74,21 @@ def tp_adamw_losses(model, input_ids, labels) -> list[float]:
 
 def save_rank_result(out_dir: str, name: str, result: dict) -> None:
     torch.save(result, os.path.join(out_dir, f"{name}.rank{dist.get_rank()}.pt"))
+
+
+def tp_causal_lm_loss(model, input_ids, labels, attention_mask=None, position_ids=None, real_vocab_size=None):
+    """`model(input_ids, labels=labels).loss` of a tensor-parallel model without gathering logits: transformers'
+    label convention (unshifted; position t predicts labels[t + 1]), mean over non-ignored tokens. Test-only:
+    training uses `neox_hf.train.loss.causal_lm_loss` (aligned labels, loss sum)."""
+    from neox_hf.parallel.tp_layers import vocab_parallel_cross_entropy
+
+    head = model.get_output_embeddings()
+    hidden = model.base_model(input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    # Shift before the head: the last position has no target, so its logits are never needed.
+    return vocab_parallel_cross_entropy(head.forward_shard(hidden[:, :-1]), labels[:, 1:], head.group,
+                                        head.vocab_start, real_vocab_size)
+
+
+def tp_logits(model, input_ids, attention_mask=None, position_ids=None):
+    """Full [batch, seq, vocab] logits, gathered on every TP rank."""
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits

@@ -8,7 +8,7 @@ import os
 import sys
 
 import torch
-from tp_common import batch, gathered_grads, init_gloo, save_rank_result, tp_adamw_losses
+from tp_common import tp_causal_lm_loss, tp_logits, batch, gathered_grads, init_gloo, save_rank_result, tp_adamw_losses
 from transformers import GPTNeoXForCausalLM
 
 from neox_hf.errors import NeoXHFError
@@ -16,10 +16,8 @@ from neox_hf.parallel.tensor_parallel import (
     apply_tensor_parallel,
     build_parallel_groups,
     from_pretrained_tensor_parallel,
-    tp_causal_lm_loss,
-    tp_logits,
 )
-from neox_hf.train.loop import causal_lm_loss
+from neox_hf.train.loss import causal_lm_loss
 
 
 def sp_model(folder, groups, sequence_parallel=True):
@@ -36,7 +34,8 @@ def equivalence_checks(folder, groups):
     model.zero_grad()
     # The training loop's loss: labels aligned with inputs, so the head keeps only its sequence slice for backward.
     aligned = {"input_ids": input_ids, "labels": torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)}
-    loop_loss, _ = causal_lm_loss(model, aligned)
+    loop_sum, loop_count = causal_lm_loss(model, aligned)
+    loop_loss = loop_sum / loop_count
     loop_loss.backward()
     result.update(loop_loss=loop_loss.detach(), loop_grads=gathered_grads(model, groups.tp_group))
     model.zero_grad()

@@ -8,7 +8,7 @@ import os
 import sys
 
 import torch
-from tp_common import batch, gathered_grads, init_gloo, save_rank_result, tp_adamw_losses
+from tp_common import tp_causal_lm_loss, tp_logits, batch, gathered_grads, init_gloo, save_rank_result, tp_adamw_losses
 from transformers import GPTNeoXForCausalLM
 
 from neox_hf.errors import NeoXHFError
@@ -21,8 +21,6 @@ from neox_hf.parallel.tensor_parallel import (
     load_tp_shard_state_dict,
     pad_vocab,
     padded_vocab_size,
-    tp_causal_lm_loss,
-    tp_logits,
     vocab_parallel_cross_entropy,
 )
 

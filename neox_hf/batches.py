@@ -1,0 +1,103 @@
+"""`neox_hf batches`: the global batches of a step range in GPT-NeoX's order, as an int64 array (or text).
+
+    neox_hf batches CONFIG [--data-path PREFIX] [--vocab-file TOKENIZER] [--order gpt-neox|preshuffled]
+                    --data-parallel N --start-step S --end-step E --output F.npy [--decode]
+
+Row i of the output is sample S × global_batch + i, seq_length + 1 tokens, global_batch = micro batch ×
+accumulation × N: the rows of step s are [(s − S) × global_batch, (s − S + 1) × global_batch). Within a step, the
+micro-steps follow each other and in each, data-parallel rank r reads its contiguous slice — exactly the rows the
+training loader gives rank r (tests/test_neox_order.py checks it). For interpretability / memorisation studies that
+index Pythia's or a GPT-NeoX run's data by step.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from neox_hf.errors import DataError
+
+
+def add_batches_arguments(parser) -> None:
+    parser.add_argument("config", nargs="+", help="GPT-NeoX YAML file(s) (merged as GPT-NeoX does) or our recipe")
+    parser.add_argument("--data-path", default=None,
+                        help="a .bin/.idx prefix replacing the config's data (GPT-NeoX data_path: split by data.split)")
+    parser.add_argument("--vocab-file", default=None, help="tokenizer for --decode (default: the config's)")
+    parser.add_argument("--order", choices=["gpt-neox", "preshuffled"], default=None,
+                        help="gpt-neox (default): GPT-NeoX's index; preshuffled: Pythia's pre-shuffled rows in order")
+    parser.add_argument("--data-parallel", type=int, required=True, help="data-parallel size of the run")
+    parser.add_argument("--start-step", type=int, required=True)
+    parser.add_argument("--end-step", type=int, required=True, help="first step not written")
+    parser.add_argument("--output", required=True, help=".npy file: int64 [steps × global batch, seq_length + 1]")
+    parser.add_argument("--decode", action="store_true", help="also print every row as text")
+
+
+def recipe_for_batches(configs: list[str], data_path: str | None, vocab_file: str | None, order: str | None = None):
+    """The recipe the configs describe, with --data-path / --vocab-file applied and GPT-NeoX's order selected."""
+    from neox_hf.neox_yaml import DEFAULT_SPLIT
+    from neox_hf.train.args import parse_run_args
+
+    recipe = parse_run_args(list(configs)).recipe
+    data = recipe.data
+    if data_path is not None:
+        data.sources = [_source(data_path)]
+        data.split = data.split or DEFAULT_SPLIT
+    data.order = order or ("gpt-neox" if data.order == "stream" else data.order)
+    if data.order == "preshuffled":
+        data.split = None  # the rows are the order; nothing is split
+    if vocab_file is not None:
+        recipe.tokenizer.path = vocab_file
+    if not data.sources:
+        raise DataError("no data: the config names no data_path / train_data_paths; pass --data-path PREFIX")
+    from neox_hf.recipe import validate
+
+    validate(recipe)
+    return recipe
+
+
+def _source(path: str):
+    from neox_hf.recipe import DataSource
+
+    return DataSource(path=path, format="indexed")
+
+
+def step_batches(recipe, data_parallel: int, start_step: int, end_step: int) -> np.ndarray:
+    """int64 [(end − start) × global batch, seq_length + 1]: the samples of steps [start, end) in training order."""
+    from neox_hf.data.neox_order import BatchLayout, split_samples
+
+    t, m = recipe.train, recipe.model
+    if data_parallel < 1 or not 0 <= start_step < end_step:
+        raise DataError(f"need --data-parallel ≥ 1 and 0 ≤ --start-step < --end-step, got {data_parallel}, "
+                        f"{start_step}, {end_step}")
+    layout = BatchLayout(t.micro_batch_size, t.gradient_accumulation_steps, data_parallel)
+    samples = split_samples(recipe.data, "train", seq_length=m.seq_length, train_iters=t.train_iters, layout=layout,
+                            eval_interval=t.eval_interval, eval_iters=t.eval_iters, seed=recipe.data.seed)
+    ids = layout.step_sample_ids(start_step, end_step, len(samples))
+    out = np.empty((len(ids), m.seq_length + 1), dtype=np.int64)
+    for row, i in enumerate(ids):
+        out[row] = samples[int(i)][0]
+    return out
+
+
+def run_batches(args) -> int:
+    recipe = recipe_for_batches(args.config, args.data_path, args.vocab_file, args.order)
+    rows = step_batches(recipe, args.data_parallel, args.start_step, args.end_step)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, rows)
+    os.replace(tmp, output)
+    global_batch = len(rows) // (args.end_step - args.start_step)
+    print(f"wrote {output}: steps [{args.start_step}, {args.end_step}), {global_batch} samples per step, "
+          f"{rows.shape[1]} tokens per sample")
+    if args.decode:
+        from neox_hf.interop.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(recipe.tokenizer.path)
+        for row, tokens in enumerate(rows):
+            step, index = divmod(row, global_batch)
+            print(f"--- step {args.start_step + step} sample {index}\n{tokenizer.decode(tokens.tolist())}")
+    return 0

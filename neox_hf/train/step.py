@@ -1,0 +1,133 @@
+"""`train_step`: the only place with forward, backward and optimizer step (torchtitan's `train_step` shape).
+
+One optimizer step over `gradient_accumulation_steps` micro-batches. With `train.loss_normalization: token` (the
+default) every labelled token of the step weighs the same, whatever micro-batch or data-parallel rank it fell in:
+the step's labelled tokens N are counted over all micro-batches and all-reduced over the data-parallel group before
+the first backward, and each micro-batch backpropagates its loss *sum* scaled so that, after Accelerate/DeepSpeed
+divide by the accumulation steps and DeepSpeed averages over data-parallel ranks, the gradient is that of
+Σ token losses / N. `micro_batch` reproduces GPT-NeoX / Megatron: the mean of per-micro-batch means (packed data
+without masks gives the same numbers either way).
+
+Nothing here calls `.item()`: the step's loss and token count stay on the device until a log interval reads them.
+A pipeline engine replaces this function (`parallel.pipeline.pipeline_train_step`) when the layout has stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from neox_hf.parallel.accelerator import uses_deepspeed
+from neox_hf.train.loss import causal_lm_loss
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # 0-dim, on device: the step's loss as the recipe normalises it, the same on every rank
+    tokens: torch.Tensor  # 0-dim: labelled tokens of the step over every micro-batch and data-parallel rank
+    samples: torch.Tensor  # 0-dim: sequences of the step over every data-parallel rank
+    grad_norm: torch.Tensor | None  # before clipping, when the optimizer path reports it
+    skipped: bool  # fp16 overflow: no update
+
+
+def train_step(run, micro_batches: list[dict]) -> StepResult:
+    if run.layout.pp > 1:
+        from neox_hf.parallel.pipeline import pipeline_train_step
+
+        return pipeline_train_step(run.model, micro_batches, run.layout, run.recipe)
+    accelerator, model, optimizer, t = run.accelerator, run.model, run.optimizer, run.recipe.train
+    counts = [labelled_tokens(mb) for mb in micro_batches]
+    totals = dp_sum(run.layout, torch.stack([sum(counts), _samples(micro_batches, accelerator.device)]).double())
+    step_tokens = totals[0].clamp(min=1)
+    logged = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    grad_norm = None
+    for batch, count in zip(micro_batches, counts):
+        with accelerator.accumulate(model):
+            with accelerator.autocast():
+                loss_sum, _ = causal_lm_loss(model, batch, fused=t.fused_cross_entropy, z_loss=t.z_loss)
+            if t.loss_normalization == "token":
+                # Accelerate/DeepSpeed divide by the accumulation steps and DeepSpeed averages over DP ranks.
+                scale = len(micro_batches) * run.layout.dp / step_tokens
+                logged += loss_sum.detach().double()
+            else:
+                scale = 1.0 / count.clamp(min=1)
+                logged += loss_sum.detach().double() * scale / len(micro_batches)
+            accelerator.backward(loss_sum * scale.to(loss_sum.dtype))
+            if accelerator.sync_gradients:
+                grad_norm = _clip_gradients(accelerator, model, t.clip_grad)
+            optimizer.step()
+            optimizer.zero_grad()
+    logged = dp_sum(run.layout, logged)
+    loss = logged / step_tokens if t.loss_normalization == "token" else logged / run.layout.dp
+    if uses_deepspeed(accelerator):
+        grad_norm = _deepspeed_grad_norm(model)
+    return StepResult(loss=loss, tokens=totals[0], samples=totals[1], grad_norm=grad_norm,
+                      skipped=step_was_skipped(accelerator, model))
+
+
+@torch.no_grad()
+def eval_loss_sums(run, batches: list[dict]) -> torch.Tensor:
+    """[Σ token losses, labelled tokens] over this data-parallel group's eval batches, in float64, on device."""
+    if run.layout.pp > 1:
+        from neox_hf.parallel.pipeline import pipeline_eval_loss_sums
+
+        return pipeline_eval_loss_sums(run.model, batches, run.layout, run.recipe)
+    t = run.recipe.train
+    total = torch.zeros(2, dtype=torch.float64, device=run.accelerator.device)
+    for batch in batches:
+        with run.accelerator.autocast():
+            loss_sum, count = causal_lm_loss(run.model, batch, fused=t.fused_cross_entropy)
+        total += torch.stack([loss_sum.double(), count.double()])
+    return dp_sum(run.layout, total)
+
+
+def labelled_tokens(batch: dict) -> torch.Tensor:
+    return (batch["labels"] != -100).sum()
+
+
+def _samples(micro_batches: list[dict], device) -> torch.Tensor:
+    return torch.tensor(sum(mb["input_ids"].shape[0] for mb in micro_batches), device=device)
+
+
+def dp_sum(layout, tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over the data-parallel group (tensor-parallel ranks of one group hold the same values: counted once)."""
+    if layout.dp > 1:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=layout.dp_group)
+    return tensor
+
+
+def _clip_gradients(accelerator, model, clip_grad: float):
+    """DeepSpeed clips inside its step (`gradient_clipping`); elsewhere Accelerate clips and returns the norm."""
+    if uses_deepspeed(accelerator) or clip_grad <= 0:
+        return None
+    return accelerator.clip_grad_norm_(model.parameters(), clip_grad)
+
+
+def _deepspeed_grad_norm(engine) -> torch.Tensor | None:
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    return norm if torch.is_tensor(norm) else torch.tensor(float(norm))
+
+
+def step_was_skipped(accelerator, model) -> bool:
+    """fp16 dynamic loss scaling skips the update when gradients overflowed (and lowers the scale)."""
+    if accelerator.mixed_precision != "fp16":
+        return False
+    if uses_deepspeed(accelerator):
+        return not model.was_step_applied()
+    return accelerator.optimizer_step_was_skipped
+
+
+def loss_scale(accelerator, model) -> float | None:
+    """The current fp16 loss scale (DeepSpeed's dynamic scaler or torch's GradScaler); None in fp32/bf16."""
+    if accelerator.mixed_precision != "fp16":
+        return None
+    if uses_deepspeed(accelerator):
+        return float(model.optimizer.loss_scale)
+    # Accelerate builds a GradScaler only where torch AMP scales fp16 (not for fp16 on CPU without DeepSpeed).
+    return float(accelerator.scaler.get_scale()) if accelerator.scaler is not None else None
+

@@ -1,0 +1,99 @@
+"""Three optimizer steps of our real loop on fixed variable-length batches; used to check that every labelled token
+weighs the same whatever micro-batch / accumulation / data-parallel / tensor-parallel layout carries it.
+
+    python tests/workers/token_weighting.py MODEL_DIR OUT_DIR --micro M --accumulation A [--tp T] [--sft] [--normalization N]
+    accelerate launch --use_deepspeed --num_processes N ... token_weighting.py (same arguments)
+
+Each step's global batch is 8 examples: 4 short ones then 4 long ones (token counts differ about 8×), dynamically
+padded per micro-batch as `data.mode: pad` pads. Micro-batch k of data-parallel rank r holds examples
+[(k·D + r)·M, (k·D + r + 1)·M) of the step, so with M=4 one micro-batch is all short and the other all long.
+With --sft the first half of each example is a prompt (labels -100), as GSM8K fine-tuning masks it.
+Writes OUT_DIR/train_log.jsonl (the loop's per-step losses) and OUT_DIR/weights.pt (rank 0, full state dict).
+"""
+
+import argparse
+
+import torch
+
+from neox_hf.parallel import build_model, full_state_dict, init_distributed, parallelize
+from neox_hf.recipe import recipe_from_dict
+from neox_hf.train.checkpoint import TrainState
+from neox_hf.train.loop import TrainingRun, run_steps
+from neox_hf.train.schedule import build_lr_scheduler
+
+VOCAB, STEPS, GLOBAL = 512, 3, 8
+SHORT, LONG = 6, 48
+
+
+class _SmallTokenizer:
+    def __len__(self):
+        return VOCAB
+
+
+def step_examples(step: int, sft: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input_ids, labels aligned with them) of the 8 examples of `step`: 4 short, then 4 long."""
+    generator = torch.Generator().manual_seed(100 + step)
+    examples = []
+    for i in range(GLOBAL):
+        length = SHORT + i % 2 if i < GLOBAL // 2 else LONG - 3 * (i % 3)
+        ids = torch.randint(2, VOCAB, (length + 1,), generator=generator)
+        labels = ids[1:].clone()
+        if sft:
+            labels[: length // 2] = -100
+        examples.append((ids[:-1], labels))
+    return examples
+
+
+def pad(examples) -> dict:
+    width = max(ids.shape[0] for ids, _ in examples)
+    batch = {"input_ids": torch.zeros(len(examples), width, dtype=torch.long),
+             "attention_mask": torch.zeros(len(examples), width, dtype=torch.long),
+             "labels": torch.full((len(examples), width), -100, dtype=torch.long)}
+    for row, (ids, labels) in enumerate(examples):
+        batch["input_ids"][row, : ids.shape[0]] = ids
+        batch["attention_mask"][row, : ids.shape[0]] = 1
+        batch["labels"][row, : labels.shape[0]] = labels
+    return batch
+
+
+def micro_batches(dp_rank: int, dp: int, micro: int, accumulation: int, sft: bool):
+    assert micro * accumulation * dp == GLOBAL
+    for step in range(STEPS):
+        examples = step_examples(step, sft)
+        for k in range(accumulation):
+            start = (k * dp + dp_rank) * micro
+            yield pad(examples[start: start + micro])
+
+
+def main(args) -> None:
+    recipe = recipe_from_dict({
+        "model": {"num_attention_heads": 4, "seq_length": 64},
+        "train": {"train_iters": STEPS, "micro_batch_size": args.micro, "gradient_accumulation_steps": args.accumulation,
+                  "lr": 1e-3, "min_lr": 1e-4, "warmup": 0.0, "clip_grad": 0.0, "log_interval": 1,
+                  "eval_interval": 100, "loss_normalization": args.normalization},
+        "parallel": {"tensor_parallel": args.tp},
+        "output": {"dir": args.out_dir, "tensorboard": False},
+    })
+    accelerator, layout = init_distributed(recipe)
+    settings = recipe.to_dict()
+    pretrained = recipe_from_dict({**settings, "model": {**settings["model"], "from_pretrained": args.model_dir}})
+    model, optimizer = parallelize(build_model(pretrained, _SmallTokenizer(), layout), layout, recipe, accelerator)
+    scheduler = build_lr_scheduler(optimizer, recipe.train)
+    loader = micro_batches(layout.dp_rank, layout.dp, args.micro, args.accumulation, args.sft)
+    run = TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader, [], layout=layout)
+    run_steps(run, TrainState())
+    weights = full_state_dict(model, layout, accelerator)
+    if accelerator.is_main_process:
+        torch.save({k: v.detach().float().cpu() for k, v in weights.items()}, f"{args.out_dir}/weights.pt")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("out_dir")
+    parser.add_argument("--micro", type=int, required=True)
+    parser.add_argument("--accumulation", type=int, required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--sft", action="store_true")
+    parser.add_argument("--normalization", default="token")
+    main(parser.parse_args())
