@@ -210,7 +210,7 @@ def worker(args) -> None:
             loss = loss_sum / tokens
         accelerator.backward(loss)
         elapsed = time.perf_counter() - start
-        del loss
+        del loss, loss_sum
         if step == args.steps:  # optimizer states exist from the first step on; gradients are alive now
             model_states = live_tensor_bytes() - ids.untyped_storage().nbytes()  # the batch is not a model state
         start = time.perf_counter()

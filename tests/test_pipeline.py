@@ -246,3 +246,24 @@ def test_stage_builder_reads_only_its_tensors_and_initialises_like_gpt_neox(mode
     wang = init_std("wang_init", hidden_size=32, num_layers=4)
     assert abs(qkv.std().item() - small) < 0.15 * small and abs(out.std().item() - wang) < 0.15 * wang
     assert torch.equal(fresh.input_layernorm.weight, torch.ones(32))
+
+
+def test_training_loop_runs_pipeline_stages_end_to_end(tmp_path):
+    """`accelerate launch run_clm_neox.py` with `parallel.pipeline_parallel: 2`: the stage report at start-up, the
+    token-weighted steps, eval, a checkpoint and the merged stock folder, through the real loop."""
+    out = tmp_path / "run"
+    command = accelerate_launch_command(
+        REPO / "run_clm_neox.py", REPO / "recipes" / "tiny.yaml", "--parallel.pipeline_parallel", "2",
+        "--parallel.zero_stage", "1", "--model.seq_length", "32", "--train.train_iters", "2",
+        "--train.gradient_accumulation_steps", "2", "--train.micro_batch_size", "2", "--train.eval_iters", "1",
+        "--train.save_interval", "2", "--output.dir", out, "--output.tensorboard", "false",
+        zero_stage=1, num_processes=2)
+    done = subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-5000:]
+    assert "pipeline stage 0: embedding + layer 0; " in done.stdout
+    assert "pipeline stage 1: layer 1 + final norm + head; " in done.stdout
+    assert "2 pipeline stages = 2 process(es)" in done.stdout
+    assert [e["step"] for e in map(json.loads, (out / "train_log.jsonl").read_text().splitlines())] == [1, 2]
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000002"
+    model = GPTNeoXForCausalLM.from_pretrained(out)
+    assert model.config.num_hidden_layers == 2 and model.config.vocab_size == 50304
