@@ -30,6 +30,7 @@ stage's layers are initialised GPT-NeoX style at full size (one stage, not the m
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 from dataclasses import dataclass
@@ -154,7 +155,9 @@ class StageBuilder:
             self.meta_model = NeoXForCausalLM(config)
 
     def build(self, path: str) -> nn.Module:
-        part = self.meta_model.get_submodule(path)
+        # A copy (free on meta): materialising inside the meta model would keep full-size tensors alive there for as
+        # long as the PipelineModule's layer specs hold this builder.
+        part = copy.deepcopy(self.meta_model.get_submodule(path))
         if self.folder is None:
             return self._initialised(part, path)
         return self._loaded(part, path)

@@ -6,7 +6,7 @@ Writes, from global rank 0: OUT_DIR/train_log.jsonl (step, loss, tokens, samples
 OUT_DIR/eval.json (token-weighted eval loss before and after training), OUT_DIR/final/ (the merged HF folder),
 OUT_DIR/report.txt (the start-up pipeline report). Options: --mode pack|pad|isolate, --activation-checkpointing,
 --kill-at-step K (SIGKILL rank 0 after step K's update, before its checkpoint), --resume (from OUT_DIR's latest checkpoint),
---scratch (initialise from scratch instead of reading MODEL_DIR's weights).
+--scratch (initialise from scratch instead of reading MODEL_DIR's weights), --precision fp32|bf16.
 """
 
 import argparse
@@ -46,6 +46,7 @@ def parse_args():
     parser.add_argument("--kill-at-step", type=int)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--scratch", action="store_true")
+    parser.add_argument("--precision", default="fp32")
     return parser.parse_args()
 
 
@@ -55,7 +56,8 @@ def main(args) -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     recipe = recipe_from_dict(recipe_dict(out, pp=args.pp, tp=args.tp, dp=dp,
-                                          activation_checkpointing=args.activation_checkpointing))
+                                          activation_checkpointing=args.activation_checkpointing,
+                                          precision=args.precision))
     accelerator = build_accelerator(recipe)
     torch.manual_seed(recipe.train.seed)
     layout = build_layout(recipe.parallel)
