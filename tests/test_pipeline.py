@@ -267,3 +267,16 @@ def test_training_loop_runs_pipeline_stages_end_to_end(tmp_path):
     assert (out / "checkpoints" / "latest").read_text() == "step_00000002"
     model = GPTNeoXForCausalLM.from_pretrained(out)
     assert model.config.num_hidden_layers == 2 and model.config.vocab_size == 50304
+
+
+def test_pipeline2_bf16_trains_close_to_fp32(models, tmp_path):
+    out = tmp_path / "run"
+    command = accelerate_launch_command(WORKERS / "pipe_train.py", models / "untied", out, "--pp", "2",
+                                        "--precision", "bf16", zero_stage=1, num_processes=2)
+    command[command.index("--mixed_precision") + 1] = "bf16"
+    done = subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-5000:]
+    losses = one_process(models / "untied", "pack", tmp_path)[0]
+    log = step_log(out)
+    assert all(abs(log[s]["loss"] - losses[s]) <= 2e-2 for s in losses), (log, losses)
+    assert GPTNeoXForCausalLM.from_pretrained(out / "final").config.num_hidden_layers == 4

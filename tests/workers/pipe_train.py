@@ -87,7 +87,7 @@ def main(args) -> None:
         if accelerator.is_main_process:
             with (out / "train_log.jsonl").open("a") as log:
                 log.write(json.dumps({"step": step, "loss": result.loss.item(), "tokens": result.tokens.item(),
-                                      "samples": result.samples, "skipped": result.skipped,
+                                      "samples": int(result.samples), "skipped": result.skipped,
                                       "grad_norm": None if result.grad_norm is None else result.grad_norm.item()}) + "\n")
         if args.kill_at_step == step:
             accelerator.wait_for_everyone()
