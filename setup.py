@@ -21,9 +21,15 @@ setup(
         "safetensors",
         "pyyaml",
         "tensorboard",
+        "matplotlib",
         "tqdm",
         "zstandard",
     ],
-    extras_require={"test": ["pytest", "pytest-timeout"]},
+    extras_require={
+        # The optional integrations are installed for the tests so they run rather than skip.
+        "test": ["pytest", "pytest-timeout", "lm-eval>=0.4.5", "wandb"],
+        "eval": ["lm-eval>=0.4.5"],  # train.eval_tasks: lm-evaluation-harness during training
+        "trackers": ["wandb"],  # output.report_to: [wandb]; comet_ml, mlflow, aim install the same way
+    },
     entry_points={"console_scripts": ["neox_hf=neox_hf.cli:main"]},
 )

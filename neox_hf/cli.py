@@ -9,6 +9,7 @@
     neox_hf merge BASE ADAPTER OUT                   LoRA adapter merged into a plain GPTNeoX folder
     neox_hf eval MODEL --data FILE                   loss / perplexity
     neox_hf generate MODEL --prompt ...              text generation
+    neox_hf plot OUT                                 OUT/run.png from OUT/train_log.jsonl
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _COMMANDS = {
     "eval": ("neox_hf.evaluation", "add_eval_arguments", "run_eval", "loss and perplexity of a model on a file"),
     "generate": ("neox_hf.generation", "add_generate_arguments", "run_generate", "generate text with a model"),
     "batches": ("neox_hf.batches", "add_batches_arguments", "run_batches", "the batches of steps S..E in GPT-NeoX's order"),
+    "plot": ("neox_hf.plot", "add_plot_arguments", "run_plot", "draw OUT/run.png: losses, LR, tokens/s, lm-eval scores"),
 }
 
 
@@ -38,7 +40,8 @@ def _add_convert_neox(parser):
     parser.add_argument("--config", action="append", required=True,
                         help="a GPT-NeoX YAML file it was trained with (repeat --config for several, merged as GPT-NeoX does)")
     parser.add_argument("out", help="output HF folder")
-    parser.add_argument("--tokenizer", default=None, help="tokenizers JSON / HF folder (default: the config's vocab_file)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizers JSON / HF folder (default: the config's vocab_file; without either, the "
+                             "vocabulary size comes from the checkpoint and no tokenizer files are written)")
     parser.add_argument("--trust-pickle", action="store_true",
                         help="allow full unpickling (RNG state, args) for checkpoint files you trust")
 
@@ -46,7 +49,11 @@ def _add_convert_neox(parser):
 def _run_convert_neox(args) -> int:
     from neox_hf.interop.convert import convert_neox_checkpoint
 
-    out = convert_neox_checkpoint(args.checkpoint, args.config, args.out, tokenizer_path=args.tokenizer, trust_pickle=args.trust_pickle)
+    notices: list[str] = []
+    out = convert_neox_checkpoint(args.checkpoint, args.config, args.out, tokenizer_path=args.tokenizer,
+                                  trust_pickle=args.trust_pickle, notices=notices)
+    for notice in notices:
+        print(f"note: {notice}")
     print(f"converted {args.checkpoint} → {out}")
     return 0
 

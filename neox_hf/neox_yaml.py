@@ -154,12 +154,12 @@ _NO_EFFECT = {
     "scaled_upper_triang_masked_softmax_fusion", "scaled_masked_softmax_fusion", "rope_fusion", "layernorm_fusion",
     "bias_dropout_fusion", "fp32_allreduce", "partition_activations", "synchronize_each_layer", "checkpoint_num_layers",
     "contiguous_checkpointing", "checkpoint_in_cpu", "distributed_backend", "wall_clock_breakdown", "steps_per_print",
-    "tensorboard_dir", "log_dir", "num_workers", "data_impl", "extra_save_iters", "keep_last_n_checkpoints", "launcher",
-    "hostfile", "include", "exclude", "master_port", "use_wandb", "wandb_project", "wandb_group", "wandb_team",
-    "wandb_host", "memory_profiling", "profile", "log_grad_norm", "log_param_norm", "log_optimizer_states",
+    "log_dir", "num_workers", "data_impl", "extra_save_iters", "keep_last_n_checkpoints", "launcher",
+    "hostfile", "include", "exclude", "master_port", "wandb_team", "wandb_host", "wandb_init_all_ranks",
+    "comet_workspace", "comet_tags", "comet_others", "memory_profiling", "profile", "log_grad_norm", "log_param_norm", "log_optimizer_states",
     "log_gradient_noise_scale", "sparsity_config", "gpt_j_tied", "use_bias_in_norms", "use_bias_in_attn_linear",
     "mlp_multiple_of", "checkpoint_validation_with_forward_pass", "amp", "zero_allow_untested_optimizer",
-    "zero_allgather_partitions", "gas", "prescale_gradients", "gradient_predivide_factor", "eval_tasks", "merge_file",
+    "zero_allgather_partitions", "gas", "prescale_gradients", "gradient_predivide_factor", "merge_file",
 }
 
 
@@ -186,6 +186,7 @@ def translate_neox_args(args: dict) -> NeoXTranslation:
     handled |= _translate_pipeline(args, recipe)
     handled |= _translate_sequence_parallel(args, recipe, notices)
     handled |= _translate_data(args, recipe, notices)
+    handled |= _translate_logging(args, recipe, notices)
     handled |= set(_MUST_BE_FALSY)
     ignored = sorted(k for k in args if k not in handled)
     no_effect = sorted(k for k in args if k in _NO_EFFECT)
@@ -333,6 +334,29 @@ def _translate_curriculum(curriculum, recipe: dict) -> None:
     schedule = curriculum.get("schedule_config") or {}
     block.update({k: schedule[k] for k in _CURRICULUM_SCHEDULE_KEYS if k in schedule})
     _put(recipe, "data.curriculum", block)
+
+
+def _translate_logging(args: dict, recipe: dict, notices: list[str]) -> set[str]:
+    """Trackers (wandb, Comet, TensorBoard) and lm-eval tasks during training."""
+    trackers = [name for key, name in (("use_wandb", "wandb"), ("use_comet", "comet_ml")) if args.get(key)]
+    if trackers:
+        _put(recipe, "output.report_to", trackers)
+    # One project / run name serves every tracker here; wandb's names win over Comet's when both are given.
+    project = args.get("wandb_project") or args.get("comet_project")
+    if project and trackers:
+        _put(recipe, "output.project", str(project))
+    name = args.get("wandb_group") or args.get("comet_experiment_name")
+    if name and trackers:
+        # GPT-NeoX groups runs under wandb_group (each run gets a random suffix); here the group names the run.
+        _put(recipe, "output.run_name", str(name))
+    if args.get("tensorboard_dir"):
+        _put(recipe, "output.tensorboard", True)
+        notices.append(f"tensorboard_dir: {args['tensorboard_dir']} → TensorBoard on, writing under OUTPUT/runs/ "
+                       "(output.dir decides where)")
+    if args.get("eval_tasks"):
+        _put(recipe, "train.eval_tasks", [str(t) for t in args["eval_tasks"]])
+    return {"use_wandb", "wandb_project", "wandb_group", "use_comet", "comet_project", "comet_experiment_name",
+            "tensorboard_dir", "eval_tasks"}
 
 
 def load_neox_recipe_dict(paths: list[str | Path]) -> NeoXTranslation:

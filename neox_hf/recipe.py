@@ -197,9 +197,10 @@ class PeftConfig:
 class OutputConfig:
     dir: str = "outputs/run"
     max_shard_size: str = "5GB"
-    tensorboard: bool = True
+    tensorboard: bool = True  # shorthand kept from before report_to: true adds tensorboard to report_to
     report_to: list[str] = field(default_factory=list)  # Accelerate trackers: tensorboard, wandb, comet_ml, mlflow, aim
-    run_name: Optional[str] = None
+    run_name: Optional[str] = None  # default: the name of output.dir
+    project: str = "neox_hf"  # tracker project (wandb/comet project, mlflow experiment, TensorBoard runs/<project>)
 
 
 @dataclass
@@ -363,6 +364,8 @@ def validate(recipe: Recipe) -> None:
     for i, s in enumerate(d.sources + d.validation):
         _require(bool(s.path), f"`data.sources[{i}].path` is empty: give a file glob, a .bin/.idx prefix or a dataset name")
         _require(s.weight > 0, f"data source `{s.path}`: `weight` must be > 0, got {s.weight}")
+    _validate_trackers(recipe.output)
+    _validate_eval_tasks(t)
     if recipe.peft.method is not None:
         _require(recipe.peft.r > 0, f"`peft.r` must be > 0, got {recipe.peft.r}")
         _require(
@@ -441,6 +444,46 @@ def _validate_data_order(recipe: Recipe) -> None:
             _require(all(x % tp == 0 for x in lengths),
                      f"`data.curriculum` with sequence parallelism: every length must split over tensor_parallel ({tp}); "
                      "make difficulty_step / max_difficulty (fixed_discrete: each difficulty) multiples of it")
+
+
+# report_to name → (module Accelerate imports, pip package)
+TRACKERS = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "comet_ml": ("comet_ml", "comet_ml"),
+    "mlflow": ("mlflow", "mlflow"),
+    "aim": ("aim", "aim"),
+}
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _validate_trackers(output: OutputConfig) -> None:
+    """Known tracker names, each installed: refused here rather than after the model is built."""
+    for name in output.report_to:
+        close = difflib.get_close_matches(str(name), list(TRACKERS), n=1, cutoff=0.5)
+        _require(name in TRACKERS, f"`output.report_to` names {name!r}, which is not one of {', '.join(TRACKERS)}"
+                                   + (f"; did you mean {close[0]}?" if close else ""))
+        module, package = TRACKERS[name]
+        _require(_installed(module), f"`output.report_to` names {name} but {module} is not installed: pip install {package}")
+    _require(len(set(output.report_to)) == len(output.report_to), f"`output.report_to` repeats a tracker: {output.report_to}")
+    _require(bool(output.project.strip()), "`output.project` is empty: give the tracker project name, e.g. neox_hf")
+    if output.run_name is not None:
+        _require(bool(output.run_name.strip()), "`output.run_name` is empty: give a name or leave it out (default: the output folder's name)")
+
+
+def _validate_eval_tasks(train: TrainConfig) -> None:
+    if not train.eval_tasks:
+        return
+    for i, task in enumerate(train.eval_tasks):
+        _require(bool(task.strip()), f"`train.eval_tasks[{i}]` is empty: give an lm-evaluation-harness task name such as lambada_openai")
+    _require(len(set(train.eval_tasks)) == len(train.eval_tasks), f"`train.eval_tasks` repeats a task: {train.eval_tasks}")
+    _require(_installed("lm_eval"), "`train.eval_tasks` needs lm-evaluation-harness, which is not installed: "
+                                    'pip install -e ".[eval]" (or pip install lm-eval)')
 
 
 def _validate_sequence_parallel(recipe: Recipe) -> None:

@@ -84,3 +84,16 @@ def _launches(function, depth: int = 2) -> bool:
         return False
     helpers = [function.__globals__.get(name) for name in function.__code__.co_names]
     return any(_launches(h, depth - 1) for h in helpers if inspect.isfunction(h) and h.__module__.startswith("tests"))
+
+
+def save_tiny_gpt_neox(folder: Path, seed: int = 0) -> Path:
+    """A stock 2-layer GPTNeoX (vocab 512, hidden 64) saved with save_pretrained: the model the multi-process
+    equivalence workers load."""
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(seed)
+    config = GPTNeoXConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=256, max_position_embeddings=64)
+    GPTNeoXForCausalLM(config).save_pretrained(folder)
+    return folder

@@ -70,3 +70,24 @@ def test_preprocess_writes_gpt_neox_indexed_dataset(tmp_path):
     assert len(dataset) == 2  # the empty document is dropped, as GPT-NeoX's preprocess_data.py does
     assert list(dataset.document(0)) == [12092, 1533, 0]  # "Hello world" + EOD
     assert (tmp_path / "corpus.idx").read_bytes()[:9] == b"MMIDIDX\x00\x00"
+
+
+def test_convert_neox_without_tokenizer_reads_the_vocabulary_from_the_checkpoint(tmp_path):
+    config = tiny_config(parallel_residual=False, tied=True)
+    ranks = random_neox_shards(config, tp=2, seed=3)
+    write_neox_checkpoint(ranks, tmp_path / "ckpt", "sequential")
+    neox_yaml = tmp_path / "tiny.yml"
+    neox_yaml.write_text(  # vocab_file names a file that is not here, as on a machine without the training data
+        '{"num-layers": %d, "hidden-size": %d, "num-attention-heads": %d, "seq-length": 64, "rotary-pct": 0.5,\n'
+        ' "gpt-j-residual": false, "no-weight-tying": false, "model-parallel-size": 2,\n'
+        ' "vocab-file": "/nowhere/20B_tokenizer.json"}\n' % (LAYERS, HIDDEN, HEADS)
+    )
+    out = tmp_path / "hf"
+    done = neox_hf("convert-neox", str(tmp_path / "ckpt"), "--config", str(neox_yaml), str(out))
+    assert "vocabulary size 128 read from the checkpoint" in done.stdout and "--tokenizer" in done.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 128
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        logits = model(INPUT_IDS).logits
+    torch.testing.assert_close(logits, neox_reference_logits(ranks, config, INPUT_IDS), atol=1e-5, rtol=0)

@@ -21,7 +21,8 @@ def step_losses(output_dir: Path) -> dict[int, float]:
     losses = {}
     for line in (output_dir / "train_log.jsonl").read_text().splitlines():
         record = json.loads(line)
-        losses[record["step"]] = record["loss"]
+        if "loss" in record:  # evaluation lines carry "eval" instead
+            losses[record["step"]] = record["loss"]
     return losses
 
 

@@ -15,9 +15,8 @@ import sys
 
 import pytest
 import torch
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from tests.conftest import REPO, accelerate_launch_command
+from tests.conftest import REPO, accelerate_launch_command, save_tiny_gpt_neox
 from tests.test_resume import step_losses
 
 WORKER = REPO / "tests" / "workers" / "token_weighting.py"
@@ -26,12 +25,7 @@ LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-4
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    config = GPTNeoXConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           intermediate_size=256, max_position_embeddings=64)
-    folder = tmp_path_factory.mktemp("tw_model")
-    GPTNeoXForCausalLM(config).save_pretrained(folder)
-    return folder
+    return save_tiny_gpt_neox(tmp_path_factory.mktemp("tw_model"))
 
 
 def _env():

@@ -237,3 +237,18 @@ def _deepspeed_model_states(module: dict[str, torch.Tensor], tp_size: int, step:
         "dp_world_size": 1,
         "mp_world_size": tp_size,
     }
+
+
+def embedding_rows(files: NeoXCheckpointFiles, *, trust_pickle: bool = False) -> int:
+    """The (padded) vocabulary size a checkpoint was trained with: its word embedding's rows over all TP ranks."""
+    rows = 0
+    for rank in range(files.tp_size):
+        if files.layout == "pipeline":
+            layer = _load_pipeline_file(files.layer_file(0, rank), trust_pickle)
+        else:
+            layer = _sequential_layers(files.rank_file(rank), trust_pickle).get(0, {})
+        if "word_embeddings.weight" not in layer:
+            raise CheckpointError(f"{files.step_dir}: TP rank {rank} has no word_embeddings.weight at layer 0; "
+                                  "not a GPT-NeoX language-model checkpoint")
+        rows += layer["word_embeddings.weight"].shape[0]
+    return rows

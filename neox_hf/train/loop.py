@@ -21,9 +21,12 @@ from neox_hf.finetune import check_peft_recipe, save_finetuned, trainable_parame
 from neox_hf.interop.hf_folder import save_hf_folder
 from neox_hf.interop.tokenizer import load_tokenizer
 from neox_hf.parallel import build_model, full_state_dict, init_distributed, parallelize, parameter_count
+from neox_hf.plot import model_card_section, write_run_plot
 from neox_hf.recipe import Recipe
+from neox_hf.trackers import init_tracker_kwargs, tracker_names
 from neox_hf.train.checkpoint import TrainState, find_resume_checkpoint, load_checkpoint, save_checkpoint
 from neox_hf.train.prefetch import Prefetcher
+from neox_hf.train.run_log import record_evaluation
 from neox_hf.train.schedule import build_lr_scheduler
 from neox_hf.train.step import StepResult, eval_loss_sums, loss_scale, train_step
 
@@ -39,7 +42,7 @@ class RunResult:
 
 def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
     """Run the recipe end to end; return where the model went and the losses seen."""
-    accelerator, layout = init_distributed(recipe, log_with="tensorboard" if recipe.output.tensorboard else None)
+    accelerator, layout = init_distributed(recipe, log_with=tracker_names(recipe) or None)
     _set_seed(recipe.train.seed)
     check_peft_recipe(recipe)
     tokenizer = load_tokenizer(recipe.tokenizer.path, eos_token=recipe.tokenizer.eos_token, pad_token=recipe.tokenizer.pad_token)
@@ -64,19 +67,22 @@ def train(recipe: Recipe, *, notices: list[str] | None = None) -> RunResult:
                       _hub_pusher(recipe) if accelerator.is_main_process else None)
     if accelerator.is_main_process:
         accelerator.print(startup_report(run, notices or []))
-    if recipe.output.tensorboard:
-        accelerator.init_trackers("neox_hf")
+    if tracker_names(recipe):
+        accelerator.init_trackers(**init_tracker_kwargs(recipe))  # the resolved recipe, secrets redacted
     history = History()
     if eval_batches and state.step == 0:
         history.eval_losses.append((0, evaluate(run)))
         accelerator.print(f"step 0: eval loss {history.eval_losses[-1][1]:.4f}")
+        record_evaluation(accelerator, recipe.output.dir, 0, history.eval_losses[-1][1], {})
     run_steps(run, state, history)
     final_eval = evaluate(run) if eval_batches else None
     if final_eval is not None:
         history.eval_losses.append((state.step, final_eval))
         accelerator.print(f"final eval loss {final_eval:.4f}  perplexity {math.exp(min(final_eval, 50)):.2f}")
+    record_evaluation(accelerator, recipe.output.dir, state.step, final_eval, eval_task_scores(run))
     out = save_finetuned(accelerator, model, tokenizer, recipe) if recipe.peft.method else save_final_model(run)
     if accelerator.is_main_process:
+        write_run_plot(recipe.output.dir)
         _write_card(run, state, final_eval, Path(recipe.output.dir))
         if run.pusher is not None:
             run.pusher.push_final(recipe.output.dir)
@@ -144,8 +150,9 @@ def run_steps(run: TrainingRun, state: TrainState, history: History | None = Non
             progress.update(1)
             if _due(state.step, t.log_interval) or state.step == t.train_iters:
                 progress.set_postfix(step_log.flush())
-            if _due(state.step, t.eval_interval) and state.step < t.train_iters and run.eval_batches:
+            if _due(state.step, t.eval_interval) and state.step < t.train_iters and (run.eval_batches or t.eval_tasks):
                 _eval_and_log(run, state, history)
+                step_log.window_start = time.perf_counter()  # tokens/s leaves out the evaluation
             if t.save_interval and _due(state.step, t.save_interval):
                 step_log.flush()  # the checkpoint's counters must include every step before it
                 _save_checkpoint_and_push(run, state)
@@ -210,6 +217,7 @@ class StepLogger:
             entries.append(entry)
         elapsed = time.perf_counter() - self.window_start
         window_tokens = sum(v[1] for v in values)
+        entries[-1]["tokens_per_s"] = window_tokens / elapsed  # the window's throughput, for the run picture
         metrics = {"train/loss": sum(v[0] for v in values) / len(values), "train/lr": entries[-1]["lr"],
                    "train/tokens_per_s": window_tokens / elapsed,
                    "train/data_wait_s": sum(e["data_wait_s"] for e in entries)}
@@ -229,10 +237,21 @@ def _append_step_log(output_dir, entries: list[dict]) -> None:
 
 
 def _eval_and_log(run: TrainingRun, state: TrainState, history: History) -> None:
-    eval_loss = evaluate(run)
-    history.eval_losses.append((state.step, eval_loss))
-    run.accelerator.log({"eval/loss": eval_loss, "eval/perplexity": math.exp(min(eval_loss, 50))}, step=state.step)
-    run.accelerator.print(f"step {state.step}: eval loss {eval_loss:.4f}")
+    eval_loss = evaluate(run) if run.eval_batches else None
+    if eval_loss is not None:
+        history.eval_losses.append((state.step, eval_loss))
+        run.accelerator.print(f"step {state.step}: eval loss {eval_loss:.4f}")
+    record_evaluation(run.accelerator, run.recipe.output.dir, state.step, eval_loss, eval_task_scores(run))
+
+
+def eval_task_scores(run: TrainingRun) -> dict[str, float]:
+    """lm-evaluation-harness scores of the in-training model (GPT-NeoX's eval_tasks); every rank calls it."""
+    if not run.recipe.train.eval_tasks:
+        return {}
+    from neox_hf.eval_tasks import eval_tasks_in_training
+
+    return eval_tasks_in_training(run.accelerator, run.model, run.tokenizer, run.recipe.train.eval_tasks,
+                                  layout=run.layout, batch_size=run.recipe.train.micro_batch_size)
 
 
 def evaluate(run: TrainingRun) -> float:

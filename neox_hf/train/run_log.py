@@ -1,0 +1,71 @@
+"""`train_log.jsonl`: what a run leaves of its progress, one JSON object a line, written by the main process.
+
+Two kinds of line, told apart by their keys:
+- a step: `{"step", "loss", "lr", "consumed_samples", "consumed_tokens", "time"[, "skipped", "loss_scale"]}`
+  (written by the loop after every optimizer step; `time` is wall-clock seconds, for tokens per second);
+- an evaluation: `{"step", "eval": {"loss": ..., "lambada_openai/acc": ...}}` — held-out loss and lm-eval scores.
+A resumed run appends again from its checkpoint's step; readers keep the last line of each step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from neox_hf.errors import NeoXHFError
+
+LOG_NAME = "train_log.jsonl"
+
+
+@dataclass
+class RunLog:
+    steps: list[dict] = field(default_factory=list)  # step lines, one per step (the last written), by step
+    evals: list[dict] = field(default_factory=list)  # {"step": N, **values}, one per step, by step
+
+
+def append_eval_entry(output_dir, step: int, values: dict[str, float]) -> None:
+    """One evaluation line: held-out loss and/or lm-eval scores at `step`."""
+    path = Path(output_dir) / LOG_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as log_file:
+        log_file.write(json.dumps({"step": step, "eval": values}) + "\n")
+
+
+def read_run_log(output_dir) -> RunLog:
+    """Step and evaluation lines of `OUT/train_log.jsonl`, the last line of each step kept (resumes rewrite)."""
+    path = Path(output_dir) / LOG_NAME
+    if not path.is_file():
+        raise NeoXHFError(f"{path} not found: give the output folder of a neox_hf run (it holds train_log.jsonl)")
+    steps: dict[int, dict] = {}
+    evals: dict[int, dict] = {}
+    lines = path.read_text().splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            # A run killed mid-write leaves a truncated last line; anywhere else it is corruption.
+            if number == len(lines):
+                continue
+            raise NeoXHFError(f"{path}:{number} is not JSON; the log is corrupt (delete the line to plot the rest)")
+        if "eval" in record:
+            evals[record["step"]] = {**evals.get(record["step"], {}), "step": record["step"], **record["eval"]}
+        elif "loss" in record:
+            steps[record["step"]] = record
+    return RunLog([steps[s] for s in sorted(steps)], [evals[s] for s in sorted(evals)])
+
+
+def record_evaluation(accelerator, output_dir, step: int, eval_loss: float | None, task_scores: dict[str, float]) -> None:
+    """Send an evaluation to the trackers and to train_log.jsonl (main process). Every rank may call it."""
+    values: dict[str, float] = {}
+    if eval_loss is not None:
+        values.update({"loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50))})
+    values.update(task_scores)
+    if not values:
+        return
+    accelerator.log({f"eval/{key}": value for key, value in values.items()}, step=step)
+    if accelerator.is_main_process:
+        append_eval_entry(output_dir, step, values)
