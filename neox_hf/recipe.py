@@ -404,6 +404,9 @@ def _validate_pipeline(recipe: Recipe) -> None:
     _require(recipe.peft.method is None,
              "`peft.method` with `parallel.pipeline_parallel > 1` is refused: fine-tune adapters with ZeRO data "
              "parallelism (pipeline_parallel: 1)")
+    _require(recipe.train.z_loss == 0.0,
+             "`train.z_loss` with `parallel.pipeline_parallel > 1` is not supported yet: the last stage's loss is the "
+             "cross-entropy alone; set train.z_loss: 0 or pipeline_parallel: 1")
 
 
 def _validate_data_order(recipe: Recipe) -> None:

@@ -167,6 +167,7 @@ def test_print_config_of_bad_recipe_exits_nonzero_with_the_error():
     ({"parallel": {"pipeline_parallel": 2, "pipe_partition_method": "balanced"}}, r"pipe_partition_method.*'balanced'"),
     ({"parallel": {"pipeline_parallel": 4}, "model": {"num_layers": 2}}, r"num_layers.*\(2\).*pipeline_parallel.*\(4\)"),
     ({"parallel": {"pipeline_parallel": 0}}, r"pipeline_parallel` must be ≥ 1"),
+    ({"parallel": {"pipeline_parallel": 2}, "train": {"z_loss": 1e-4}}, r"z_loss.*pipeline_parallel > 1.*not supported"),
 ])
 def test_pipeline_layouts_deepspeed_cannot_run_are_refused_with_the_reason(overrides, message):
     with pytest.raises(RecipeError, match=message):

@@ -427,7 +427,8 @@ def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> tu
     """(Σ token cross-entropies, labelled tokens) from the final hidden states; labels aligned, -100 ignored.
 
     The dispatch of `neox_hf.train.loss.head_loss` (a head with its own `loss_sum` — the vocab-parallel head — computes
-    it with sharded logits; a plain head through the fused cross-entropy); `parallel/` cannot import `train/`."""
+    it with sharded logits), repeated because `parallel/` cannot import `train/`; a plain head goes through the
+    single-buffer cross-entropy, not train.loss's chunked fused op, and `train.z_loss` is not applied here."""
     own_loss = getattr(head, "loss_sum", None)
     if own_loss is not None:
         return own_loss(hidden, labels)
