@@ -263,7 +263,9 @@ def test_training_loop_runs_pipeline_stages_end_to_end(tmp_path):
     assert "pipeline stage 0: embedding + layer 0; " in done.stdout
     assert "pipeline stage 1: layer 1 + final norm + head; " in done.stdout
     assert "2 pipeline stages = 2 process(es)" in done.stdout
-    assert [e["step"] for e in map(json.loads, (out / "train_log.jsonl").read_text().splitlines())] == [1, 2]
+    entries = list(map(json.loads, (out / "train_log.jsonl").read_text().splitlines()))
+    assert [e["step"] for e in entries if "lr" in e] == [1, 2]  # the optimizer steps (eval records sit beside them)
+    assert [e["step"] for e in entries if "eval" in e] == [0, 2]  # pipeline eval before and after training
     assert (out / "checkpoints" / "latest").read_text() == "step_00000002"
     model = GPTNeoXForCausalLM.from_pretrained(out)
     assert model.config.num_hidden_layers == 2 and model.config.vocab_size == 50304
