@@ -21,7 +21,7 @@ from tests.conftest import REPO, accelerate_launch_command
 
 WORKERS = REPO / "tests" / "workers"
 sys.path.insert(0, str(WORKERS))
-from pipe_common import GAS, STEPS, eval_batches, rank_micro_batches, recipe_dict, tiny_config  # noqa: E402
+from pipe_common import STEPS, eval_batches, rank_micro_batches, recipe_dict, tiny_config  # noqa: E402
 
 LOSS_TOL, WEIGHT_TOL, LOGIT_TOL = 1e-5, 1e-3, 1e-4
 
@@ -72,7 +72,7 @@ def one_process(model_dir, mode: str, tmp_path, dp_for_eval: int = 1):
     optimizer = build_optimizer(model, recipe.train)
     scheduler = build_lr_scheduler(optimizer, recipe.train)
     evals = {"before": _eval(model, mode, dp_for_eval)}
-    losses, tokens, norms = {}, {}, {}
+    losses, tokens, norms, samples = {}, {}, {}, {}
     for step in range(1, STEPS + 1):
         micro_batches = rank_micro_batches(step, mode, 0, 1)
         total_tokens = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
@@ -86,8 +86,9 @@ def one_process(model_dir, mode: str, tmp_path, dp_for_eval: int = 1):
         optimizer.zero_grad()
         scheduler.step()
         losses[step], tokens[step] = step_sum / total_tokens, total_tokens
+        samples[step] = sum(mb["input_ids"].shape[0] for mb in micro_batches)
     evals["after"] = _eval(model, mode, dp_for_eval)
-    return losses, tokens, norms, evals, model
+    return losses, tokens, norms, evals, model, samples
 
 
 @torch.no_grad()
@@ -101,14 +102,14 @@ def _eval(model, mode: str, dp: int) -> float:
 
 
 def assert_same_training(out_dir, reference, mode: str):
-    losses, tokens, norms, evals, model = reference
+    losses, tokens, norms, evals, model, samples = reference
     log = step_log(out_dir)
     assert sorted(log) == list(range(1, STEPS + 1))
     assert norms[1] > 1.0  # clipping is active: the norm DeepSpeed clips by must be the whole model's
     for step in log:
         assert abs(log[step]["loss"] - losses[step]) <= LOSS_TOL, (step, log[step]["loss"], losses[step])
         assert abs(log[step]["grad_norm"] - norms[step]) <= 1e-4, (step, log[step]["grad_norm"], norms[step])
-        assert log[step]["tokens"] == tokens[step] and log[step]["samples"] == GAS * 4 and not log[step]["skipped"]
+        assert log[step]["tokens"] == tokens[step] and log[step]["samples"] == samples[step] and not log[step]["skipped"]
     got_evals = json.loads((out_dir / "eval.json").read_text())
     for when in ("before", "after"):
         assert abs(got_evals[when] - evals[when]) <= LOSS_TOL, (when, got_evals, evals)
@@ -143,6 +144,7 @@ def test_pipeline2_trains_as_one_process_and_saves_a_stock_folder(models, pp2_ru
 
 
 def test_pipeline2_x_tensor2_pad_mode_with_activation_checkpointing(models, tmp_path):
+    """Padded micro-batches of varying length and row count (dynamic shapes between stages)."""
     out = tmp_path / "run"
     launch(out, models / "untied", 4, "--pp", "2", "--tp", "2", "--mode", "pad", "--activation-checkpointing")
     assert_same_training(out, one_process(models / "untied", "pad", tmp_path), "pad")

@@ -32,7 +32,8 @@ def recipe_dict(out_dir, *, pp=1, tp=1, dp=1, zero_stage=1, steps=STEPS, activat
 
 
 def global_micro_batch(step: int, index: int, mode: str) -> dict:
-    """Micro-batch `index` of optimizer step `step` (1-based), all rows. mode: pack | pad | isolate."""
+    """Micro-batch `index` of optimizer step `step` (1-based), all rows. mode: pack | pad | isolate (pad: the padded
+    length changes between micro-batches and every other one has half the rows, as token budgets make them)."""
     g = torch.Generator().manual_seed(1000 * step + index)
     seq = SEQ if mode != "pad" else 8 + 4 * ((step + index) % 3)  # pad: the padded length changes between batches
     ids = torch.randint(2, VOCAB, (GLOBAL_ROWS, seq + 1), generator=g)
@@ -45,6 +46,8 @@ def global_micro_batch(step: int, index: int, mode: str) -> dict:
         batch["attention_mask"] = mask
         batch["input_ids"] = batch["input_ids"].masked_fill(mask == 0, 1)
         batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
+        if index % 2:  # a token budget's batches: fewer rows when they are long (only with one data-parallel rank)
+            batch = {k: v[: GLOBAL_ROWS // 2] for k, v in batch.items()}
     if mode == "isolate":
         starts = (torch.rand(GLOBAL_ROWS, seq, generator=g) < 0.2)
         starts[:, 0] = True
