@@ -2,9 +2,16 @@
 
     python benchmarks/parallel_memory.py [--steps 2] [--layers 6] [--hidden 768]
 
-Runs our training step (neox_hf.train.loop: build_model → prepare_model_and_optimizer → causal_lm_loss) under
+    python benchmarks/parallel_memory.py --layouts "pipeline 2,pipeline 2 × TP2"   (the 1-process baseline always runs)
+
+Runs our training step (neox_hf.parallel: build_model → parallelize; neox_hf.train.loss: causal_lm_loss) under
 `accelerate launch` for: 1 process (no DeepSpeed), DP2 ZeRO-1/2/3, TP2 (ZeRO-1), TP2 with sequence parallelism,
-TP2×DP2 (ZeRO-1, 4 processes), and prints per rank 0:
+TP2×DP2 (ZeRO-1, 4 processes), and pipeline 2 / pipeline 2 × TP2 (DeepSpeed's pipeline engine through
+neox_hf.parallel.pipeline, PIPE_MICRO_BATCHES micro-batches of the same shape per step; ZeRO-1 as GPT-NeoX, and
+without ZeRO: with one data-parallel rank ZeRO-1 shards nothing and DeepSpeed's ZeRO-1 optimizer keeps an fp32 master
+copy and a flat gradient copy besides the parameters and their gradients, 24 bytes per parameter against the 16 of
+one process, while without ZeRO fp32 keeps the 16), and prints per rank 0 (pipeline rows: the largest rank, since
+stages differ):
 - model states: bytes of every tensor alive right after backward, once optimizer states exist (parameters,
   gradients, fp32 masters, Adam moments, DeepSpeed's buckets — whatever the layout keeps; activations are freed
   by then), found by walking the live tensors and their `.grad` (a gradient autograd accumulated has no Python
@@ -21,7 +28,11 @@ TP2×DP2 (ZeRO-1, 4 processes), and prints per rank 0:
   TorchDispatchMode. This is what sequence parallelism shrinks;
 - loss peak: the same for the head + cross-entropy (from the last hidden state to the loss) — this is where a
   gathered-logits TP would hold [batch, seq, vocab];
-- step time (fp32, seconds, mean of the timed steps; 2 cores shared by every rank, so not a speed claim).
+- step time (fp32, seconds, mean of the timed steps; 2 cores shared by every rank, so not a speed claim); pipeline
+  rows: one pipeline step divided by its micro-batches, so it compares with one micro-batch of the others;
+- idle (pipeline rows): each stage's measured idle fraction of a step (1 − its forward and backward compute time /
+  the step's time without the optimizer), next to the 1F1B bubble (p−1)/(m+p−1). On shared CPU cores the stages
+  also wait for each other's compute, so this is an upper bound of what a GPU per stage would see.
 Ratios are against the 1-process run of the same invocation.
 """
 
@@ -43,16 +54,20 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
-LAYOUTS = [  # name, processes, zero stage, tensor parallel, sequence parallel
-    ("1 process", 1, 0, 1, False),
-    ("DP2 ZeRO-1", 2, 1, 1, False),
-    ("DP2 ZeRO-2", 2, 2, 1, False),
-    ("DP2 ZeRO-3", 2, 3, 1, False),
-    ("TP2 (ZeRO-1)", 2, 1, 2, False),
-    ("TP2+SP (ZeRO-1)", 2, 1, 2, True),
-    ("TP2×DP2 ZeRO-1", 4, 1, 2, False),
+LAYOUTS = [  # name, processes, zero stage, tensor parallel, sequence parallel, pipeline stages
+    ("1 process", 1, 0, 1, False, 1),
+    ("DP2 ZeRO-1", 2, 1, 1, False, 1),
+    ("DP2 ZeRO-2", 2, 2, 1, False, 1),
+    ("DP2 ZeRO-3", 2, 3, 1, False, 1),
+    ("TP2 (ZeRO-1)", 2, 1, 2, False, 1),
+    ("TP2+SP (ZeRO-1)", 2, 1, 2, True, 1),
+    ("TP2×DP2 ZeRO-1", 4, 1, 2, False, 1),
+    ("pipeline 2", 2, 1, 1, False, 2),
+    ("pipeline 2 × TP2", 4, 1, 2, False, 2),
+    ("pp2×TP2 no ZeRO", 4, 0, 2, False, 2),
 ]
 MICRO_BATCH, SEQ = 2, 256
+PIPE_MICRO_BATCHES = 4
 
 
 class PeakTensorBytes(TorchDispatchMode):
@@ -139,14 +154,15 @@ def layers_peak(module, batch: dict) -> int:
 def loss_computation_peak(module, batch: dict) -> int:
     """Peak bytes of the head + cross-entropy, forward and backward to the hidden states and the head's weight (not
     kept: a model state)."""
-    from neox_hf.train.loop import loss_from_hidden
+    from neox_hf.train.loss import head_loss
 
     with torch.no_grad():
         hidden = module.base_model(input_ids=batch["input_ids"], use_cache=False).last_hidden_state
     hidden.requires_grad_(True)
     weights = _trainable(module.get_output_embeddings())
     with PeakTensorBytes() as tracker:
-        grads = torch.autograd.grad(loss_from_hidden(module, hidden, batch["labels"]), [hidden, *weights])
+        loss_sum, _ = head_loss(module.get_output_embeddings(), hidden, batch["labels"])
+        grads = torch.autograd.grad(loss_sum, [hidden, *weights])
         return tracker.peak(excluding=grads[1:])
 
 
@@ -162,22 +178,26 @@ def rank_parameter_bytes(model) -> int:
 def worker(args) -> None:
     from neox_hf.interop.tokenizer import load_tokenizer
     from neox_hf.parallel.accelerator import build_accelerator
-    from neox_hf.parallel.tensor_parallel import build_parallel_groups
+    from neox_hf.parallel import build_model, parallelize
+    from neox_hf.parallel.layout import build_layout
     from neox_hf.recipe import recipe_from_dict
-    from neox_hf.train.loop import build_model, causal_lm_loss, prepare_model_and_optimizer
+    from neox_hf.train.loss import causal_lm_loss
 
     recipe = recipe_from_dict({
         "model": {"num_layers": args.layers, "hidden_size": args.hidden, "num_attention_heads": 12, "seq_length": SEQ},
         "tokenizer": {"path": str(REPO / "examples/data/gpt-neox-20b-tokenizer.json")},
         "parallel": {"zero_stage": args.zero, "tensor_parallel": args.tp, "use_deepspeed": args.processes > 1,
-                     "sequence_parallel": args.sequence_parallel},
-        "train": {"micro_batch_size": args.micro_batch, "precision": args.precision},
+                     "sequence_parallel": args.sequence_parallel, "pipeline_parallel": args.pp},
+        "train": {"micro_batch_size": args.micro_batch, "precision": args.precision,
+                  "gradient_accumulation_steps": PIPE_MICRO_BATCHES if args.pp > 1 else 1},
         "output": {"dir": tempfile.mkdtemp(), "tensorboard": False},
     })
     accelerator = build_accelerator(recipe)
     tokenizer = load_tokenizer(recipe.tokenizer.path)
-    groups = build_parallel_groups(args.tp) if args.tp > 1 else None
-    model, optimizer = prepare_model_and_optimizer(accelerator, recipe, build_model(recipe, tokenizer, groups), groups)
+    if args.pp > 1:
+        return pipeline_worker(args, recipe, accelerator, tokenizer)
+    layout = build_layout(recipe.parallel)
+    model, optimizer = parallelize(build_model(recipe, tokenizer, layout), layout, recipe, accelerator)
     generator = torch.Generator().manual_seed(0)
     module = getattr(model, "module", model)
     timings, loss_peaks, layer_peaks = [], [], []
@@ -186,10 +206,11 @@ def worker(args) -> None:
         batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
         start = time.perf_counter()
         with accelerator.autocast():
-            loss, _ = causal_lm_loss(model, batch)
+            loss_sum, tokens = causal_lm_loss(model, batch)
+            loss = loss_sum / tokens
         accelerator.backward(loss)
         elapsed = time.perf_counter() - start
-        del loss
+        del loss, loss_sum
         if step == args.steps:  # optimizer states exist from the first step on; gradients are alive now
             model_states = live_tensor_bytes() - ids.untyped_storage().nbytes()  # the batch is not a model state
         start = time.perf_counter()
@@ -208,17 +229,85 @@ def worker(args) -> None:
     accelerator.wait_for_everyone()
 
 
+def pipeline_worker(args, recipe, accelerator, tokenizer) -> None:
+    """The pipeline rows: the same model as stages of DeepSpeed's pipeline engine; per-rank results, worst reported."""
+    import torch.distributed as dist
+
+    from neox_hf.interop.tokenizer import padded_vocab_size
+    from neox_hf.model import config_from_recipe
+    from neox_hf.parallel.layout import build_layout
+    from neox_hf.parallel.pipeline import build_pipeline_module, pipeline_train_step
+    from neox_hf.parallel import build_optimizer
+
+    layout = build_layout(recipe.parallel)
+    vocab = padded_vocab_size(len(tokenizer), recipe.model.make_vocab_size_divisible_by, layout.tp)
+    config = config_from_recipe(recipe.model, vocab_size=vocab)
+    module = build_pipeline_module(config, layout, partition_method=recipe.parallel.pipe_partition_method)
+    engine, optimizer = accelerator.prepare(module, build_optimizer(module, recipe.train))
+    compute, measured = {"s": 0.0, "optimizer": 0.0}, {}
+    from deepspeed.runtime.pipe import schedule
+
+    def before_optimizer_step():
+        if "model_states" not in measured and measured.get("measure"):
+            measured["model_states"] = live_tensor_bytes() - measured["batch_bytes"]  # gradients alive, states exist
+
+    # The engine runs its schedule through a class-level instruction → function map: time them on this instance.
+    instructions = dict(type(engine)._INSTRUCTION_MAP)
+    instructions[schedule.ForwardPass] = _timed(instructions[schedule.ForwardPass], compute, "s")
+    instructions[schedule.BackwardPass] = _timed(instructions[schedule.BackwardPass], compute, "s")
+    instructions[schedule.OptimizerStep] = _timed(instructions[schedule.OptimizerStep], compute, "optimizer",
+                                                  before=before_optimizer_step)
+    engine._INSTRUCTION_MAP = instructions
+    generator = torch.Generator().manual_seed(0)
+    timings, idle = [], []
+    for step in range(args.steps + 1):
+        ids = torch.randint(2, 50000, (PIPE_MICRO_BATCHES, args.micro_batch, args.seq + 1), generator=generator)
+        batches = [{"input_ids": ids[i, :, :-1], "labels": ids[i, :, 1:]} for i in range(PIPE_MICRO_BATCHES)]
+        measured.update(measure=step == args.steps, batch_bytes=ids.untyped_storage().nbytes())
+        compute.update(s=0.0, optimizer=0.0)
+        start = time.perf_counter()
+        pipeline_train_step(engine, batches, layout, recipe)
+        elapsed = time.perf_counter() - start
+        if step > 0:  # the first step allocates optimizer states
+            timings.append(elapsed / PIPE_MICRO_BATCHES)
+            idle.append(1 - compute["s"] / (elapsed - compute["optimizer"]))
+    mine = {"model_states": measured["model_states"], "parameters": rank_parameter_bytes(engine),
+            "step_s": sum(timings) / len(timings), "idle": sum(idle) / len(idle), "stage": layout.pp_rank}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    if accelerator.is_main_process:
+        stages = {r["stage"]: r["idle"] for r in ranks if r is not None}
+        result = {key: max(r[key] for r in ranks) for key in ("model_states", "parameters", "step_s")}
+        result.update(idle=[stages[s] for s in sorted(stages)], stages=layout.pp, micro_batches=PIPE_MICRO_BATCHES)
+        Path(args.out).write_text(json.dumps(result))
+    accelerator.wait_for_everyone()
+
+
+def _timed(function, totals: dict, key: str, before=None):
+    def timed(self, **kwargs):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        out = function(self, **kwargs)
+        totals[key] += time.perf_counter() - start
+        return out
+
+    return timed
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run_layout(processes: int, zero: int, tp: int, sp: bool, args, precision: str = "fp32") -> dict:
+def run_layout(processes: int, zero: int, tp: int, sp: bool, pp: int, args, precision: str = "fp32") -> dict:
     out = Path(tempfile.mkdtemp()) / "result.json"
-    shape = ["--micro-batch", str(MICRO_BATCH), "--seq", str(SEQ), "--peaks"] if precision == "fp32" else \
+    peaks = ["--peaks"] if pp == 1 else []  # the layer/loss peaks are measured on a whole model
+    shape = ["--micro-batch", str(MICRO_BATCH), "--seq", str(SEQ), *peaks] if precision == "fp32" else \
         ["--micro-batch", "1", "--seq", "8"]
     worker_args = ["--worker", "--processes", str(processes), "--zero", str(zero), "--tp", str(tp), "--out", str(out),
+                   "--pp", str(pp),
                    "--steps", str(args.steps if precision == "fp32" else 1), "--layers", str(args.layers),
                    "--hidden", str(args.hidden), "--precision", precision, *shape, *(["--sequence-parallel"] if sp else [])]
     mixed = {"fp32": "no", "bf16": "bf16"}[precision]
@@ -231,7 +320,7 @@ def run_layout(processes: int, zero: int, tp: int, sp: bool, args, precision: st
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"layout processes={processes} zero={zero} tp={tp} sp={sp} {precision} failed:\n"
+        raise SystemExit(f"layout processes={processes} zero={zero} tp={tp} sp={sp} pp={pp} {precision} failed:\n"
                          f"{done.stderr[-4000:]}")
     return json.loads(out.read_text())
 
@@ -251,13 +340,21 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=SEQ, help=argparse.SUPPRESS)
     parser.add_argument("--peaks", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--sequence-parallel", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--pp", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--layouts", default="", help="comma-separated layout names to run (default: all)")
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    chosen = {n.strip() for n in args.layouts.split(",") if n.strip()}
+    unknown = chosen - {layout[0] for layout in LAYOUTS}
+    if unknown:
+        raise SystemExit(f"unknown layouts {sorted(unknown)}; choose from {[layout[0] for layout in LAYOUTS]}")
     results = {}
-    for name, processes, zero, tp, sp in LAYOUTS:
-        results[name] = run_layout(processes, zero, tp, sp, args)
-        results[name]["model_states_bf16"] = run_layout(processes, zero, tp, sp, args, "bf16")["model_states"]
+    for name, processes, zero, tp, sp, pp in LAYOUTS:
+        if chosen and name not in chosen and name != "1 process":
+            continue
+        results[name] = run_layout(processes, zero, tp, sp, pp, args)
+        results[name]["model_states_bf16"] = run_layout(processes, zero, tp, sp, pp, args, "bf16")["model_states"]
     print_table(results, args)
 
 
@@ -273,10 +370,29 @@ def print_table(results: dict, args) -> None:
     print(header)
     print("|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|")
     for name, r in results.items():
-        cells = [f"{r[key] / mib:12.1f} ({r[key] / base[key]:5.2f})" for _, key in columns]
+        cells = [f"{r[key] / mib:12.1f} ({r[key] / base[key]:5.2f})" if r.get(key) else "–" for _, key in columns]
         print(f"| {name:16} | " + " | ".join(f"{c:>22}" for c in cells) + f" | {r['step_s']:6.2f} |")
+    for name, r in results.items():
+        if "idle" in r:
+            bubble = (r["stages"] - 1) / (r["micro_batches"] + r["stages"] - 1)
+            print(f"{name}: measured idle fraction per stage " + ", ".join(f"{x:.2f}" for x in r["idle"])
+                  + f" vs 1F1B bubble (p−1)/(m+p−1) = {bubble:.2f} (p={r['stages']}, m={r['micro_batches']})")
+    checks = []
+    if "pipeline 2" in results:
+        checks.append(("pipeline 2 parameters per rank ≤ 0.55× one process",
+                       results["pipeline 2"]["parameters"] / base["parameters"], 0.55))
+    if "pp2×TP2 no ZeRO" in results:
+        checks.append(("pipeline 2 × TP2 model states per rank ≤ 0.3× one process (fp32, no ZeRO)",
+                       results["pp2×TP2 no ZeRO"]["model_states"] / base["model_states"], 0.3))
+    for label, ratio, target in checks + _layout_checks(results, base):
+        print(f"{label}: {ratio:.2f} — {'met' if ratio < target else 'NOT met'}")
+
+
+def _layout_checks(results: dict, base: dict) -> list:
+    if not {"DP2 ZeRO-3", "TP2 (ZeRO-1)", "TP2+SP (ZeRO-1)"} <= set(results):
+        return []
     zero3, tp2, sp = results["DP2 ZeRO-3"], results["TP2 (ZeRO-1)"], results["TP2+SP (ZeRO-1)"]
-    checks = [
+    return [
         ("ZeRO-3 DP2 model states ≤ 0.6× one process (bf16)", zero3["model_states_bf16"] / base["model_states_bf16"], 0.6),
         ("ZeRO-3 DP2 model states ≤ 0.6× one process (fp32; floor 0.625, see docstring)",
          zero3["model_states"] / base["model_states"], 0.6),
@@ -284,8 +400,6 @@ def print_table(results: dict, args) -> None:
         ("TP2 loss peak ≤ 0.6× TP1", tp2["loss_peak"] / base["loss_peak"], 0.6),
         ("TP2+SP layers peak < TP2 (sequence parallelism)", sp["layers_peak"] / tp2["layers_peak"], 1.0),
     ]
-    for label, ratio, target in checks:
-        print(f"{label}: {ratio:.2f} — {'met' if ratio < target else 'NOT met'}")
 
 
 if __name__ == "__main__":

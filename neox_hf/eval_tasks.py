@@ -144,7 +144,7 @@ def eval_tasks_in_training(accelerator, model, tokenizer, tasks: list[str], *, l
 def _full_weights_copy(accelerator, model, unwrapped, layout):
     """A plain GPTNeoX holding the gathered weights on the main process, or None where the weights are whole."""
     zero3 = getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0) == 3
-    if (layout is None or layout.tp == 1) and not zero3:
+    if (layout is None or (layout.tp == 1 and layout.pp == 1)) and not zero3:  # pipeline stages: merged too
         return None
     from neox_hf.parallel import full_state_dict
 

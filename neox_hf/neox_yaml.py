@@ -158,7 +158,7 @@ _NO_EFFECT = {
     "hostfile", "include", "exclude", "master_port", "wandb_team", "wandb_host", "wandb_init_all_ranks",
     "comet_workspace", "comet_tags", "comet_others", "memory_profiling", "profile", "log_grad_norm", "log_param_norm", "log_optimizer_states",
     "log_gradient_noise_scale", "sparsity_config", "gpt_j_tied", "use_bias_in_norms", "use_bias_in_attn_linear",
-    "mlp_multiple_of", "pipe_partition_method", "checkpoint_validation_with_forward_pass", "amp", "zero_allow_untested_optimizer",
+    "mlp_multiple_of", "checkpoint_validation_with_forward_pass", "amp", "zero_allow_untested_optimizer",
     "zero_allgather_partitions", "gas", "prescale_gradients", "gradient_predivide_factor", "merge_file",
 }
 
@@ -183,7 +183,7 @@ def translate_neox_args(args: dict) -> NeoXTranslation:
     handled |= _translate_optimizer(args, recipe, notices)
     handled |= _translate_zero(args, recipe)
     handled |= _translate_precision(args, recipe)
-    handled |= _translate_pipeline(args, notices)
+    handled |= _translate_pipeline(args, recipe)
     handled |= _translate_sequence_parallel(args, recipe, notices)
     handled |= _translate_data(args, recipe, notices)
     handled |= _translate_logging(args, recipe, notices)
@@ -256,16 +256,14 @@ def _translate_precision(args: dict, recipe: dict) -> set[str]:
     return {"fp16", "bf16", "precision"}
 
 
-def _translate_pipeline(args: dict, notices: list[str]) -> set[str]:
+def _translate_pipeline(args: dict, recipe: dict) -> set[str]:
+    # GPT-NeoX: 0 = sequential model, 1 = pipeline engine with one stage; both are one stage here.
     stages = int(args.get("pipe_parallel_size") or 0)
     if stages > 1:
-        # Pipeline stages only split the same model over more GPUs; the maths is unchanged. We have no pipeline
-        # engine, so the same GPUs become ZeRO data-parallel ranks. Said loudly, never dropped silently.
-        notices.append(
-            f"pipe_parallel_size: {stages} is not supported (no pipeline engine); those GPUs train as ZeRO "
-            "data-parallel ranks instead. Raise parallel.zero_stage if the model no longer fits."
-        )
-    return {"pipe_parallel_size"}
+        _put(recipe, "parallel.pipeline_parallel", stages)
+    if args.get("pipe_partition_method"):
+        _put(recipe, "parallel.pipe_partition_method", str(args["pipe_partition_method"]))
+    return {"pipe_parallel_size", "pipe_partition_method"}
 
 
 def _translate_sequence_parallel(args: dict, recipe: dict, notices: list[str]) -> set[str]:

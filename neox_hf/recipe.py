@@ -127,10 +127,13 @@ class DataConfig:
 
 @dataclass
 class ParallelConfig:
-    """Distribution: tensor parallel × ZeRO data parallel through Accelerate's DeepSpeed plugin."""
+    """Distribution: pipeline stages × tensor parallel × ZeRO data parallel through Accelerate's DeepSpeed plugin."""
 
     tensor_parallel: int = 1
-    pipeline_parallel: int = 1  # only 1 is supported; kept so GPT-NeoX users get a clear refusal
+    pipeline_parallel: int = 1  # GPT-NeoX `pipe_parallel_size`: layers split over this many stages (DeepSpeed pipeline)
+    # GPT-NeoX `pipe_partition_method`: `type:transformer` balances transformer layers (GPT-NeoX's default), `uniform`
+    # balances pipeline layers (embedding and head count as layers), `parameters` balances parameter counts.
+    pipe_partition_method: str = "type:transformer"
     zero_stage: int = 0  # 0 = no DeepSpeed ZeRO partitioning; 1, 2, 3
     use_deepspeed: Optional[bool] = None  # default: when launched with accelerate's DeepSpeed plugin or zero_stage > 0
     sequence_parallel: bool = False  # Megatron/GPT-NeoX sequence parallelism of norms/dropout/residuals (needs TP > 1)
@@ -370,11 +373,9 @@ def validate(recipe: Recipe) -> None:
         _require(bool(t.push_to_hub.repo_id), "`train.push_to_hub.repo_id` is required, e.g. `me/pythia-tiny`")
     _require(p.zero_stage in (0, 1, 2, 3), f"`parallel.zero_stage` must be 0, 1, 2 or 3, got {p.zero_stage}")
     _require(p.tensor_parallel >= 1, f"`parallel.tensor_parallel` must be ≥ 1, got {p.tensor_parallel}")
-    _require(
-        p.pipeline_parallel == 1,
-        f"`parallel.pipeline_parallel` = {p.pipeline_parallel}: pipeline parallelism is not supported; "
-        "use tensor_parallel with ZeRO data parallelism (set pipeline_parallel: 1)",
-    )
+    _require(p.pipeline_parallel >= 1, f"`parallel.pipeline_parallel` must be ≥ 1, got {p.pipeline_parallel}")
+    if p.pipeline_parallel > 1:
+        _validate_pipeline(recipe)
     _require(
         not (p.zero_stage == 3 and p.tensor_parallel > 1),
         "`parallel.zero_stage: 3` with `parallel.tensor_parallel > 1` is refused: ZeRO-3 partitions every parameter "
@@ -412,6 +413,40 @@ def validate(recipe: Recipe) -> None:
             "`peft.method` with `parallel.tensor_parallel > 1` is refused: LoRA wraps nn.Linear layers, which tensor "
             "parallelism replaces; fine-tune adapters with ZeRO data parallelism (tensor_parallel: 1)",
         )
+
+
+def _validate_pipeline(recipe: Recipe) -> None:
+    """What DeepSpeed's pipeline engine (and GPT-NeoX) can run with pipeline stages."""
+    m, p = recipe.model, recipe.parallel
+    _require(
+        p.zero_stage <= 1,
+        f"`parallel.zero_stage: {p.zero_stage}` with `parallel.pipeline_parallel > 1` is refused: ZeRO-2/3 partition "
+        "gradients (and ZeRO-3 parameters) across data-parallel ranks after every backward, while a pipeline stage "
+        "accumulates gradients over all micro-batches in flight before one reduction; DeepSpeed's pipeline engine "
+        "refuses it, as GPT-NeoX does. Use zero_stage 1 (optimizer states sharded) or 0",
+    )
+    method = p.pipe_partition_method
+    _require(
+        method in ("uniform", "parameters") or (method.startswith("type:") and len(method) > 5),
+        f"`parallel.pipe_partition_method` must be `type:transformer` (GPT-NeoX's default), `uniform`, `parameters` "
+        f"or `type:<layer class regex>`, got {method!r}",
+    )
+    _require(
+        m.from_pretrained is not None or m.num_layers >= p.pipeline_parallel,
+        f"`model.num_layers` ({m.num_layers}) must be ≥ `parallel.pipeline_parallel` ({p.pipeline_parallel}): every "
+        "stage needs at least one transformer layer",
+    )
+    _require(
+        not p.sequence_parallel,
+        "`parallel.sequence_parallel` with `parallel.pipeline_parallel > 1` is not supported yet: the activations "
+        "sent between stages are whole sequences; use sequence_parallel: false with pipeline stages",
+    )
+    _require(recipe.peft.method is None,
+             "`peft.method` with `parallel.pipeline_parallel > 1` is refused: fine-tune adapters with ZeRO data "
+             "parallelism (pipeline_parallel: 1)")
+    _require(recipe.train.z_loss == 0.0,
+             "`train.z_loss` with `parallel.pipeline_parallel > 1` is not supported yet: the last stage's loss is the "
+             "cross-entropy alone; set train.z_loss: 0 or pipeline_parallel: 1")
 
 
 def _validate_data_order(recipe: Recipe) -> None:

@@ -40,6 +40,7 @@ def test_20b_recipe_matches_gpt_neox_20b():
     assert (t.lr, t.adam_beta1, t.adam_beta2, t.adam_eps, t.min_lr) == (9.7e-5, 0.9, 0.95, 1e-8, 9.7e-6)
     assert (t.lr_decay_style, t.warmup, t.weight_decay, t.clip_grad) == ("cosine", 0.01, 0.01, 1.0)
     assert (t.micro_batch_size, t.gradient_accumulation_steps, p.zero_stage, p.tensor_parallel) == (4, 32, 1, 2)
+    assert (p.pipeline_parallel, p.pipe_partition_method) == (4, "type:transformer")  # GPT-NeoX's 20B layout
     from neox_hf.interop.tokenizer import padded_vocab_size
 
     assert padded_vocab_size(50277, m.make_vocab_size_divisible_by, p.tensor_parallel) == 50432
@@ -51,7 +52,9 @@ def test_neox_20b_config_translates_architecture_and_says_what_it_changed():
     recipe = recipe_from_dict(translation.recipe)
     assert recipe.model.hidden_act == "gelu_new"  # bias_gelu_fusion computes the tanh GELU
     assert recipe.parallel.tensor_parallel == 2 and recipe.train.precision == "fp16"
-    assert any("pipe_parallel_size: 4" in n for n in translation.notices)
+    # GPT-NeoX's layout: pipeline 4 × tensor 2 (no longer folded into data-parallel ranks).
+    assert (recipe.parallel.pipeline_parallel, recipe.parallel.pipe_partition_method) == (4, "type:transformer")
+    assert not any("pipe_parallel_size" in n for n in translation.notices)
 
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:
@@ -156,3 +159,21 @@ def test_print_config_of_bad_recipe_exits_nonzero_with_the_error():
     done = _run_cli("recipes/tiny.yaml", "--model.hidden_size", "-1", "--print-config")
     assert done.returncode != 0
     assert "model.hidden_size" in done.stderr
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"parallel": {"pipeline_parallel": 2, "zero_stage": 2}}, r"zero_stage: 2.*pipeline_parallel > 1.*refused.*zero_stage 1"),
+    ({"parallel": {"pipeline_parallel": 2, "zero_stage": 3}}, r"zero_stage: 3.*pipeline_parallel > 1.*refused"),
+    ({"parallel": {"pipeline_parallel": 2, "pipe_partition_method": "balanced"}}, r"pipe_partition_method.*'balanced'"),
+    ({"parallel": {"pipeline_parallel": 4}, "model": {"num_layers": 2}}, r"num_layers.*\(2\).*pipeline_parallel.*\(4\)"),
+    ({"parallel": {"pipeline_parallel": 0}}, r"pipeline_parallel` must be ≥ 1"),
+    ({"parallel": {"pipeline_parallel": 2}, "train": {"z_loss": 1e-4}}, r"z_loss.*pipeline_parallel > 1.*not supported"),
+])
+def test_pipeline_layouts_deepspeed_cannot_run_are_refused_with_the_reason(overrides, message):
+    with pytest.raises(RecipeError, match=message):
+        recipe_from_dict(overrides)
+
+
+def test_pipeline_with_zero1_is_accepted():
+    recipe = recipe_from_dict({"parallel": {"pipeline_parallel": 2, "zero_stage": 1, "pipe_partition_method": "uniform"}})
+    assert (recipe.parallel.pipeline_parallel, recipe.parallel.pipe_partition_method) == (2, "uniform")

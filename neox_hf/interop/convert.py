@@ -79,10 +79,16 @@ def export_hf_to_neox(hf_folder, out_dir, *, tp_size: int = 1, step: int = 0) ->
     return export_neox_checkpoint(model, model.config, out_dir, tp_size=tp_size, step=step)
 
 
-def training_checkpoint_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
-    """Full weights from an accelerate/DeepSpeed training checkpoint (ZeRO partitions gathered on CPU)."""
+def training_checkpoint_state_dict(checkpoint_dir: Path, config=None) -> dict[str, torch.Tensor]:
+    """Full weights from an accelerate/DeepSpeed training checkpoint (ZeRO partitions gathered on CPU; pipeline
+    stages' layer files and their tensor-parallel shards merged, which needs the checkpoint's `config`)."""
     deepspeed_tag = checkpoint_dir / "pytorch_model"
     if deepspeed_tag.is_dir():
+        from neox_hf.parallel.pipeline import is_pipeline_checkpoint, pipeline_checkpoint_state_dict
+
+        if is_pipeline_checkpoint(deepspeed_tag):
+            # The module weights of every stage (in the training dtype; the fp32 masters are ZeRO optimizer state).
+            return pipeline_checkpoint_state_dict(deepspeed_tag, config or NeoXConfig.from_pretrained(checkpoint_dir))
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag="pytorch_model")
@@ -113,7 +119,7 @@ def export_training_checkpoint(checkpoint_dir, out_dir) -> Path:
         raise CheckpointError(f"{checkpoint_dir / 'config.json'} is missing: not a neox_hf training checkpoint")
     config = NeoXConfig.from_pretrained(checkpoint_dir)
     model = NeoXForCausalLM(config)
-    state = training_checkpoint_state_dict(checkpoint_dir)
+    state = training_checkpoint_state_dict(checkpoint_dir, config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:

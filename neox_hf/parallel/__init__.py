@@ -41,6 +41,10 @@ def build_model(recipe, tokenizer, layout: Layout):
     from neox_hf.model import NeoXConfig, NeoXForCausalLM, config_from_recipe
     from neox_hf.parallel.tensor_parallel import from_pretrained_tensor_parallel
 
+    if layout.pp > 1:  # each rank builds only its pipeline stage
+        from neox_hf.parallel.pipeline import build_pipeline_model
+
+        return build_pipeline_model(recipe, tokenizer, layout)
     m = recipe.model
     if m.from_pretrained and layout.tp > 1 and _has_safetensors(m.from_pretrained):
         stored_vocab = NeoXConfig.from_pretrained(m.from_pretrained).vocab_size
@@ -71,6 +75,8 @@ def parallelize(model, layout: Layout, recipe, accelerator):
     from neox_hf.parallel.tensor_parallel import apply_tensor_parallel
     from neox_hf.parallel.tp_groups import DeepSpeedMPU, deepspeed_initialize_with_mpu
 
+    if layout.pp > 1:
+        return _parallelize_pipeline(model, layout, recipe, accelerator)
     if layout.tp > 1 and not getattr(model.get_output_embeddings(), "loss_sum", None):
         model = apply_tensor_parallel(model, layout.tp_group, sequence_parallel=recipe.parallel.sequence_parallel)
     if recipe.parallel.activation_checkpointing:
@@ -79,6 +85,16 @@ def parallelize(model, layout: Layout, recipe, accelerator):
     distributed = layout.world_size > 1
     with deepspeed_initialize_with_mpu(DeepSpeedMPU(layout)) if distributed else contextlib.nullcontext():
         return accelerator.prepare(model, optimizer)
+
+
+def _parallelize_pipeline(model, layout: Layout, recipe, accelerator):
+    """A PipelineModule (TP and activation checkpointing applied when its stage was built) → DeepSpeed's
+    PipelineEngine. No mpu wrapper: the module's pipe × data × model grid is DeepSpeed's mpu."""
+    from neox_hf.parallel.pipeline import stage_report
+
+    engine, optimizer = accelerator.prepare(model, build_optimizer(model, recipe.train))
+    accelerator.print("\n".join(stage_report(model, layout, recipe.train.gradient_accumulation_steps)))
+    return engine, optimizer
 
 
 def build_optimizer(model, train) -> torch.optim.Optimizer:
@@ -96,6 +112,10 @@ def full_state_dict(model, layout: Layout, accelerator) -> dict:
     the result is complete on the main process."""
     from neox_hf.parallel.tensor_parallel import gather_full_state_dict
 
+    if layout.pp > 1:  # stages × TP shards merged on the main process (None elsewhere)
+        from neox_hf.parallel.pipeline import gather_pipeline_state_dict
+
+        return gather_pipeline_state_dict(model, layout)
     if layout.tp > 1:
         return gather_full_state_dict(accelerator.unwrap_model(model), layout)
     return accelerator.get_state_dict(model)
@@ -104,6 +124,10 @@ def full_state_dict(model, layout: Layout, accelerator) -> dict:
 def parameter_count(model, layout: Layout) -> int:
     """Full-model parameter count whatever the layout (ZeRO-3 partitions, TP shards; replicated norms are counted
     once per TP rank, which is why this is approximate under TP)."""
+    from neox_hf.parallel.pipeline import full_parameter_count, is_pipeline_module
+
+    if is_pipeline_module(model):  # a rank holds one stage: count the whole model from its config
+        return full_parameter_count(model.config)
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) * layout.tp
 
 

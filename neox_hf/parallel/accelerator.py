@@ -81,6 +81,11 @@ def deepspeed_config(parallel: ParallelConfig, train: TrainConfig) -> dict:
         # accelerate would fill "auto" with every process; the data-parallel size is world / (TP × PP).
         data_parallel = max(1, int(os.environ.get("WORLD_SIZE", "1")) // model_parallel)
         config["train_batch_size"] = train.micro_batch_size * train.gradient_accumulation_steps * data_parallel
+    if parallel.pipeline_parallel > 1:
+        # DeepSpeed would send each TP rank 1/TP of an activation and all-gather it on the next stage, caching the
+        # shapes of the first micro-batch: wrong once shapes vary (pad mode, token budgets), and gloo has no
+        # all_gather_into_tensor. Every TP rank sends its whole (replicated) activation instead.
+        config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if parallel.deepspeed_config:
         config = merge_dicts(config, _read_json(parallel.deepspeed_config))
     return config

@@ -59,6 +59,7 @@ from neox_hf.parallel.tp_plan import SEQUENCE_PARALLEL_PLAN, TP_PLAN, layer_kind
 __all__ = [
     "from_pretrained_tensor_parallel",
     "apply_tensor_parallel",
+    "apply_tensor_parallel_to_part",
     "check_tp_divisibility",
     "vocab_parallel_cross_entropy",
     "ColumnParallelLinear",
@@ -103,6 +104,25 @@ def apply_tensor_parallel(model: GPTNeoXForCausalLM, tp_group, sequence_parallel
         # One shard serves both ends, as one full matrix did.
         model.lm_head.weight = model.gpt_neox.embed_in.weight
     return model
+
+
+def apply_tensor_parallel_to_part(module: nn.Module, path: str, tp_group, sequence_parallel: bool = False) -> nn.Module:
+    """`module`, found at `path` inside a GPTNeoXForCausalLM (e.g. `gpt_neox.layers.3`, `lm_head`), with its TP_PLAN
+    modules replaced by this rank's slices, as `apply_tensor_parallel` does for the whole model; returns the module
+    (a new one when `path` itself is in the plan). Pipeline stages hold parts of the model, keyed by the same paths.
+    Sequence parallelism is not applied to parts."""
+    if sequence_parallel:
+        raise NeoXHFError("sequence parallelism is not supported on model parts (pipeline stages)")
+    rank, size = _rank_and_size(tp_group)
+    for name, child in list(module.named_modules()):
+        kind = layer_kind(f"{path}.{name}" if name else path)
+        if kind is None:
+            continue
+        layer = _parallel_layer(kind, child, rank, size, tp_group, False)
+        if not name:
+            return layer
+        module.set_submodule(name, layer)
+    return module
 
 
 def check_tp_divisibility(model: GPTNeoXForCausalLM, tp_size: int) -> None:

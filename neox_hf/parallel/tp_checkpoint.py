@@ -36,16 +36,22 @@ def gather_full_state_dict(model: GPTNeoXForCausalLM, groups: ParallelGroups | N
     return merged
 
 
-def load_tp_shard_state_dict(folder_or_file: str, config: GPTNeoXConfig, tp_rank: int, tp_size: int) -> dict:
+def load_tp_shard_state_dict(folder_or_file: str, config: GPTNeoXConfig, tp_rank: int, tp_size: int,
+                             keys=None) -> dict:
     """This rank's slices of a safetensors checkpoint (a `model.safetensors`, a folder with
     one, or a folder with `model.safetensors.index.json`), keyed like the state dict of a
     model after `apply_tensor_parallel`. Only the sliced bytes are read into memory.
 
     When `config.vocab_size` is larger than the stored vocabulary (GPT-NeoX padding for TP),
     the embedding and lm_head slices are read from the real rows and completed with zero
-    rows, as `pad_vocab` would, without reading the whole matrix."""
+    rows, as `pad_vocab` would, without reading the whole matrix.
+
+    `keys` (state-dict keys of the full model) limits the read to those tensors: a pipeline stage reads its layers only."""
     key_to_file = _safetensors_key_files(folder_or_file)
     expected = _expected_keys(config)
+    if keys is not None:
+        wanted = set(keys)
+        expected = [k for k in expected if k in wanted]
     shard = {}
     with ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in set(key_to_file.values())}
@@ -58,7 +64,7 @@ def load_tp_shard_state_dict(folder_or_file: str, config: GPTNeoXConfig, tp_rank
                 shard[key] = _read_padded_vocab_rows(tensor_slice, config.vocab_size, tp_rank, tp_size, stored)
             else:
                 shard[key] = _read_rank_slice(tensor_slice, partition_dim(key), tp_rank, tp_size, stored)
-    if config.tie_word_embeddings and "gpt_neox.embed_in.weight" in shard:
+    if config.tie_word_embeddings and "gpt_neox.embed_in.weight" in shard and "lm_head.weight" in expected:
         shard.setdefault("lm_head.weight", shard["gpt_neox.embed_in.weight"])
     missing = [k for k in expected if k not in shard]
     if missing:
