@@ -41,10 +41,6 @@ def accelerate_launch_command(script, *args, zero_stage: int, num_processes: int
     ]
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "distributed: launches several processes (accelerate launch / torchrun)")
-
-
 @pytest.fixture(scope="session")
 def tokenizer():
     from neox_hf.interop.tokenizer import load_tokenizer
@@ -87,7 +83,10 @@ def _launches(function, depth: int = 2) -> bool:
     if depth == 0 or not hasattr(function, "__code__"):
         return False
     helpers = [function.__globals__.get(name) for name in function.__code__.co_names]
-    return any(_launches(h, depth - 1) for h in helpers if inspect.isfunction(h) and h.__module__.startswith("tests"))
+    # Test modules are imported as `test_x` (rootdir on sys.path) or `tests.x`: helpers of either kind count.
+    return any(_launches(h, depth - 1) for h in helpers
+               if inspect.isfunction(h) and h.__module__.split(".")[0] in ("tests", "conftest") or
+               inspect.isfunction(h) and h.__module__.startswith("test_"))
 
 
 def save_tiny_gpt_neox(folder: Path, seed: int = 0) -> Path:
