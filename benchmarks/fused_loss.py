@@ -11,16 +11,14 @@ allocated on the way (exact, by a TorchDispatchMode; CPU has no allocator statis
 - fused: `neox_hf.ops.linear_cross_entropy` (gradients computed in the forward);
 - fused, recompute: the same, logits recomputed in backward instead (`recompute=True`).
 An eighth of the labels are -100 (padding/prompt tokens). GFLOP/s counts the 3 head matmuls (2·N·H·V each) of the
-unfused computation for every row; the machine's GEMM peak is measured in the same run (square 2048² GEMMs,
-warm-up, best of 5). `--sweep` times the fused op at several chunk sizes instead (how CPU_CHUNK_BYTES was chosen).
+unfused computation for every row; the machine's GEMM peak is measured in the same run (square GEMMs of
+1024-3072, warm-up, best of 5). `--sweep` times the fused op at several chunk sizes instead, round-robin (how `default_chunk_rows` was chosen).
 One full run (both shapes, both dtypes) takes about 2 minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import time
 import weakref
@@ -32,40 +30,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from bench_common import cpu_name, gemm_peak  # noqa: E402
+
 from neox_hf.ops import linear_cross_entropy  # noqa: E402
 
 VOCAB = 50304
 SHAPES = {"14m": ("Pythia-14M head, 3072 tok × 128", 3072, 128), "70m": ("Pythia-70M head, 4096 tok × 512", 4096, 512)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def cpu_name() -> str:
-    """The CPU model and its matrix extensions, from /proc/cpuinfo (Linux) or platform."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "CPU")
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    extensions = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name} ({os.cpu_count()} logical CPUs; {', '.join(extensions) or 'no AVX2'})"
-
-
-def best_seconds(fn, repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def gemm_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of the best of `repeats` square n×n GEMMs, after a warm-up (the shape MKL/oneDNN runs fastest)."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return 2 * n**3 / best_seconds(lambda: torch.mm(a, b), repeats, warmup=2)
 
 
 class PeakBytes(TorchDispatchMode):
@@ -131,29 +102,42 @@ def peak_bytes(loss_fn, hidden, weight, labels) -> tuple[int, int]:
 
 
 def compare(shape_key: str, dtype_key: str, repeats: int, peak: float) -> list[tuple]:
+    """The three variants take turns within each repeat (machine load hits them alike); best time of each."""
     title, tokens, width = SHAPES[shape_key]
     hidden, weight, labels = inputs(tokens, width, DTYPES[dtype_key])
     flops = 3 * 2 * tokens * width * VOCAB
+    variants = {"unfused (logits + F.cross_entropy)": unfused, "fused": fused,
+                "fused, recompute in backward": lambda h, w, y: fused(h, w, y, recompute=True)}
+    best = dict.fromkeys(variants, float("inf"))
+    for _ in range(repeats + 1):  # the first round is the warm-up
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            loss_and_backward(fn, hidden, weight, labels)
+            best[name] = min(best[name], time.perf_counter() - start)
     rows = []
-    for name, fn in (("unfused (logits + F.cross_entropy)", unfused), ("fused", fused),
-                     ("fused, recompute in backward", lambda h, w, y: fused(h, w, y, recompute=True))):
-        seconds = best_seconds(lambda: loss_and_backward(fn, hidden, weight, labels), repeats)
+    for name, fn in variants.items():
         mem, largest = peak_bytes(fn, hidden, weight, labels)
-        rows.append((f"{title}, {dtype_key}", name, seconds, flops / seconds / peak, mem, largest))
+        rows.append((f"{title}, {dtype_key}", name, best[name], flops / best[name] / peak, mem, largest))
     return rows
 
 
-def sweep(repeats: int) -> None:
+def sweep(repeats: int, shapes: list[str], dtypes: list[str]) -> None:
+    """Chunk sizes take turns within each repeat, so a change in machine load hits them alike; best time kept."""
     print("| shape, dtype | chunk rows | chunk MB (fp32 logits) | seconds (best) |")
     print("|---|---:|---:|---:|")
-    for shape_key in SHAPES:
+    for shape_key in shapes:
         title, tokens, width = SHAPES[shape_key]
-        for dtype_key in DTYPES:
+        for dtype_key in dtypes:
             hidden, weight, labels = inputs(tokens, width, DTYPES[dtype_key])
-            for rows in (16, 32, 64, 128, 256, 512):
-                seconds = best_seconds(lambda: loss_and_backward(
-                    lambda h, w, y: fused(h, w, y, chunk_size=rows), hidden, weight, labels), repeats)
-                print(f"| {title}, {dtype_key} | {rows} | {rows * VOCAB * 4 / 2**20:.1f} | {seconds:.3f} |")
+            sizes = [rows for rows in (64, 256, 512, 1024, 2048) if rows < tokens]
+            best = dict.fromkeys(sizes, float("inf"))
+            for _ in range(repeats + 1):  # the first round is the warm-up
+                for rows in sizes:
+                    start = time.perf_counter()
+                    loss_and_backward(lambda h, w, y: fused(h, w, y, chunk_size=rows), hidden, weight, labels)
+                    best[rows] = min(best[rows], time.perf_counter() - start)
+            for rows in sizes:
+                print(f"| {title}, {dtype_key} | {rows} | {rows * VOCAB * 4 / 2**20:.0f} | {best[rows]:.3f} |")
 
 
 def main(argv=None) -> None:
@@ -167,9 +151,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     print(f"{cpu_name()}, torch {torch.__version__}, {args.threads} threads, best of {args.repeats} after a warm-up")
     if args.sweep:
-        return sweep(args.repeats)
-    peaks = {key: gemm_peak(dtype) for key, dtype in DTYPES.items() if key in args.dtypes.split(",")}
-    print("GEMM peak (2048² square, best of 5): " + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in peaks.items()))
+        return sweep(args.repeats, args.shapes.split(","), args.dtypes.split(","))
+    peaks = {key: gemm_peak(dtype)[0] for key, dtype in DTYPES.items() if key in args.dtypes.split(",")}
+    print("GEMM peak (best square GEMM, best of 5): " + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in peaks.items()))
     print("| head shape, dtype | loss + backward | seconds | % of GEMM peak | peak MB | largest tensor MB | vs unfused |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for shape_key in args.shapes.split(","):

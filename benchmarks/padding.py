@@ -35,6 +35,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from bench_common import StepClock  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 GSM8K = SHARED / "corpora" / "gsm8k" / "train.jsonl"
@@ -57,27 +58,6 @@ def gsm8k_documents(tok) -> list[list[int]]:
     docs = [d[:SEQ] + [tok.eos_token_id] for d in ids]
     random.Random(0).shuffle(docs)
     return docs
-
-
-class StepClock:
-    """Wall-clock time of every optimizer step of whichever loop runs, from a global post-step hook: the Trainer and
-    our loop are timed by the same code, whole steps (data, forward, backward, clipping, update, logging)."""
-
-    def __enter__(self):
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        self.times = [time.perf_counter()]
-        self._handle = register_optimizer_step_post_hook(lambda *_: self.times.append(time.perf_counter()))
-        return self
-
-    def __exit__(self, *exc):
-        self._handle.remove()
-
-    def seconds(self, first: int, count: int) -> float:
-        """Time of steps first .. first+count-1 (0-based); step 0 also holds the set-up, so warm-up starts there."""
-        if len(self.times) < first + count + 1:
-            raise RuntimeError(f"only {len(self.times) - 1} optimizer steps ran, {first + count} expected")
-        return self.times[first + count] - self.times[first]
 
 
 def tiny_pythia():

@@ -6,7 +6,7 @@ several times, and the backward writes a tensor as large again — on a CPU the 
 small model. Liger-Kernel's `FusedLinearCrossEntropy` and Apple's Cut Cross-Entropy avoid it on GPUs with Triton
 kernels; this is the same computation in PyTorch ops, so it runs on CPU and GPU alike.
 
-Tokens are processed in chunks of rows sized for the cache. For each chunk:
+Tokens are processed in chunks of rows (`default_chunk_rows`: why not cache-sized). For each chunk:
 
     logits = h W^T                      [chunk, V]      (the only vocabulary-sized buffer, reused in place)
     m = max_v logits, s = Σ_v exp(logits - m)           all-reduced over `group` for a vocab-parallel head
@@ -37,18 +37,20 @@ from torch import nn
 from neox_hf.errors import NeoXHFError
 from neox_hf.parallel.mappings import all_reduce_max, all_reduce_sum, copy_to_tp_region
 
-# Bytes of one chunk's fp32 logits on CPU. Measured with benchmarks/fused_loss.py --sweep on a 2-core AVX-512 EPYC
-# (32 MB L3): between 4 and 16 MB all run within a few % of each other; smaller chunks make the matmuls too thin,
-# larger ones spill from the cache.
-CPU_CHUNK_BYTES = 8 * 2**20
-# On GPUs a chunk must fill the device; 256 MB of fp32 logits is 1,300 rows at a 50k vocabulary (not measured here).
-GPU_CHUNK_BYTES = 256 * 2**20
+# Each chunk adds a rank-`rows` update into the whole [V, H] weight gradient, which moves as many bytes as the chunk's
+# logits when rows = 2H: chunks must be much taller than 2H, or the weight gradient's memory traffic dominates. Measured
+# (benchmarks/fused_loss.py --sweep, 2-core AVX-512 EPYC, 1,024 tokens × hidden 128, fp32): 41 rows (8 MB, "cache
+# sized") 3.4 s, 256 rows 0.85 s, 1,024 rows 0.74 s, against 1.09 s unfused. Hence 4H rows, at least 256, at most
+# MAX_CHUNK_BYTES of fp32 logits (1,300 rows at a 50k vocabulary; on GPUs this also keeps the chunk large enough to
+# fill the device).
+MIN_CHUNK_ROWS = 256
+MAX_CHUNK_BYTES = 256 * 2**20
 
 
-def default_chunk_rows(vocab_rows: int, device: torch.device | str) -> int:
-    """Rows per chunk so that a chunk's fp32 logits take about CPU_CHUNK_BYTES (GPU_CHUNK_BYTES on accelerators)."""
-    budget = CPU_CHUNK_BYTES if torch.device(device).type == "cpu" else GPU_CHUNK_BYTES
-    return max(16, budget // (4 * max(vocab_rows, 1)))
+def default_chunk_rows(vocab_rows: int, hidden_size: int) -> int:
+    """Rows per chunk: 4 × hidden_size, at least MIN_CHUNK_ROWS, at most MAX_CHUNK_BYTES of fp32 logits."""
+    cap = max(16, MAX_CHUNK_BYTES // (4 * max(vocab_rows, 1)))
+    return min(max(MIN_CHUNK_ROWS, 4 * hidden_size), cap)
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ def linear_cross_entropy(
                           "labels must be aligned with the hidden states (shift them before the call)")
     n_tokens = (flat_labels != ignore_index).sum()
     opts = _Options(group, vocab_start, real_vocab_size, float(z_loss), ignore_index,
-                    chunk_size or default_chunk_rows(weight.shape[0], weight.device),
+                    chunk_size or default_chunk_rows(*weight.shape),
                     _compute_dtype(hidden, weight), recompute)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         loss = _LinearCrossEntropy.apply(flat_hidden, weight, flat_labels, opts)
