@@ -192,14 +192,14 @@ def test_never_allocates_a_tokens_by_vocab_tensor():
 
 
 def test_vocab_parallel_tp2_equals_one_process(tmp_path):
-    """Two gloo ranks, each holding half the vocabulary (plus padding rows on the last), through lm_head_loss with a
-    VocabParallelLMHead, as the training loss uses it: loss, count and the gathered gradients equal one process."""
+    """Two gloo ranks, each holding half the vocabulary, through lm_head_loss with a VocabParallelLMHead (replicated
+    input, and a sequence-parallel one): loss, count and the gathered gradients equal one process."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), os.path.join(WORKERS, "fused_ce_tp2.py"), str(tmp_path)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, WORKERS]))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    for name, z_loss in (("plain", 0.0), ("z_loss", 1e-3)):
+    for name, z_loss in (("plain", 0.0), ("z_loss", 1e-3), ("sequence_parallel", 0.0)):
         hidden, weight, labels = case()
         ref = loss_and_grads(unfused, hidden, weight, labels, z_loss=z_loss)
         for rank in range(2):

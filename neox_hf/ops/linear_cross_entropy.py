@@ -65,6 +65,9 @@ class _Options:
     recompute: bool
 
 
+# Data-dependent chunk counts, row selection and collectives: torch.compile of a step runs this eagerly (one graph
+# break) instead of tracing and specialising on every batch shape.
+@torch.compiler.disable
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,

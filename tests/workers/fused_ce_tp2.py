@@ -1,7 +1,8 @@
 """TP=2 worker for tests/test_fused_cross_entropy.py: the fused loss through a VocabParallelLMHead. Usage:
     torchrun --nproc_per_node 2 tests/workers/fused_ce_tp2.py <out_dir>
-Each rank holds half of the head's vocabulary rows; it saves the loss, the count, the gradient of the (replicated)
-hidden states and the head-weight gradient gathered over the ranks, for the pytest process to compare.
+Each rank holds half of the head's vocabulary rows; it saves the loss, the count, the gradient of the hidden states
+(replicated, or with sequence parallelism this rank's sequence slice, gathered) and the head-weight gradient gathered
+over the ranks, for the pytest process to compare.
 """
 
 import os
@@ -11,7 +12,7 @@ import torch
 from tp_common import init_gloo, save_rank_result
 
 from neox_hf.ops import lm_head_loss
-from neox_hf.parallel.mappings import gather_along_dim
+from neox_hf.parallel.mappings import gather_along_dim, gather_from_sequence_region, split_along_dim
 from neox_hf.parallel.tp_layers import VocabParallelLMHead
 
 VOCAB, WIDTH = 256, 16
@@ -28,15 +29,22 @@ def case():
     return hidden, weight, labels
 
 
-def run(group, z_loss):
+def run(group, z_loss, sequence_parallel=False):
     hidden, weight, labels = case()
     rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
     rows = VOCAB // size
-    head = VocabParallelLMHead(weight[rank * rows:(rank + 1) * rows].clone(), rank * rows, group)
-    hidden.requires_grad_()
-    loss, count = lm_head_loss(head, hidden, labels, z_loss=z_loss, chunk_size=10)
+    head = VocabParallelLMHead(weight[rank * rows:(rank + 1) * rows].clone(), rank * rows, group,
+                               sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        # As after the final SequenceParallelLayerNorm: each rank holds a slice of the sequence, gathered for the head.
+        own = split_along_dim(hidden, 1, group).requires_grad_()
+        loss, count = lm_head_loss(head, gather_from_sequence_region(own, group), labels, z_loss=z_loss, chunk_size=10)
+    else:
+        own = hidden.requires_grad_()
+        loss, count = lm_head_loss(head, own, labels, z_loss=z_loss, chunk_size=10)
     (3.0 * loss).backward()
-    return {"loss": loss.detach(), "count": int(count), "d_hidden": hidden.grad,
+    d_hidden = gather_along_dim(own.grad, 1, group) if sequence_parallel else own.grad
+    return {"loss": loss.detach(), "count": int(count), "d_hidden": d_hidden,
             "d_weight": gather_along_dim(head.weight.grad, 0, group)}
 
 
@@ -45,6 +53,7 @@ def main(out_dir):
     group = torch.distributed.new_group([0, 1])
     save_rank_result(out_dir, "plain", run(group, 0.0))
     save_rank_result(out_dir, "z_loss", run(group, 1e-3))
+    save_rank_result(out_dir, "sequence_parallel", run(group, 0.0, sequence_parallel=True))
     torch.distributed.destroy_process_group()
 
 
