@@ -37,7 +37,7 @@ def step_fn(model, decoder, ids, labels, autocast: bool):
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state
-            loss, count = lm_head_loss(model.embed_out, hidden, labels)
+            loss, count = lm_head_loss(model.get_output_embeddings(), hidden, labels)
         (loss / count).backward()
         model.zero_grad(set_to_none=True)
         return float(loss / count)

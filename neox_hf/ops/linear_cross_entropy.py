@@ -42,15 +42,17 @@ from neox_hf.parallel.mappings import all_reduce_max, all_reduce_sum, copy_to_tp
 # (benchmarks/fused_loss.py --sweep, 2-core AVX-512 EPYC, 1,024 tokens × hidden 128, fp32): 41 rows (8 MB, "cache
 # sized") 3.4 s, 256 rows 0.85 s, 1,024 rows 0.74 s, against 1.09 s unfused. Hence 4H rows, at least 256, at most
 # MAX_CHUNK_BYTES of fp32 logits (1,300 rows at a 50k vocabulary; on GPUs this also keeps the chunk large enough to
-# fill the device).
+# fill the device). Without a weight gradient (a frozen head: LoRA; eval) that reason is gone and MIN_CHUNK_ROWS rows
+# keep the logits buffer small (50 MB at a 50k vocabulary), which is most of LoRA's activation memory.
 MIN_CHUNK_ROWS = 256
 MAX_CHUNK_BYTES = 256 * 2**20
 
 
-def default_chunk_rows(vocab_rows: int, hidden_size: int) -> int:
-    """Rows per chunk: 4 × hidden_size, at least MIN_CHUNK_ROWS, at most MAX_CHUNK_BYTES of fp32 logits."""
+def default_chunk_rows(vocab_rows: int, hidden_size: int, weight_grad: bool = True) -> int:
+    """Rows per chunk: 4 × hidden_size when the weight gradient is computed, else MIN_CHUNK_ROWS, at least
+    MIN_CHUNK_ROWS, at most MAX_CHUNK_BYTES of fp32 logits."""
     cap = max(16, MAX_CHUNK_BYTES // (4 * max(vocab_rows, 1)))
-    return min(max(MIN_CHUNK_ROWS, 4 * hidden_size), cap)
+    return min(max(MIN_CHUNK_ROWS, 4 * hidden_size if weight_grad else 0), cap)
 
 
 @dataclass(frozen=True)
@@ -97,8 +99,9 @@ def linear_cross_entropy(
         raise NeoXHFError(f"linear_cross_entropy: {flat_labels.shape[0]} labels for {flat_hidden.shape[0]} hidden states; "
                           "labels must be aligned with the hidden states (shift them before the call)")
     n_tokens = (flat_labels != ignore_index).sum()
+    weight_grad = torch.is_grad_enabled() and weight.requires_grad
     opts = _Options(group, vocab_start, real_vocab_size, float(z_loss), ignore_index,
-                    chunk_size or default_chunk_rows(*weight.shape),
+                    chunk_size or default_chunk_rows(*weight.shape, weight_grad=weight_grad),
                     _compute_dtype(hidden, weight), recompute)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         loss = _LinearCrossEntropy.apply(flat_hidden, weight, flat_labels, opts)
