@@ -4,7 +4,7 @@
 
 For each head shape (Pythia-14M: 3,072 tokens × hidden 128, a GSM8K micro batch of 16; Pythia-70M: 8 × 512 tokens
 × hidden 512; vocabulary 50,304) and dtype (fp32; bf16 hidden states and weights), times loss + backward to the
-hidden states and the head weight, best of --repeats after a warm-up, and measures the peak bytes of tensors
+hidden states and the head weight, best of --repeats after a warm-up round, and measures the peak bytes of tensors
 allocated on the way (exact, by a TorchDispatchMode; CPU has no allocator statistics):
 - unfused: `logits = hidden @ W^T`, `F.cross_entropy(logits.float(), labels, reduction="sum")` (what a
   transformers model does, bf16 logits upcast as GPTNeoX's loss function does);
@@ -12,8 +12,9 @@ allocated on the way (exact, by a TorchDispatchMode; CPU has no allocator statis
 - fused, recompute: the same, logits recomputed in backward instead (`recompute=True`).
 An eighth of the labels are -100 (padding/prompt tokens). GFLOP/s counts the 3 head matmuls (2·N·H·V each) of the
 unfused computation for every row; the machine's GEMM peak is measured in the same run (square GEMMs of
-1024-3072, warm-up, best of 5). `--sweep` times the fused op at several chunk sizes instead, round-robin (how `default_chunk_rows` was chosen).
-One full run (both shapes, both dtypes) takes about 2 minutes on 2 cores.
+1024-3072, warm-up, best of 5). The variants take turns within each repeat. `--sweep` times the fused op at
+several chunk sizes instead, round-robin (how `default_chunk_rows` was chosen). One full run (both shapes, both
+dtypes) takes about 5 minutes on 2 idle cores; on a loaded machine, many times that.
 """
 
 from __future__ import annotations
