@@ -40,7 +40,7 @@ def step_fn(model, decoder, ids, labels, autocast: bool):
             loss, count = lm_head_loss(model.get_output_embeddings(), hidden, labels)
         (loss / count).backward()
         model.zero_grad(set_to_none=True)
-        return float(loss / count)
+        return float(loss.detach() / count)
     return step
 
 
