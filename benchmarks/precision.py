@@ -8,7 +8,8 @@ Variants, each timed round-robin (machine load hits them alike), best of --repea
 - bf16 weights (the model cast to bf16, as DeepSpeed's bf16 mode runs forward/backward; its fp32 master copy
   and the optimizer step are not in the time);
 - torch.compile of the decoder (fp32 and bf16 autocast; the fused loss stays eager): compile time of the first
-  call, then step time, and the loss against eager (max |difference| over the timed steps).
+  call, then step time, and the loss against eager of the same precision (max |difference| over the steps);
+  the bf16 rows' eager reference is fp32.
 Random GPTNeoX init, random tokens of `--batch × --seq` (3,072 tokens: a GSM8K micro batch of 16). A run takes
 about 3 minutes on 2 idle cores, most of it compiling.
 """
@@ -79,7 +80,7 @@ def main() -> None:
     tokens = ids.numel()
     print(f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads; Pythia-14M shape, "
           f"{args.batch}×{args.seq} tokens, forward + backward with the fused loss, best of {args.repeats}")
-    print("| variant | seconds | tokens/s | vs fp32 | loss vs fp32 eager | first call (compile) s |")
+    print("| variant | seconds | tokens/s | vs fp32 | loss vs eager reference | first call (compile) s |")
     print("|---|---:|---:|---:|---:|---:|")
     for name in variants:
         reference = losses["bf16 autocast (fp32 weights)" if "autocast" in name else "fp32"]
