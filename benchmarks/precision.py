@@ -8,8 +8,9 @@ Variants, each timed round-robin (machine load hits them alike), best of --repea
 - bf16 weights (the model cast to bf16, as DeepSpeed's bf16 mode runs forward/backward; its fp32 master copy
   and the optimizer step are not in the time);
 - torch.compile of the decoder (fp32 and bf16 autocast; the fused loss stays eager): compile time of the first
-  call, then step time, and the loss against eager of the same precision (max |difference| over the steps);
-  the bf16 rows' eager reference is fp32.
+  call, then step time.
+The loss column: max |difference| over the steps from fp32 eager (eager rows) or from eager of the same precision
+(compiled rows).
 Random GPTNeoX init, random tokens of `--batch × --seq` (3,072 tokens: a GSM8K micro batch of 16). A run takes
 about 3 minutes on 2 idle cores, most of it compiling.
 """
