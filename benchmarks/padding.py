@@ -1,13 +1,20 @@
-"""Padding efficiency and training throughput of each batching mode on GSM8K (one table).
+"""Real tokens/s of a training step on GSM8K: neox_hf against what a transformers user runs (one table).
 
-    python benchmarks/padding.py [--steps 3] [--warmup 1] [--batch 16]
+    python benchmarks/padding.py [--steps 8] [--warmup 2] [--batch 16] [--precision fp32|bf16]
 
-For each mode: padding efficiency (real tokens / tokens computed, over --efficiency-batches batches) and
-real tokens/s of a full training step (forward + backward + AdamW) on a Pythia-14M-shaped stock
-`GPTNeoXForCausalLM` (6 layers, hidden 128, 4 heads, vocab 50304, random init, fp32, 2 torch threads),
-with ratios to the baseline (`DataCollatorWithPadding` in random order) measured in the same run.
-Then the data pipeline alone (jsonl → batches, tokens/s) against what the training step consumes.
-Timings vary with machine load; nothing here is asserted by the tests.
+Pythia-14M-shaped GPTNeoX (6 layers, hidden 128, 4 heads, vocab 50304, random init), AdamW, 2 torch threads, each
+mode in turn on the same GSM8K stream (question + answer, every token trained on):
+- baseline: transformers `Trainer` + `DataCollatorForLanguageModeling` (pad to the longest in the batch) +
+  `train_sampling_strategy="group_by_length"` (what a transformers user runs for variable-length fine-tuning);
+- `Trainer` + `DataCollatorWithFlattening` (padding-free: one row per batch, position ids restart per document);
+- `Trainer` + pad to longest in random order (the old baseline of this file, for reference);
+- neox_hf: `neox_hf.train.loop.train(recipe)` in `pad` mode (length-bucketed dynamic padding) and in `pack` mode.
+Real tokens = positions that are trained on (labelled tokens), counted from the batches of the timed steps.
+Step times come from a global optimizer-step hook (`torch.optim.optimizer.register_optimizer_step_post_hook`), so
+both loops are timed the same way, whole steps including data loading; the first --warmup steps are left out.
+Padding efficiency = real tokens / positions computed over the timed steps. Timings vary with machine load (the
+load average is printed); nothing here is asserted by the tests. A run with the defaults takes about 3 minutes on
+2 idle cores.
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
 
@@ -26,7 +35,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from bench_common import StepClock  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 GSM8K = SHARED / "corpora" / "gsm8k" / "train.jsonl"
@@ -51,36 +60,89 @@ def gsm8k_documents(tok) -> list[list[int]]:
     return docs
 
 
-def aligned_labels(ids_rows: list[list[int]], width: int) -> torch.Tensor:
-    """Labels for inputs ids[:-1]: ids[1:], -100 beyond each row."""
-    labels = torch.full((len(ids_rows), width), -100, dtype=torch.int64)
-    for r, ids in enumerate(ids_rows):
-        labels[r, : len(ids) - 1] = torch.tensor(ids[1:])
-    return labels
+def tiny_pythia():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=50304, hidden_size=128, num_hidden_layers=6, num_attention_heads=4,
+                           intermediate_size=512, max_position_embeddings=2048, rotary_pct=0.25,
+                           tie_word_embeddings=False, attn_implementation="sdpa")
+    return GPTNeoXForCausalLM(config)
 
 
-def hf_padding_batches(tok, docs, batch, **padding):
-    """Baseline: transformers' DataCollatorWithPadding over the stream in its (random) order."""
-    from transformers import DataCollatorWithPadding
+def trainer_run(tok, docs, collator: str, sampling: str, args) -> dict:
+    """Real tokens/s and padding efficiency of transformers' Trainer over the timed steps."""
+    from datasets import Dataset
+    from transformers import DataCollatorForLanguageModeling, DataCollatorWithFlattening, Trainer, TrainingArguments
 
-    collate = DataCollatorWithPadding(tok, return_tensors="pt", **padding)
-    for i in range(0, len(docs) - batch + 1, batch):
-        rows = docs[i: i + batch]
-        out = collate([{"input_ids": ids[:-1]} for ids in rows])
-        yield {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"],
-               "labels": aligned_labels(rows, out["input_ids"].shape[1])}
+    pad = DataCollatorForLanguageModeling(tok, mlm=False, return_tensors="pt")
+    flatten = DataCollatorWithFlattening(return_position_ids=True)
+    seen: list[tuple[int, int]] = []  # (labelled positions, positions computed) of each batch, in step order
+
+    def collate(features):
+        rows = [{"input_ids": f["input_ids"]} for f in features]
+        out = flatten(rows) if collator == "flatten" else pad(rows)
+        # The model shifts labels internally: position t of labels[1:] is what position t is trained on.
+        seen.append((int((out["labels"][:, 1:] != -100).sum()), out["input_ids"].numel()))
+        return out
+
+    dataset = Dataset.from_dict({"input_ids": docs, "length": [len(d) for d in docs]})
+    with tempfile.TemporaryDirectory() as tmp:
+        training_args = TrainingArguments(
+            output_dir=tmp, per_device_train_batch_size=args.batch, max_steps=args.warmup + args.steps,
+            learning_rate=1e-5, lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0,
+            train_sampling_strategy=sampling, use_cpu=True, report_to="none", save_strategy="no",
+            logging_strategy="no", bf16=args.precision == "bf16", remove_unused_columns=False,
+            dataloader_drop_last=True, disable_tqdm=True, seed=0)
+        trainer = Trainer(model=tiny_pythia(), args=training_args, train_dataset=dataset,
+                          data_collator=collate)
+        with StepClock() as clock:
+            trainer.train()
+    timed = seen[args.warmup: args.warmup + args.steps]
+    real = sum(r for r, _ in timed)
+    return {"tokens_per_s": real / clock.seconds(args.warmup, args.steps),
+            "efficiency": real / sum(n for _, n in timed)}
 
 
-def hf_flattening_batches(docs, batch):
-    """transformers' padding-free DataCollatorWithFlattening: one row per batch, position_ids restart."""
-    from transformers import DataCollatorWithFlattening
+def ours_recipe(out_dir: str, args, micro_batch_size: int, **data) -> dict:
+    return {
+        "model": {"num_layers": 6, "hidden_size": 128, "num_attention_heads": 4, "intermediate_size": 512,
+                  "seq_length": SEQ, "max_position_embeddings": 2048, "rotary_pct": 0.25},
+        "tokenizer": {"path": str(SHARED / "tokenizers" / "gpt-neox-20b.json")},
+        "data": {"sources": [{"path": str(GSM8K), "template": TEMPLATE}], **data},
+        "train": {"train_iters": args.warmup + args.steps, "lr": 1e-5, "min_lr": 1e-5, "lr_decay_style": "constant",
+                  "warmup": 0.0, "weight_decay": 0.0, "precision": args.precision, "log_interval": 1,
+                  "eval_iters": 0, "micro_batch_size": micro_batch_size},
+        "output": {"dir": out_dir, "tensorboard": False},
+    }
 
-    collate = DataCollatorWithFlattening(return_position_ids=True)
-    for i in range(0, len(docs) - batch + 1, batch):
-        out = collate([{"input_ids": ids} for ids in docs[i: i + batch]])
-        labels = torch.full_like(out["labels"], -100)
-        labels[:, :-1] = out["labels"][:, 1:]  # the collator leaves the shift to the model; our step does not
-        yield {"input_ids": out["input_ids"], "position_ids": out["position_ids"], "labels": labels}
+
+def ours_run(tok, args, **data) -> dict:
+    """Real tokens/s of `neox_hf.train.loop.train(recipe)` (labelled tokens from its train_log.jsonl) and the padding
+    efficiency of its loader."""
+    from neox_hf.recipe import recipe_from_dict
+    from neox_hf.train.loop import train
+
+    batch = data.pop("micro_batch_size", args.batch)
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = recipe_from_dict(ours_recipe(tmp, args, batch, **data))
+        with StepClock() as clock, _quiet():
+            train(recipe)
+        log = [json.loads(line) for line in (Path(tmp) / "train_log.jsonl").read_text().splitlines()]
+    tokens = log[args.warmup + args.steps - 1]["consumed_tokens"] - log[args.warmup - 1]["consumed_tokens"]
+    torch.set_num_threads(2)
+    return {"tokens_per_s": tokens / clock.seconds(args.warmup, args.steps),
+            "efficiency": efficiency(islice(our_batches(tok, batch, **data), 50))}
+
+
+@contextmanager
+def _quiet():
+    """Our loop prints its start-up report and progress; the table is what this benchmark shows."""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
 
 
 def our_batches(tok, batch, **data):
@@ -91,97 +153,62 @@ def our_batches(tok, batch, **data):
     return build_train_loader(cfg, tok, seq_length=SEQ, micro_batch_size=batch)
 
 
-def real_tokens(b) -> int:
-    return int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
-
-
 def efficiency(batches) -> float:
     real = total = 0
     for b in batches:
-        real += real_tokens(b)
+        real += int((b["labels"] != -100).sum())
         total += b["input_ids"].numel()
     return real / total
-
-
-def tiny_pythia():
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    torch.manual_seed(0)
-    config = GPTNeoXConfig(vocab_size=50304, hidden_size=128, num_hidden_layers=6, num_attention_heads=4,
-                           intermediate_size=512, max_position_embeddings=2048, rotary_pct=0.25,
-                           attn_implementation="sdpa")
-    return GPTNeoXForCausalLM(config)
-
-
-def train_tokens_per_second(streams: dict, steps: int, warmup: int) -> dict:
-    """Real tokens/s per mode. Modes take turns step by step on one model, so a change in machine load
-    (other jobs on the cores) hits every mode alike instead of whichever happened to run then."""
-    model = tiny_pythia().train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    iterators = {name: iter(stream) for name, stream in streams.items()}
-    real, elapsed = dict.fromkeys(streams, 0), dict.fromkeys(streams, 0.0)
-    for i in range(warmup + steps):
-        for name, batches in iterators.items():
-            b = next(batches)
-            start = time.perf_counter()
-            inputs = {k: v for k, v in b.items() if k != "labels"}
-            logits = model(**inputs, use_cache=False).logits
-            loss = F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if i >= warmup:
-                elapsed[name] += time.perf_counter() - start
-                real[name] += real_tokens(b)
-    return {name: real[name] / elapsed[name] for name in streams}
 
 
 def pipeline_tokens_per_second(tok, n_batches: int) -> float:
     """jsonl → tokenized → bucketed → padded batches, nothing else."""
     start = time.perf_counter()
     loader = our_batches(tok, 16, mode="pad", buffer_size=1000)
-    real = sum(real_tokens(b) for b in islice(loader, n_batches))
+    real = sum(int((b["labels"] != -100).sum()) for b in islice(loader, n_batches))
     return real / (time.perf_counter() - start)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3,
-                        help="timed training steps per mode (a step takes 2-16 s on 2 cores; 30 needs ~20 min)")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per mode (a step takes 1-3 s on 2 cores)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing (at least 1: set-up)")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--efficiency-batches", type=int, default=150)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--modes", default="all", help="comma-separated row numbers (1-5) to run; 1 is the baseline")
     args = parser.parse_args(argv)
+    args.warmup = max(args.warmup, 1)
     torch.set_num_threads(2)
     tok = load_tokenizer()
     docs = gsm8k_documents(tok)
     B = args.batch
-    modes = {
-        f"HF DataCollatorWithPadding, random order, B{B} (baseline)": lambda: hf_padding_batches(tok, docs, B),
-        f"HF DataCollatorWithPadding, fixed {SEQ}, B{B}": lambda: hf_padding_batches(tok, docs, B, padding="max_length", max_length=SEQ),
-        f"HF DataCollatorWithFlattening, B{B} (padding-free)": lambda: hf_flattening_batches(docs, B),
-        f"ours pad, buffer 1000, B{B}": lambda: our_batches(tok, B, mode="pad", buffer_size=1000),
-        "ours pad, buffer 1000, budget 4096 tokens": lambda: our_batches(tok, B, mode="pad", buffer_size=1000, max_tokens_per_batch=4096),
-        f"ours pack, {SEQ} x B4": lambda: our_batches(tok, 4, mode="pack"),
-        f"ours pack isolated, {SEQ} x B4": lambda: our_batches(tok, 4, mode="pack", isolate_documents=True),
-    }
-    speeds = train_tokens_per_second({name: make() for name, make in modes.items()}, args.steps, args.warmup)
-    rows = [(name, efficiency(islice(make(), args.efficiency_batches)), speeds[name]) for name, make in modes.items()]
-    base = rows[0][2]
+    modes = [
+        (f"Trainer, pad to longest, group_by_length, B{B} (baseline)",
+         lambda: trainer_run(tok, docs, "pad", "group_by_length", args)),
+        (f"Trainer, DataCollatorWithFlattening, B{B} (padding-free)",
+         lambda: trainer_run(tok, docs, "flatten", "random", args)),
+        (f"Trainer, pad to longest, random order, B{B}", lambda: trainer_run(tok, docs, "pad", "random", args)),
+        (f"neox_hf pad, buffer 1000, B{B}", lambda: ours_run(tok, args, mode="pad", buffer_size=1000)),
+        (f"neox_hf pack, {SEQ} x B4", lambda: ours_run(tok, args, mode="pack", micro_batch_size=4)),
+    ]
+    chosen = range(len(modes)) if args.modes == "all" else [int(m) - 1 for m in args.modes.split(",")]
+    rows = []
+    for i in chosen:
+        name, run = modes[i]
+        rows.append((name, run()))
+        torch.set_num_threads(2)  # Trainer / Accelerate may change it
+    base = rows[0][1]["tokens_per_s"]
     width = max(len(r[0]) for r in rows)
-    print(f"\nGSM8K train ({len(docs)} pairs), GPT-NeoX-20B tokenizer, Pythia-14M-shaped GPTNeoX, fp32, "
+    print(f"\nGSM8K train ({len(docs)} pairs), GPT-NeoX-20B tokenizer, Pythia-14M-shaped GPTNeoX, {args.precision}, "
           f"{torch.get_num_threads()} threads, {args.steps} timed steps after {args.warmup} warm-up")
     print(f"machine load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (timings scale with it)")
-    print(f"{'mode':<{width}}  {'pad efficiency':>14}  {'real tok/s':>10}  {'vs baseline':>11}")
-    for name, eff, speed in rows:
-        print(f"{name:<{width}}  {eff:>14.1%}  {speed:>10.0f}  {speed / base:>10.2f}x")
-    unrounded = efficiency(islice(our_batches(tok, B, mode="pad", buffer_size=1000, pad_to_multiple_of=1),
-                                  args.efficiency_batches))
-    print(f"ours pad, buffer 1000, B{B} with pad_to_multiple_of 1 (default 8 above): {unrounded:.1%} efficiency")
-    pipeline = pipeline_tokens_per_second(tok, args.efficiency_batches)
-    consumed = rows[3][2]
-    print(f"\ndata pipeline alone (jsonl → pad batches): {pipeline:,.0f} real tok/s = "
-          f"{pipeline / consumed:.1f}x what the training step consumes in `ours pad` mode ({consumed:,.0f} tok/s)")
+    print(f"| {'mode':<{width}} | pad efficiency | real tok/s | vs row 1 |")
+    print(f"|{'-' * (width + 2)}|---:|---:|---:|")
+    for name, r in rows:
+        print(f"| {name:<{width}} | {r['efficiency']:>14.1%} | {r['tokens_per_s']:>10.0f} | "
+              f"{r['tokens_per_s'] / base:>7.2f}x |")
+    pipeline = pipeline_tokens_per_second(tok, 150)
+    print(f"\ndata pipeline alone (jsonl → pad batches): {pipeline:,.0f} real tok/s")
 
 
 if __name__ == "__main__":

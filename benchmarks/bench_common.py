@@ -1,0 +1,65 @@
+"""Shared by the benchmarks: the machine's name, its measured GEMM peak, and one way of timing training steps."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+
+def cpu_name() -> str:
+    """The CPU model and its matrix extensions, from /proc/cpuinfo (Linux) or platform."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "CPU")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    extensions = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({os.cpu_count()} logical CPUs; {', '.join(extensions) or 'no AVX2'})"
+
+
+def best_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def gemm_peak(dtype: torch.dtype, sizes=(1024, 2048, 3072), repeats: int = 5) -> tuple[float, int]:
+    """(FLOP/s, n) of the fastest square n×n GEMM: each size warmed up twice, best of `repeats`. One short GEMM
+    without warm-up under-measures the peak (an MFU above 100% was printed that way)."""
+    best = (0.0, 0)
+    for n in sizes:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        best = max(best, (2 * n**3 / best_seconds(lambda: torch.mm(a, b), repeats, warmup=2), n))
+    return best
+
+
+class StepClock:
+    """Wall-clock time of every optimizer step of whichever loop runs, from a global post-step hook: a stock loop,
+    transformers' Trainer and our `train(recipe)` are timed by the same code, whole steps (data, forward, backward,
+    clipping, update, logging)."""
+
+    def __enter__(self):
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.times = [time.perf_counter()]
+        self._handle = register_optimizer_step_post_hook(lambda *_: self.times.append(time.perf_counter()))
+        return self
+
+    def __exit__(self, *exc):
+        self._handle.remove()
+
+    def seconds(self, first: int, count: int) -> float:
+        """Time of steps first .. first+count-1 (0-based); step 0 also holds the set-up, so warm-up starts there."""
+        if len(self.times) < first + count + 1:
+            raise RuntimeError(f"only {len(self.times) - 1} optimizer steps ran, {first + count} expected")
+        return self.times[first + count] - self.times[first]

@@ -1,0 +1,170 @@
+"""Fused linear + cross-entropy against the unfused head, at Pythia head shapes, on this machine.
+
+    python benchmarks/fused_loss.py [--repeats 5] [--threads N] [--shapes 14m,70m] [--dtypes fp32,bf16] [--sweep]
+
+For each head shape (Pythia-14M: 3,072 tokens × hidden 128, a GSM8K micro batch of 16; Pythia-70M: 8 × 512 tokens
+× hidden 512; vocabulary 50,304) and dtype (fp32; bf16 hidden states and weights), times loss + backward to the
+hidden states and the head weight, best of --repeats after a warm-up round, and measures the peak bytes of tensors
+allocated on the way (exact, by a TorchDispatchMode; CPU has no allocator statistics):
+- unfused: `logits = hidden @ W^T`, `F.cross_entropy(logits.float(), labels, reduction="sum")` (what a
+  transformers model does, bf16 logits upcast as GPTNeoX's loss function does);
+- fused: `neox_hf.ops.linear_cross_entropy` (gradients computed in the forward);
+- fused, recompute: the same, logits recomputed in backward instead (`recompute=True`).
+An eighth of the labels are -100 (padding/prompt tokens). GFLOP/s counts the 3 head matmuls (2·N·H·V each) of the
+unfused computation for every row; the machine's GEMM peak is measured in the same run (square GEMMs of
+1024-3072, warm-up, best of 5). The variants take turns within each repeat. `--sweep` times the fused op at
+several chunk sizes instead, round-robin (how `default_chunk_rows` was chosen). One full run (both shapes, both
+dtypes) takes about 5 minutes on 2 idle cores; on a loaded machine, many times that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import weakref
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from bench_common import cpu_name, gemm_peak  # noqa: E402
+
+from neox_hf.ops import linear_cross_entropy  # noqa: E402
+
+VOCAB = 50304
+SHAPES = {"14m": ("Pythia-14M head, 3072 tok × 128", 3072, 128), "70m": ("Pythia-70M head, 4096 tok × 512", 4096, 512)}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class PeakBytes(TorchDispatchMode):
+    """Peak bytes of tensors created inside the block and alive at once (storages counted once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = self.largest = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self._track(t.untyped_storage())
+        return out
+
+    def _track(self, storage) -> None:
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        if key in self._seen or nbytes == 0:
+            return
+        self._seen.add(key)
+        self.live += nbytes
+        self.peak, self.largest = max(self.peak, self.live), max(self.largest, nbytes)
+        weakref.finalize(storage, self._release, key, nbytes)
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+
+def unfused(hidden, weight, labels):
+    logits = hidden @ weight.t()
+    return F.cross_entropy(logits.float(), labels, reduction="sum")
+
+
+def fused(hidden, weight, labels, **options):
+    return linear_cross_entropy(hidden, weight, labels, **options)[0]
+
+
+def inputs(tokens: int, width: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, width, generator=g).to(dtype).requires_grad_()
+    weight = (0.02 * torch.randn(VOCAB, width, generator=g)).to(dtype).requires_grad_()
+    labels = torch.randint(0, VOCAB, (tokens,), generator=g)
+    labels[::8] = -100
+    return hidden, weight, labels
+
+
+def loss_and_backward(loss_fn, hidden, weight, labels):
+    grads = torch.autograd.grad(loss_fn(hidden, weight, labels), [hidden, weight])
+    return grads
+
+
+def peak_bytes(loss_fn, hidden, weight, labels) -> tuple[int, int]:
+    """(peak live bytes, largest single allocation) of loss + backward; the returned gradients are counted."""
+    with PeakBytes() as tracker:
+        grads = loss_and_backward(loss_fn, hidden, weight, labels)
+        del grads
+    return tracker.peak, tracker.largest
+
+
+def compare(shape_key: str, dtype_key: str, repeats: int, peak: float) -> list[tuple]:
+    """The three variants take turns within each repeat (machine load hits them alike); best time of each."""
+    title, tokens, width = SHAPES[shape_key]
+    hidden, weight, labels = inputs(tokens, width, DTYPES[dtype_key])
+    flops = 3 * 2 * tokens * width * VOCAB
+    variants = {"unfused (logits + F.cross_entropy)": unfused, "fused": fused,
+                "fused, recompute in backward": lambda h, w, y: fused(h, w, y, recompute=True)}
+    best = dict.fromkeys(variants, float("inf"))
+    for _ in range(repeats + 1):  # the first round is the warm-up
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            loss_and_backward(fn, hidden, weight, labels)
+            best[name] = min(best[name], time.perf_counter() - start)
+    rows = []
+    for name, fn in variants.items():
+        mem, largest = peak_bytes(fn, hidden, weight, labels)
+        rows.append((f"{title}, {dtype_key}", name, best[name], flops / best[name] / peak, mem, largest))
+    return rows
+
+
+def sweep(repeats: int, shapes: list[str], dtypes: list[str]) -> None:
+    """Chunk sizes take turns within each repeat, so a change in machine load hits them alike; best time kept."""
+    print("| shape, dtype | chunk rows | chunk MB (fp32 logits) | seconds (best) |")
+    print("|---|---:|---:|---:|")
+    for shape_key in shapes:
+        title, tokens, width = SHAPES[shape_key]
+        for dtype_key in dtypes:
+            hidden, weight, labels = inputs(tokens, width, DTYPES[dtype_key])
+            sizes = [rows for rows in (64, 256, 512, 1024, 2048) if rows < tokens]
+            best = dict.fromkeys(sizes, float("inf"))
+            for _ in range(repeats + 1):  # the first round is the warm-up
+                for rows in sizes:
+                    start = time.perf_counter()
+                    loss_and_backward(lambda h, w, y: fused(h, w, y, chunk_size=rows), hidden, weight, labels)
+                    best[rows] = min(best[rows], time.perf_counter() - start)
+            for rows in sizes:
+                print(f"| {title}, {dtype_key} | {rows} | {rows * VOCAB * 4 / 2**20:.0f} | {best[rows]:.3f} |")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--shapes", default="14m,70m")
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--sweep", action="store_true", help="time the fused op at several chunk sizes")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"{cpu_name()}, torch {torch.__version__}, {args.threads} threads, best of {args.repeats} after a warm-up")
+    if args.sweep:
+        return sweep(args.repeats, args.shapes.split(","), args.dtypes.split(","))
+    peaks = {key: gemm_peak(dtype)[0] for key, dtype in DTYPES.items() if key in args.dtypes.split(",")}
+    print("GEMM peak (best square GEMM, best of 5): " + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in peaks.items()))
+    print("| head shape, dtype | loss + backward | seconds | % of GEMM peak | peak MB | largest tensor MB | vs unfused |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for shape_key in args.shapes.split(","):
+        for dtype_key in args.dtypes.split(","):
+            rows = compare(shape_key, dtype_key, args.repeats, peaks[dtype_key])
+            base = rows[0][2]
+            for where, name, seconds, mfu, mem, largest in rows:
+                print(f"| {where} | {name} | {seconds:.3f} | {100 * mfu:.0f}% | {mem / 2**20:.0f} | "
+                      f"{largest / 2**20:.0f} | {base / seconds:.2f}× |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""Fused LM head + cross-entropy: the loss and its gradients without ever holding [tokens, vocab] logits.
+
+Fills a gap in torch and transformers: `GPTNeoXForCausalLM` computes `hidden @ W^T` for every position (at
+Pythia's 50,304-token vocabulary, 3,072 tokens give 618 MB of fp32 logits), `F.cross_entropy` then reads them
+several times, and the backward writes a tensor as large again — on a CPU the head costs more than the rest of a
+small model. Liger-Kernel's `FusedLinearCrossEntropy` and Apple's Cut Cross-Entropy avoid it on GPUs with Triton
+kernels; this is the same computation in PyTorch ops, so it runs on CPU and GPU alike.
+
+Tokens are processed in chunks of rows (`default_chunk_rows`: why not cache-sized). For each chunk:
+
+    logits = h W^T                      [chunk, V]      (the only vocabulary-sized buffer, reused in place)
+    m = max_v logits, s = Σ_v exp(logits - m)           all-reduced over `group` for a vocab-parallel head
+    loss_t = log s - (logits_t,target - m) (+ z_loss · (m + log s)²)    the target logit from the rank holding it
+    g = softmax · (1 + 2 z_loss log Z) - onehot(target)                 d loss / d logits, in place
+    d h = g W,   d W += g^T h
+
+The gradients are computed in the forward and only scaled by the upstream gradient in backward, as Liger does
+(3 matmuls per chunk). `recompute=True` keeps nothing but the inputs and recomputes the logits in backward
+(4 matmuls): slower, for callers who need the loss's memory between forward and backward back.
+`benchmarks/fused_loss.py` measures both against the unfused head.
+
+Tensor parallelism: `weight` is this rank's vocabulary slice [V_local, H] starting at row `vocab_start`; every rank
+of `group` passes the same hidden states and labels. The returned gradient of `hidden` is this rank's partial sum:
+the caller passes hidden states that went through `copy_to_tp_region` (or a sequence-parallel gather), whose backward
+sums the partial gradients over the group — exactly what `VocabParallelLMHead.forward_shard` does; `lm_head_loss`
+does it for you.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from neox_hf.errors import NeoXHFError
+from neox_hf.parallel.mappings import all_reduce_max, all_reduce_sum, copy_to_tp_region
+
+# Each chunk adds a rank-`rows` update into the whole [V, H] weight gradient, which moves as many bytes as the chunk's
+# logits when rows = 2H: chunks must be much taller than 2H, or the weight gradient's memory traffic dominates. Measured
+# (benchmarks/fused_loss.py --sweep, 2-core AVX-512 EPYC, 1,024 tokens × hidden 128, fp32): 41 rows (8 MB, "cache
+# sized") 3.4 s, 256 rows 0.85 s, 1,024 rows 0.74 s, against 1.09 s unfused. Hence 4H rows, at least 256, at most
+# MAX_CHUNK_BYTES of fp32 logits (1,300 rows at a 50k vocabulary; on GPUs this also keeps the chunk large enough to
+# fill the device). Without a weight gradient (a frozen head: LoRA; eval) that reason is gone and MIN_CHUNK_ROWS rows
+# keep the logits buffer small (50 MB at a 50k vocabulary), which is most of LoRA's activation memory.
+MIN_CHUNK_ROWS = 256
+MAX_CHUNK_BYTES = 256 * 2**20
+
+
+def default_chunk_rows(vocab_rows: int, hidden_size: int, weight_grad: bool = True) -> int:
+    """Rows per chunk: 4 × hidden_size when the weight gradient is computed, else MIN_CHUNK_ROWS, at least
+    MIN_CHUNK_ROWS, at most MAX_CHUNK_BYTES of fp32 logits."""
+    cap = max(16, MAX_CHUNK_BYTES // (4 * max(vocab_rows, 1)))
+    return min(max(MIN_CHUNK_ROWS, 4 * hidden_size if weight_grad else 0), cap)
+
+
+@dataclass(frozen=True)
+class _Options:
+    group: object
+    vocab_start: int
+    real_vocab_size: int | None
+    z_loss: float
+    ignore_index: int
+    chunk_rows: int
+    compute_dtype: torch.dtype
+    recompute: bool
+
+
+# Data-dependent chunk counts, row selection and collectives: torch.compile of a step runs this eagerly (one graph
+# break) instead of tracing and specialising on every batch shape.
+@torch.compiler.disable
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    group=None,
+    vocab_start: int = 0,
+    real_vocab_size: int | None = None,
+    z_loss: float = 0.0,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    recompute: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of token losses as a 0-dim fp32 tensor, number of labelled tokens as a 0-dim int64 tensor).
+
+    Equal to `F.cross_entropy(hidden @ weight.T, labels, reduction="sum", ignore_index=ignore_index)` plus
+    `z_loss · Σ log(Z)²` over the labelled tokens. `hidden` is [N, H] or [B, S, H] and `labels` is aligned with it
+    (position t predicts labels[t]). With `group`, `weight` is the rank's vocabulary slice starting at
+    `vocab_start`; columns at or beyond `real_vocab_size` (vocabulary padding) are left out of the softmax.
+    Under autocast the matmuls run in the autocast dtype; softmax and sums are always fp32. Backward may run once.
+    """
+    width = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != width:
+        raise NeoXHFError(f"linear_cross_entropy: weight of shape {tuple(weight.shape)} does not match hidden size {width}")
+    flat_hidden, flat_labels = hidden.reshape(-1, width), labels.reshape(-1)
+    if flat_labels.shape[0] != flat_hidden.shape[0]:
+        raise NeoXHFError(f"linear_cross_entropy: {flat_labels.shape[0]} labels for {flat_hidden.shape[0]} hidden states; "
+                          "labels must be aligned with the hidden states (shift them before the call)")
+    n_tokens = (flat_labels != ignore_index).sum()
+    weight_grad = torch.is_grad_enabled() and weight.requires_grad
+    opts = _Options(group, vocab_start, real_vocab_size, float(z_loss), ignore_index,
+                    chunk_size or default_chunk_rows(*weight.shape, weight_grad=weight_grad),
+                    _compute_dtype(hidden, weight), recompute)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        loss = _LinearCrossEntropy.apply(flat_hidden, weight, flat_labels, opts)
+    else:
+        loss, _, _ = _chunked_pass(flat_hidden, weight, flat_labels, opts, want_hidden=False, want_weight=False)
+    return loss, n_tokens
+
+
+def lm_head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, z_loss: float = 0.0,
+                 ignore_index: int = -100, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss sum, labelled-token count) of `head` (the model's output embeddings) on the final hidden states.
+
+    A `VocabParallelLMHead` runs vocab-parallel with the same gradient contract as its `forward_shard`; a bias-free
+    `nn.Linear` runs fused; anything else (a LoRA-wrapped head, a head with a bias) computes full logits and the
+    unfused `cross_entropy_sum`.
+    """
+    from neox_hf.parallel.tp_layers import VocabParallelLMHead  # parallel imports nothing from ops
+
+    if isinstance(head, VocabParallelLMHead):
+        # Without sequence parallelism the head's input is replicated: its partial gradients are summed over the
+        # group by copy_to_tp_region. With it, the final norm's sequence gather already reduce-scatters them.
+        x = hidden if head.sequence_parallel else copy_to_tp_region(hidden, head.group)
+        return linear_cross_entropy(x, head.weight, labels, group=head.group, vocab_start=head.vocab_start,
+                                    z_loss=z_loss, ignore_index=ignore_index, chunk_size=chunk_size)
+    if type(head) is nn.Linear and head.bias is None:
+        return linear_cross_entropy(hidden, head.weight, labels, z_loss=z_loss, ignore_index=ignore_index,
+                                    chunk_size=chunk_size)
+    return cross_entropy_sum(head(hidden), labels, z_loss=z_loss, ignore_index=ignore_index)
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, *, z_loss: float = 0.0,
+                      ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused (loss sum, labelled-token count) from full logits, with the same z-loss as the fused op."""
+    flat, flat_labels = logits.flatten(0, -2).float(), labels.reshape(-1)
+    keep = flat_labels != ignore_index
+    loss = F.cross_entropy(flat, flat_labels, reduction="sum", ignore_index=ignore_index)
+    if z_loss:
+        loss = loss + z_loss * torch.logsumexp(flat, dim=-1).square().masked_fill(~keep, 0.0).sum()
+    return loss, keep.sum()
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """One autograd node for head + loss. By default the forward leaves the finished gradients on `ctx` (the size
+    of `hidden` and of `weight`, which training allocates anyway) and backward scales them in place."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, opts):
+        ctx.opts = opts
+        if opts.recompute:
+            ctx.save_for_backward(hidden, weight, labels)
+            loss, _, _ = _chunked_pass(hidden, weight, labels, opts, want_hidden=False, want_weight=False)
+            return loss
+        loss, ctx.grad_hidden, ctx.grad_weight = _chunked_pass(
+            hidden, weight, labels, opts, want_hidden=ctx.needs_input_grad[0], want_weight=ctx.needs_input_grad[1])
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.opts.recompute:
+            hidden, weight, labels = ctx.saved_tensors
+            _, grad_hidden, grad_weight = _chunked_pass(
+                hidden, weight, labels, ctx.opts, want_hidden=ctx.needs_input_grad[0], want_weight=ctx.needs_input_grad[1])
+        else:
+            if not hasattr(ctx, "grad_hidden"):
+                raise RuntimeError("linear_cross_entropy: backward may run only once (its gradients are scaled in place)")
+            grad_hidden, grad_weight = ctx.grad_hidden, ctx.grad_weight
+            del ctx.grad_hidden, ctx.grad_weight
+        # In place, and a 0-dim tensor: no copy of the gradients and no host synchronisation.
+        for grad in (grad_hidden, grad_weight):
+            if grad is not None:
+                grad.mul_(grad_loss)
+        return grad_hidden, grad_weight, None, None
+
+
+def _kept_rows(labels: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
+    """Indices of the labelled rows, on CPU, where skipping padding and prompt tokens saves their matmuls; None when
+    every row is labelled, and on accelerators, where finding them would synchronise with the host (the chunks there
+    mask the ignored rows instead)."""
+    if labels.device.type != "cpu":
+        return None
+    rows = (labels != ignore_index).nonzero().squeeze(1)
+    return None if rows.numel() == labels.numel() else rows
+
+
+def _chunked_pass(hidden, weight, labels, opts: _Options, *, want_hidden: bool, want_weight: bool):
+    """(loss sum, d loss / d hidden or None, d loss / d weight or None), one chunk of rows at a time."""
+    rows = _kept_rows(labels, opts.ignore_index)
+    h = hidden if rows is None else hidden.index_select(0, rows)
+    y = labels if rows is None else labels.index_select(0, rows)
+    with torch.autocast(hidden.device.type, enabled=False):
+        h_compute, w_compute = h.to(opts.compute_dtype), weight.to(opts.compute_dtype)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty(h.shape, dtype=hidden.dtype, device=hidden.device) if want_hidden else None
+        # Accumulated over chunks in fp32 whatever the weight's dtype.
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        for start in range(0, h.shape[0], opts.chunk_rows):
+            end = start + opts.chunk_rows
+            loss += _chunk(h_compute[start:end], w_compute, y[start:end], opts,
+                           None if grad_h is None else grad_h[start:end], grad_w)
+    if grad_h is not None and rows is not None:
+        grad_h = torch.zeros_like(hidden).index_copy_(0, rows, grad_h)
+    if grad_w is not None and grad_w.dtype != weight.dtype:
+        grad_w = grad_w.to(weight.dtype)
+    return loss, grad_h, grad_w
+
+
+def _chunk(h, w, y, opts: _Options, grad_h_out, grad_w) -> torch.Tensor:
+    """Loss sum of one chunk of rows; writes d loss / d h into `grad_h_out` and adds d loss / d W into `grad_w`."""
+    z = torch.mm(h, w.t()).float()  # fp32 already: no copy
+    width = z.shape[1]
+    if opts.real_vocab_size is not None and opts.real_vocab_size < opts.vocab_start + width:
+        z[:, max(opts.real_vocab_size - opts.vocab_start, 0):] = float("-inf")
+    # The max only shifts the exponent; it cancels in the loss, so it is all-reduced without a gradient.
+    shift = all_reduce_max(z.amax(dim=1), opts.group)
+    z.sub_(shift.unsqueeze(1))
+    local = y - opts.vocab_start
+    here = (local >= 0) & (local < width)
+    local = local.masked_fill(~here, 0)
+    target = z.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(~here, 0.0)
+    z.exp_()
+    # One collective for both: Σ exp over the whole vocabulary, and the target logit from the rank that holds it.
+    sum_exp, target = all_reduce_sum(torch.stack([z.sum(dim=1), target]), opts.group)
+    log_sum = sum_exp.log()
+    kept = y != opts.ignore_index
+    token_loss = log_sum - target
+    scale = sum_exp.reciprocal()
+    if opts.z_loss:
+        log_z = shift + log_sum
+        token_loss = token_loss + opts.z_loss * log_z.square()
+        scale = scale * (1.0 + 2.0 * opts.z_loss * log_z)
+    loss = token_loss.masked_fill(~kept, 0.0).sum()
+    if grad_h_out is None and grad_w is None:
+        return loss
+    # z becomes d loss / d logits: softmax · (1 + 2 z_loss log Z) - onehot, zero for ignored rows.
+    z.mul_(scale.masked_fill(~kept, 0.0).unsqueeze(1))
+    z.scatter_add_(1, local.unsqueeze(1), -(here & kept).to(z.dtype).unsqueeze(1))
+    g = z.to(h.dtype)
+    if grad_h_out is not None:
+        if grad_h_out.dtype == g.dtype:
+            torch.mm(g, w, out=grad_h_out)
+        else:
+            grad_h_out.copy_(torch.mm(g, w))
+    if grad_w is not None:
+        if g.dtype == grad_w.dtype:
+            grad_w.addmm_(g.t(), h)
+        else:  # bf16 matmul (fp32 accumulation inside), each chunk's product added in fp32
+            grad_w.add_(torch.mm(g.t(), h))
+    return loss

@@ -1,0 +1,208 @@
+"""The fused linear + cross-entropy must equal the unfused head + F.cross_entropy(reduction="sum").
+
+Loss sum, labelled-token count and the gradients of the hidden states and of the head weight, fp32, to 1e-5
+(relative where a value exceeds 1: the sum grows with the tokens); z-loss against a hand-written reference; bf16
+within bf16 tolerance; vocab-parallel TP2 (torchrun + gloo worker) against one process; and that no
+[tokens, vocab] tensor is ever allocated.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from neox_hf.errors import NeoXHFError
+from neox_hf.ops import linear_cross_entropy, lm_head_loss
+from tests.conftest import free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = os.path.join(REPO, "tests", "workers")
+sys.path.insert(0, WORKERS)
+from fused_ce_tp2 import case  # noqa: E402
+
+TOL = 1e-5
+
+
+def unfused(hidden, weight, labels, z_loss=0.0):
+    """Reference: full logits, F.cross_entropy sum, and PaLM's z-loss written out: z · Σ_t (log Σ_v e^{z_tv})²."""
+    logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
+    flat = labels.reshape(-1)
+    loss = F.cross_entropy(logits.float(), flat, reduction="sum", ignore_index=-100)
+    if z_loss:
+        log_z = logits.float().exp().sum(-1).log()
+        loss = loss + z_loss * (log_z[flat != -100] ** 2).sum()
+    return loss
+
+
+def loss_and_grads(fn, hidden, weight, labels, **kwargs):
+    hidden, weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    out = fn(hidden, weight, labels, **kwargs)
+    loss, count = out if isinstance(out, tuple) else (out, None)
+    (3.0 * loss).backward()  # an upstream gradient other than 1 checks the scaling in backward
+    return loss.detach(), count, hidden.grad, weight.grad
+
+
+def assert_matches(fused, reference, tol=TOL):
+    loss, count, d_hidden, d_weight = fused
+    ref_loss, _, ref_d_hidden, ref_d_weight = reference
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert abs(loss.item() - ref_loss.item()) <= tol * max(1.0, abs(ref_loss.item()))
+    for got, want in ((d_hidden, ref_d_hidden), (d_weight, ref_d_weight)):
+        # fp32 rounding scales with the gradient's size: 1e-5 absolute up to 1, relative above
+        assert (got.float() - want.float()).abs().max().item() <= tol * max(1.0, want.abs().max().item())
+
+
+def random_case(seed, tokens, width, vocab, ignored=0.2, batch=None):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, width, generator=g)
+    weight = torch.randn(vocab, width, generator=g) / width**0.5
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    labels[torch.rand(tokens, generator=g) < ignored] = -100
+    if batch:
+        hidden, labels = hidden.view(batch, tokens // batch, width), labels.view(batch, tokens // batch)
+    return hidden, weight, labels
+
+
+@pytest.mark.parametrize("seed,tokens,width,vocab,chunk,batch", [
+    (0, 50, 16, 97, 16, None),      # chunks that do not divide the rows
+    (1, 64, 32, 300, 7, 4),         # [B, S, H] input
+    (2, 33, 8, 1000, 1000, None),   # one chunk holds everything
+    (3, 40, 24, 129, None, 2),      # the default chunk size
+])
+def test_fused_equals_unfused_sum_count_and_gradients(seed, tokens, width, vocab, chunk, batch):
+    hidden, weight, labels = random_case(seed, tokens, width, vocab, batch=batch)
+    for recompute in (False, True):
+        fused = loss_and_grads(linear_cross_entropy, hidden, weight, labels, chunk_size=chunk, recompute=recompute)
+        assert fused[1].item() == int((labels != -100).sum())
+        assert_matches(fused, loss_and_grads(unfused, hidden, weight, labels))
+
+
+def test_a_chunk_with_every_label_ignored_and_an_all_ignored_batch():
+    hidden, weight, labels = random_case(4, 48, 16, 211, ignored=0.0)
+    labels[16:32] = -100  # the whole second chunk
+    fused = loss_and_grads(linear_cross_entropy, hidden, weight, labels, chunk_size=16)
+    assert fused[1].item() == 32
+    assert torch.all(fused[2][16:32] == 0)
+    assert_matches(fused, loss_and_grads(unfused, hidden, weight, labels))
+
+    labels[:] = -100
+    loss, count, d_hidden, d_weight = loss_and_grads(linear_cross_entropy, hidden, weight, labels, chunk_size=16)
+    assert loss.item() == 0.0 and count.item() == 0
+    assert torch.all(d_hidden == 0) and torch.all(d_weight == 0)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_z_loss_matches_a_hand_written_reference(recompute):
+    hidden, weight, labels = random_case(5, 60, 16, 150)
+    hidden = hidden * 3  # logits far from 0, so log Z matters
+    fused = loss_and_grads(linear_cross_entropy, hidden, weight, labels, z_loss=1e-3, chunk_size=16, recompute=recompute)
+    reference = loss_and_grads(unfused, hidden, weight, labels, z_loss=1e-3)
+    assert_matches(fused, reference)
+    without = loss_and_grads(unfused, hidden, weight, labels)
+    assert reference[0] - without[0] > 1.0  # the z-loss term is really there
+
+
+def test_bf16_inputs_are_close_and_keep_their_dtypes():
+    hidden, weight, labels = random_case(6, 96, 32, 500)
+    fused = loss_and_grads(linear_cross_entropy, hidden.bfloat16(), weight.bfloat16(), labels, chunk_size=32)
+    assert fused[2].dtype == torch.bfloat16 and fused[3].dtype == torch.bfloat16
+    reference = loss_and_grads(unfused, hidden, weight, labels)
+    assert abs(fused[0].item() - reference[0].item()) <= 1e-2 * abs(reference[0].item())
+    for got, want in zip(fused[2:], reference[2:]):
+        assert (got.float() - want).abs().max().item() <= 2e-2 * want.abs().max().item()
+
+
+def test_autocast_runs_bf16_matmuls_with_fp32_weights_and_returns_fp32_gradients():
+    hidden, weight, labels = random_case(7, 64, 32, 400)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = loss_and_grads(linear_cross_entropy, hidden, weight, labels, chunk_size=32)
+    assert fused[2].dtype == torch.float32 and fused[3].dtype == torch.float32
+    reference = loss_and_grads(unfused, hidden.bfloat16().float(), weight.bfloat16().float(), labels)
+    assert abs(fused[0].item() - reference[0].item()) <= 1e-3 * abs(reference[0].item())
+    assert (fused[3] - reference[3]).abs().max().item() <= 2e-2 * reference[3].abs().max().item()
+
+
+def test_padded_vocabulary_columns_are_left_out_of_the_softmax():
+    hidden, weight, labels = random_case(8, 40, 16, 120)
+    labels[labels >= 100] = 3
+    fused = loss_and_grads(linear_cross_entropy, hidden, weight, labels, real_vocab_size=100, chunk_size=16)
+    reference = loss_and_grads(unfused, hidden, weight[:100], labels)
+    assert_matches((fused[0], fused[1], fused[2], fused[3][:100]), reference)
+    assert torch.all(fused[3][100:] == 0)
+
+
+def test_frozen_head_weight_gets_no_gradient_and_no_grad_mode_only_the_loss():
+    hidden, weight, labels = random_case(9, 40, 16, 120)
+    leaf = hidden.clone().requires_grad_()
+    loss, _ = linear_cross_entropy(leaf, weight, labels, chunk_size=16)  # weight.requires_grad is False (LoRA)
+    (3.0 * loss).backward()
+    ref = loss_and_grads(unfused, hidden, weight, labels)
+    assert (leaf.grad - ref[2]).abs().max().item() <= TOL
+    with torch.no_grad():
+        eval_loss, count = linear_cross_entropy(hidden, weight, labels)
+    assert not eval_loss.requires_grad and abs(eval_loss.item() - ref[0].item()) <= TOL * ref[0].item()
+
+
+def test_lm_head_loss_runs_a_linear_head_fused_and_falls_back_for_a_biased_head():
+    hidden, weight, labels = random_case(10, 30, 16, 90)
+    head = nn.Linear(16, 90, bias=False)
+    head.weight.data.copy_(weight)
+    loss, count = lm_head_loss(head, hidden, labels, z_loss=1e-4)
+    assert abs(loss.item() - unfused(hidden, weight, labels, z_loss=1e-4).item()) <= TOL * loss.item()
+    biased = nn.Linear(16, 90)
+    ref = F.cross_entropy(biased(hidden), labels, reduction="sum")
+    assert abs(lm_head_loss(biased, hidden, labels)[0].item() - ref.item()) <= TOL * ref.item()
+
+
+def test_misaligned_labels_are_refused_with_the_fix():
+    hidden, weight, labels = random_case(11, 30, 16, 90)
+    with pytest.raises(NeoXHFError, match="shift them before the call"):
+        linear_cross_entropy(hidden, weight, labels[:-1])
+
+
+class LargestAllocation(TorchDispatchMode):
+    """The largest tensor any op creates inside the block, in elements."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
+        return out
+
+
+def test_never_allocates_a_tokens_by_vocab_tensor():
+    tokens, width, vocab, chunk = 256, 16, 1024, 32
+    hidden, weight, labels = random_case(12, tokens, width, vocab)
+    hidden.requires_grad_(), weight.requires_grad_()
+    with LargestAllocation() as fused_run:
+        loss, _ = linear_cross_entropy(hidden, weight, labels, chunk_size=chunk)
+        loss.backward()
+    assert fused_run.largest <= max(chunk * vocab, vocab * width)  # one chunk's logits, or the weight's gradient
+    with LargestAllocation() as unfused_run:
+        unfused(hidden, weight, labels).backward()
+    assert unfused_run.largest >= tokens * vocab  # the tracker does see the logits when they exist
+
+
+def test_vocab_parallel_tp2_equals_one_process(tmp_path):
+    """Two gloo ranks, each holding half the vocabulary, through lm_head_loss with a VocabParallelLMHead (replicated
+    input, and a sequence-parallel one): loss, count and the gathered gradients equal one process."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), os.path.join(WORKERS, "fused_ce_tp2.py"), str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, WORKERS]))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    for name, z_loss in (("plain", 0.0), ("z_loss", 1e-3), ("sequence_parallel", 0.0)):
+        hidden, weight, labels = case()
+        ref = loss_and_grads(unfused, hidden, weight, labels, z_loss=z_loss)
+        for rank in range(2):
+            got = torch.load(tmp_path / f"{name}.rank{rank}.pt")
+            assert got["count"] == int((labels != -100).sum())
+            assert_matches((got["loss"], None, got["d_hidden"], got["d_weight"]), ref)
