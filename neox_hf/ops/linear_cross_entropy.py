@@ -257,3 +257,23 @@ def _chunk(h, w, y, opts: _Options, grad_h_out, grad_w) -> torch.Tensor:
         else:  # bf16 matmul (fp32 accumulation inside), each chunk's product added in fp32
             grad_w.add_(torch.mm(g.t(), h))
     return loss
+
+
+def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, fused: bool = True,
+              z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one head loss of neox_hf (training, eval, pipeline last stages): (Σ token cross-entropies, labelled
+    tokens) of `head` on the final hidden states, labels aligned, -100 ignored.
+
+    `fused` (train.fused_cross_entropy) takes the chunked op of `lm_head_loss`; otherwise a vocab-parallel head uses
+    its unfused sharded cross-entropy and a plain head full logits. Under ZeRO-3 the weight is a partition gathered
+    only inside the head's own forward, so that head is always called (unfused).
+    """
+    zero3_partitioned = hasattr(getattr(head, "weight", None), "ds_id")
+    if fused and not zero3_partitioned:
+        return lm_head_loss(head, hidden, labels, z_loss=z_loss)
+    own_loss = getattr(head, "loss_sum", None)
+    if own_loss is not None and not z_loss:
+        return own_loss(hidden, labels)
+    if own_loss is not None:  # z-loss needs log Z, which only the (vocab-parallel) fused op computes without logits
+        return lm_head_loss(head, hidden, labels, z_loss=z_loss)
+    return cross_entropy_sum(head(hidden), labels, z_loss=z_loss)

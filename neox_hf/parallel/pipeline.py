@@ -45,7 +45,7 @@ from neox_hf.parallel.layout import Layout, global_rank
 from neox_hf.parallel.mappings import gather_along_dim
 from neox_hf.parallel.tensor_parallel import apply_tensor_parallel_to_part
 from neox_hf.parallel.tp_checkpoint import load_tp_shard_state_dict
-from neox_hf.parallel.tp_layers import VocabParallelEmbedding, VocabParallelLMHead, vocab_parallel_cross_entropy
+from neox_hf.parallel.tp_layers import VocabParallelEmbedding, VocabParallelLMHead
 from neox_hf.parallel.tp_plan import partition_dim
 
 IGNORE_INDEX = -100
@@ -314,7 +314,7 @@ def _pipeline_module_class():
 
 def build_pipeline_module(config, layout: Layout, *, folder: str | None = None,
                           partition_method: str = "type:transformer", activation_checkpointing: bool = False,
-                          loss_normalization: str = "token"):
+                          loss_normalization: str = "token", fused_cross_entropy: bool = True):
     """The `PipelineModule` of this rank's stage (collective: every rank calls it, after the Accelerator exists).
 
     `folder`: a safetensors HF folder to read this stage's slices from (`config.vocab_size` may exceed the stored
@@ -334,7 +334,7 @@ def build_pipeline_module(config, layout: Layout, *, folder: str | None = None,
                           tied_weight_attr=["embed_in.weight"]) if tied else LayerSpec(HeadPipe, builder))
     specs = ([embedding] + [LayerSpec(TransformerLayerPipe, builder, i) for i in range(config.num_hidden_layers)]
              + [LayerSpec(FinalNormPipe, builder), head])
-    loss = StageLoss(loss_normalization)
+    loss = StageLoss(loss_normalization, fused=fused_cross_entropy)
     checkpointing = {}
     if activation_checkpointing:
         # torch's non-reentrant checkpoint of each transformer layer (the embedding must not be checkpointed: its
@@ -377,7 +377,8 @@ def build_pipeline_model(recipe, tokenizer, layout: Layout):
     config.use_cache = False
     return build_pipeline_module(config, layout, folder=folder, partition_method=p.pipe_partition_method,
                                  activation_checkpointing=p.activation_checkpointing,
-                                 loss_normalization=recipe.train.loss_normalization)
+                                 loss_normalization=recipe.train.loss_normalization,
+                                 fused_cross_entropy=recipe.train.fused_cross_entropy)
 
 
 def _has_safetensors(folder: str) -> bool:
@@ -423,16 +424,13 @@ def tied_head(embedding: nn.Module) -> nn.Module:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ token cross-entropies, labelled tokens) from the final hidden states; labels aligned, -100 ignored.
+def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, fused: bool = True,
+              z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ token cross-entropies, labelled tokens) of the last stage: the one head loss of `neox_hf.ops`, as training
+    without stages computes it (fused chunked cross-entropy by default, vocab-parallel under TP)."""
+    from neox_hf.ops import head_loss as shared_head_loss  # ops imports parallel's TP layers: import at call time
 
-    The dispatch of `neox_hf.train.loss.head_loss` (a head with its own `loss_sum` — the vocab-parallel head — computes
-    it with sharded logits), repeated because `parallel/` cannot import `train/`; a plain head goes through the
-    single-buffer cross-entropy, not train.loss's chunked fused op, and `train.z_loss` is not applied here."""
-    own_loss = getattr(head, "loss_sum", None)
-    if own_loss is not None:
-        return own_loss(hidden, labels)
-    return vocab_parallel_cross_entropy(head(hidden), labels, group=None, reduction="sum"), (labels != IGNORE_INDEX).sum()
+    return shared_head_loss(head, hidden, labels, fused=fused, z_loss=z_loss)
 
 
 class StageLoss:
@@ -441,14 +439,14 @@ class StageLoss:
     token: loss_sum × `scale` (set per step to gas × dp / N); micro_batch: the micro-batch's mean (GPT-NeoX).
     Every call records (loss_sum, tokens) for the step's and eval's token-weighted totals."""
 
-    def __init__(self, normalization: str = "token"):
-        self.normalization = normalization
+    def __init__(self, normalization: str = "token", fused: bool = True):
+        self.normalization, self.fused = normalization, fused
         self.scale = 1.0
         self.head_provider = None
         self.records: list[torch.Tensor] = []
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss_sum, tokens = head_loss(self.head_provider(), hidden, labels)
+        loss_sum, tokens = head_loss(self.head_provider(), hidden, labels, fused=self.fused)
         self.records.append(torch.stack([loss_sum.detach().double(), tokens.double()]))
         if self.normalization == "micro_batch":
             return loss_sum / tokens.clamp(min=1)

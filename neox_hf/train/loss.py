@@ -8,17 +8,17 @@ short batch more than one of a long batch — the bug transformers fixed in `Tra
 One label convention: `batch["labels"]` is already aligned with the input positions (position t predicts
 labels[t]; the data loader shifts), -100 is ignored.
 
-The loss is computed from the decoder's final hidden states, never from `model(...).logits`: the head decides how.
-A head that can compute its own loss (the tensor-parallel `VocabParallelLMHead.loss_sum`, whose logits stay sharded
-along the vocabulary) does; a plain `nn.Linear` head goes through the chunked linear + cross-entropy of
-`neox_hf.ops` when available, which never materialises [tokens, vocab] logits.
+The loss is computed from the decoder's final hidden states, never from `model(...).logits`, by `neox_hf.ops.head_loss`
+(shared with the pipeline's last stage): with `train.fused_cross_entropy` (the default) the chunked linear +
+cross-entropy, vocab-parallel under TP, which never materialises [tokens, vocab] logits; otherwise the head's own
+sharded loss (TP) or full logits.
 """
 
 from __future__ import annotations
 
 import torch
 
-from neox_hf.parallel.tp_layers import vocab_parallel_cross_entropy
+from neox_hf.ops import head_loss
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
@@ -39,35 +39,3 @@ def causal_lm_module(model):
     """
     module = getattr(model, "module", model)
     return module.get_base_model() if hasattr(module, "get_base_model") else module
-
-
-def head_loss(head, hidden: torch.Tensor, labels: torch.Tensor, *, fused: bool = True,
-              z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ token cross-entropies, labelled-token count) of the head applied to `hidden` [batch, seq, hidden]."""
-    own_loss = getattr(head, "loss_sum", None)
-    if own_loss is not None:
-        return own_loss(hidden, labels)
-    count = (labels != -100).sum()
-    fused_op = _fused_linear_cross_entropy() if fused and _weight_is_local(head) and head.bias is None else None
-    if fused_op is not None:
-        loss, _ = fused_op(hidden, head.weight, labels, z_loss=z_loss)
-        return loss, count
-    logits = head(hidden)
-    loss = vocab_parallel_cross_entropy(logits, labels, group=None, reduction="sum")
-    if z_loss:
-        log_z = torch.logsumexp(logits.float(), dim=-1)
-        loss = loss + z_loss * (log_z.square() * (labels != -100)).sum()
-    return loss, count
-
-
-def _weight_is_local(head) -> bool:
-    """False under ZeRO-3, where the weight is a partition gathered only inside the head's own forward."""
-    return not hasattr(head.weight, "ds_id")
-
-
-def _fused_linear_cross_entropy():
-    try:
-        from neox_hf.ops.linear_cross_entropy import linear_cross_entropy
-    except ImportError:  # the op lands separately; the unfused path computes the same values
-        return None
-    return linear_cross_entropy
