@@ -27,11 +27,20 @@ NOT_RUN = {
     "python -m pytest tests -q": "the test suite itself",
     "neox_hf convert-neox global_step143000 --config 14M.yml OUT": "needs a GPT-NeoX checkpoint; test_cli_interop "
                                                                    "converts one",
+    "neox_hf batches CONFIG --data-path PREFIX --data-parallel 8 --start-step 0 --end-step 10 --output b.npy":
+        "the command's synopsis (placeholders); the worked example below it runs",
+    "neox_hf batches ../shared/data/neox-configs/pythia/160M.yml --data-path pile-deduped-preshuffled/document --order "
+    "preshuffled --data-parallel 32 --start-step N --end-step N+1 --output stepN.npy --decode":
+        "needs Pythia's pre-shuffled Pile files (hundreds of GB); test_neox_order reads pre-shuffled rows",
     "neox_hf push OUT my-org/my-model [--revision step1000]": "needs a Hub and a token; test_hub pushes through the "
                                                               "CLI to a local fake Hub",
-    "accelerate config": "interactive, for a GPU cluster",
 }
-CLUSTER = re.compile(r"^accelerate launch --num_machines")  # the 20B multi-node command: GPUs only
+# GPU-cluster commands: the multi-node launch, the GPU launch configs (test_launch_files loads each with
+# Accelerate's own loader) and the SLURM script.
+CLUSTER = re.compile(r"^(accelerate launch --num_machines|accelerate launch --config_file examples/launch/(one_gpu|8gpu)"
+                     r"|sbatch examples/launch/"
+                     # benchmarks: minutes each on 2 cores, tables printed for people, never asserted in tests
+                     r"|(OMP_NUM_THREADS=1 )?python benchmarks/)")
 
 # Appended to every training command: a tiny model, a few steps, a small slice of the text.
 TINY_RUN = ["--model.num_layers", "1", "--model.hidden_size", "32", "--train.micro_batch_size", "2",
@@ -62,7 +71,7 @@ def test_every_readme_command_is_run_or_says_what_it_needs():
 
 
 def _runner(command: str) -> str | None:
-    if command.startswith(("accelerate launch run_clm_neox.py", "python run_clm_neox.py")):
+    if command.startswith(("accelerate launch", "python run_clm_neox.py")) and "run_clm_neox.py" in command:
         return "train"
     if command.startswith("neox_hf "):
         return "cli"
@@ -91,7 +100,8 @@ def workspace(tmp_path, monkeypatch):
 
 
 def _train_args(command: str, small: Path) -> list[str]:
-    argv = shlex.split(command)[3:] if command.startswith("accelerate") else shlex.split(command)[2:]
+    tokens = shlex.split(command)
+    argv = tokens[tokens.index("run_clm_neox.py") + 1:]
     if "--print-config" in argv:
         return argv
     extra = list(TINY_RUN)
@@ -99,7 +109,7 @@ def _train_args(command: str, small: Path) -> list[str]:
         extra += ["--train.train_iters", "2", "--train.save_interval", "2", "--model.seq_length", "128"]
     else:
         extra += ["--train.train_iters", "4", "--train.save_interval", "2"]
-    if "--parallel.zero_stage" not in argv:
+    if "--parallel.zero_stage" not in argv and "--data.sources" not in argv:
         # A slice of the text keeps the one-process runs quick. The 2-process run keeps the whole file: a slice
         # this small can leave one rank without a validation batch, and the loop's eval then waits on the other.
         extra += ["--data.sources", f"[{{path: {small}}}]"]
