@@ -41,6 +41,21 @@ def accelerate_launch_command(script, *args, zero_stage: int, num_processes: int
     ]
 
 
+def reset_accelerate_state() -> None:
+    """In-process training runs leave Accelerate's singletons set up for their layout."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    yield
+    reset_accelerate_state()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from neox_hf.interop.tokenizer import load_tokenizer

@@ -18,16 +18,6 @@ from neox_hf.train.checkpoint import checkpoint_name, is_complete_checkpoint
 from tests.conftest import BUNDLED_TOKENIZER, REPO
 
 
-@pytest.fixture
-def fresh_accelerate_state():
-    yield
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
-
-
 @pytest.fixture(scope="module")
 def small_text(tmp_path_factory) -> Path:
     """A few kB of real text: enough for a dozen tiny steps, cheap to count and tokenize."""

@@ -116,16 +116,6 @@ def test_undecodable_and_missing_recipe_files_are_refused(tmp_path, capsys):
     assert_one_line_error(*run_train(["--print-config"], capsys), "no recipe given")
 
 
-@pytest.fixture
-def fresh_accelerate_state():
-    yield
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
-
-
 def _bad_files(tmp: Path) -> dict[str, Path]:
     corrupt = tmp / "corrupt-tokenizer.json"
     corrupt.write_text('{"model": ')

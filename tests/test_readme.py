@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, free_port
+from tests.conftest import reset_accelerate_state, REPO, free_port
 
 README = REPO / "README.md"
 
@@ -92,11 +92,7 @@ def workspace(tmp_path, monkeypatch):
     (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ["ROMEO: hello", "JULIET: hi"]))
     monkeypatch.chdir(root)
     yield root
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
+    reset_accelerate_state()
 
 
 def _train_args(command: str, small: Path) -> list[str]:

@@ -13,24 +13,10 @@ import pytest
 from neox_hf.errors import NeoXHFError, RecipeError
 from neox_hf.recipe import recipe_from_dict
 from neox_hf.trackers import REDACTED, init_tracker_kwargs, run_name, tracker_config, tracker_names
-from tests.conftest import BUNDLED_TOKENIZER, REPO
+from tests.conftest import BUNDLED_TOKENIZER, REPO, reset_accelerate_state
 from tests.test_eval_tasks import local_task
 
 FAKE_TOKEN = "hf_" + "Zq8" * 12  # looks like a Hugging Face token; must never reach a tracker or a file
-
-
-def reset_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
-
-
-@pytest.fixture
-def fresh_accelerate_state():
-    yield
-    reset_accelerate_state()
 
 
 def tiny_run_recipe(out: Path, **sections) -> dict:

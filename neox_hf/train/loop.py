@@ -367,8 +367,6 @@ def _write_card(run: TrainingRun, state: TrainState, eval_loss: float | None, fo
 def startup_report(run: TrainingRun, notices: list[str]) -> str:
     recipe, layout, accelerator = run.recipe, run.layout, run.accelerator
     t, m = recipe.train, recipe.model
-    from neox_hf.parallel.accelerator import uses_deepspeed
-
     unwrapped = accelerator.unwrap_model(run.model)
     config = unwrapped.get_base_model().config if hasattr(unwrapped, "get_base_model") else unwrapped.config
     global_batch = t.micro_batch_size * t.gradient_accumulation_steps * layout.dp
@@ -376,11 +374,14 @@ def startup_report(run: TrainingRun, notices: list[str]) -> str:
         f"neox_hf: {config.num_hidden_layers} layers, {parameter_count(unwrapped, layout) / 1e6:.2f}M parameters, "
         f"vocab {config.vocab_size} (tokenizer {len(run.tokenizer)})",
         f"layout: {layout.describe()}{' with sequence parallelism' if recipe.parallel.sequence_parallel else ''}, "
-        f"ZeRO stage {recipe.parallel.zero_stage if uses_deepspeed(accelerator) else 'off'}, precision {t.precision}",
+        f"ZeRO stage {recipe.parallel.zero_stage if accelerator.state.deepspeed_plugin else 'off'}, precision {t.precision}",
         f"batch: micro {t.micro_batch_size} × accumulation {t.gradient_accumulation_steps} × dp {layout.dp} = "
         f"{global_batch} samples/step, mode {recipe.data.mode}, seq_length {m.seq_length}, {t.train_iters} steps; "
         f"loss weighted per {'token' if t.loss_normalization == 'token' else 'micro-batch (GPT-NeoX)'}",
     ]
+    lines.append(f"precision: {_precision_in_effect(t, accelerator)}; loss: "
+                 + ("fused chunked linear + cross-entropy (no [tokens, vocab] logits; softmax and sums in fp32)"
+                    if t.fused_cross_entropy else "full logits, then cross-entropy in fp32"))
     if hasattr(run.loader, "describe"):
         lines.append(run.loader.describe())
     elif recipe.data.mode == "pack":
@@ -394,3 +395,13 @@ def startup_report(run: TrainingRun, notices: list[str]) -> str:
             )
     lines += [f"note: {n}" for n in notices]
     return "\n".join(lines)
+
+
+def _precision_in_effect(t, accelerator) -> str:
+    """What runs in which precision, as the start-up report states it."""
+    if t.precision == "fp32":
+        return "fp32 everywhere"
+    if accelerator.state.deepspeed_plugin is not None:
+        return (f"{t.precision} weights, activations and gradients, fp32 master weights and optimizer states "
+                f"(DeepSpeed {t.precision})")
+    return f"{t.precision} autocast for matmuls, fp32 weights, gradients and optimizer states"
