@@ -64,7 +64,8 @@ def tokenizer():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Tiers: `pytest -m "not distributed"` is the fast tier (no process launches); the full suite runs everything.
+# Tiers: `pytest -m "not distributed"` is the fast tier; `distributed` marks the slow tier: tests that launch processes
+# (found automatically below) and the few that run a whole training end to end (marked by hand).
 # ----------------------------------------------------------------------------------------------------------------
 
 _LAUNCHES = ("accelerate_launch_command(", "run_torchrun(", "_launch(", "launch(", "torch.distributed.run")

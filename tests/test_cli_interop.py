@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -33,6 +35,7 @@ def word_tokenizer(path: Path, size: int = 100) -> Path:
     return path
 
 
+@pytest.mark.distributed  # slow tier: a whole run in a subprocess or in process
 def test_convert_neox_tp2_checkpoint_via_cli(tmp_path):
     config = tiny_config(parallel_residual=True, tied=False)
     ranks = random_neox_shards(config, tp=2)

@@ -176,6 +176,7 @@ metric_list:
 """
 
 
+@pytest.mark.distributed  # slow tier: a whole run in a subprocess or in process
 def test_lm_eval_harness_runs_a_local_task_on_a_saved_folder(folder, tmp_path):
     pytest.importorskip("lm_eval")
     data = tmp_path / "tiny_qa.jsonl"

@@ -65,6 +65,7 @@ def test_tensor_parallel_under_plain_python_names_the_deepspeed_launch(tmp_path)
     assert "accelerate launch --use_deepspeed --num_processes 2 run_clm_neox.py recipes/tiny.yaml" in line
 
 
+@pytest.mark.distributed  # slow tier: a whole run in a subprocess or in process
 def test_accelerate_launch_without_deepspeed_starts_one_process_and_is_told_the_flag(tmp_path):
     # On CPU, `accelerate launch --num_processes 2` without --use_deepspeed silently starts ONE process.
     line = _refusal([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
@@ -74,6 +75,7 @@ def test_accelerate_launch_without_deepspeed_starts_one_process_and_is_told_the_
     assert "--use_deepspeed --num_processes 2" in line
 
 
+@pytest.mark.distributed  # slow tier: a whole run in a subprocess or in process
 def test_zero_in_a_single_plain_process_trains(tmp_path):
     # DeepSpeed needs launcher variables even for one rank; a plain `python` run with ZeRO-2 gets them.
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -141,6 +141,7 @@ def _python_snippets() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
+@pytest.mark.distributed  # slow tier: a whole run in a subprocess or in process
 def test_readme_commands_run_as_written(workspace, capsys):
     from neox_hf.cli import main as cli_main
     from neox_hf.train import main as train_main

@@ -234,6 +234,7 @@ def memory_report(model_dir, mode, tp_size=4):
     return json.loads(out.read_text())
 
 
+@pytest.mark.distributed  # slow tier: a whole run in a subprocess or in process
 def test_loading_one_rank_slice_needs_a_fraction_of_the_memory(tmp_path):
     config = tiny_config(hidden_size=512, num_attention_heads=8, num_hidden_layers=4,
                          intermediate_size=2048, vocab_size=8192)
@@ -247,6 +248,7 @@ def test_loading_one_rank_slice_needs_a_fraction_of_the_memory(tmp_path):
     assert shard["peak_rss_growth_mb"] < 0.65 * full["peak_rss_growth_mb"]
 
 
+@pytest.mark.distributed  # slow tier: a whole run in a subprocess or in process
 def test_loading_a_padded_vocabulary_slice_needs_a_fraction_of_the_memory(tmp_path):
     """A vocabulary TP does not divide (8190 → 8192 rows for TP4) is padded slice by slice, never read whole: the
     last rank, which holds the padding rows, copies only its two vocabulary slices."""

@@ -21,6 +21,7 @@ from tests.test_resume import step_losses
 
 WORKER = REPO / "tests" / "workers" / "token_weighting.py"
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-4
+pytestmark = pytest.mark.distributed  # every test runs the loop in worker processes (two of them launched)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ def shakespeare_sources() -> str:
     return f"[{{path: {shared('corpora/tinyshakespeare/input.txt')}}}]"
 
 
+@pytest.mark.distributed  # slow tier: a whole run in a subprocess or in process
 def test_tiny_recipe_trains_on_real_text_and_stock_transformers_loads_it(tmp_path, fresh_accelerate_state):
     from neox_hf.train.args import parse_run_args
     from neox_hf.train.loop import train
