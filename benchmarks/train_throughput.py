@@ -80,10 +80,19 @@ def ours_seconds(warmup: int, steps: int, precision: str) -> float:
         })
         with StepClock() as clock, contextlib.redirect_stdout(io.StringIO()):
             train(recipe)
+        _reset_accelerate_state()  # the next precision builds a new Accelerator in this process
         log = [json.loads(line) for line in (Path(tmp) / "train_log.jsonl").read_text().splitlines()]
     if len(log) != warmup + steps:
         raise RuntimeError(f"train(recipe) logged {len(log)} steps, {warmup + steps} expected")
     return clock.seconds(warmup, steps) / steps
+
+
+def _reset_accelerate_state() -> None:
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
 
 
 def main() -> int:
