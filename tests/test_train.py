@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXForCausalLM
 
-from tests.conftest import REPO, accelerate_launch_command, shared
+from tests.conftest import REPO, accelerate_launch_command, reset_accelerate_state, shared
 
 
 def shakespeare_sources() -> str:
@@ -112,3 +112,24 @@ def test_two_process_deepspeed_run_saves_full_weights(tmp_path, zero_stage):
     again = load_file(exported / "model.safetensors")
     assert set(again) == set(weights) and all(torch.equal(again[k], weights[k]) for k in weights)
     assert AutoTokenizer.from_pretrained(exported).eos_token == "<|endoftext|>"
+
+
+@pytest.mark.distributed  # slow tier: torch.compile's first call builds kernels for a few seconds
+def test_compiled_decoder_trains_like_eager(tmp_path, fresh_accelerate_state):
+    from neox_hf.recipe import recipe_from_dict
+    from neox_hf.train.loop import train
+
+    def losses(compile_: bool) -> list[float]:
+        recipe = recipe_from_dict({
+            "model": {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "seq_length": 32},
+            "tokenizer": {"path": str(REPO / "examples/data/gpt-neox-20b-tokenizer.json")},
+            "data": {"sources": [{"path": str(REPO / "examples/data/tinyshakespeare.txt")}], "shuffle": False},
+            "train": {"train_iters": 3, "micro_batch_size": 2, "eval_iters": 0, "log_interval": 1, "compile": compile_},
+            "output": {"dir": str(tmp_path / f"compile-{compile_}"), "tensorboard": False},
+        })
+        result = train(recipe).train_losses
+        reset_accelerate_state()
+        return result
+
+    eager, compiled = losses(False), losses(True)
+    assert len(compiled) == 3 and max(abs(a - b) for a, b in zip(eager, compiled)) <= 1e-4, (eager, compiled)

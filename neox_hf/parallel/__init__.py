@@ -81,6 +81,10 @@ def parallelize(model, layout: Layout, recipe, accelerator):
         model = apply_tensor_parallel(model, layout.tp_group, sequence_parallel=recipe.parallel.sequence_parallel)
     if recipe.parallel.activation_checkpointing:
         model.activation_checkpointing_enable()
+    if recipe.train.compile:
+        # Only the decoder, in place (nn.Module.compile keeps the state-dict keys): the fused loss runs eagerly.
+        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        lm.base_model.compile()
     optimizer = build_optimizer(model, recipe.train)
     distributed = layout.world_size > 1
     with deepspeed_initialize_with_mpu(DeepSpeedMPU(layout)) if distributed else contextlib.nullcontext():
