@@ -20,6 +20,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from neox_hf.errors import LaunchError
@@ -70,6 +71,25 @@ class Layout:
         if self.pp > 1:
             parts.append(f"{self.pp} pipeline stages")
         return " × ".join(parts) + f" = {self.world_size} process(es)"
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports, whichever engine ran it (`train.step.train_step` or the pipeline engine)."""
+
+    loss: torch.Tensor  # 0-dim, on device: the step's loss as the recipe normalises it, the same on every rank
+    tokens: torch.Tensor  # 0-dim: labelled tokens of the step over every micro-batch and data-parallel rank
+    samples: torch.Tensor  # 0-dim: sequences of the step over every data-parallel rank
+    grad_norm: torch.Tensor | None  # before clipping, when the optimizer path reports it
+    skipped: bool  # fp16 overflow: no update
+
+
+def dp_sum(layout: Layout, tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over the data-parallel group (tensor-parallel ranks of one group hold the same values: counted once)."""
+    if layout.dp > 1:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=layout.dp_group)
+    return tensor
 
 
 def global_rank(pp_rank: int, dp_rank: int, tp_rank: int, *, dp: int, tp: int) -> int:

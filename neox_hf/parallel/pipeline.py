@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from neox_hf.errors import CheckpointError, RecipeError
-from neox_hf.parallel.layout import Layout, global_rank
+from neox_hf.parallel.layout import Layout, StepResult, dp_sum, global_rank
 from neox_hf.parallel.mappings import gather_along_dim
 from neox_hf.parallel.tensor_parallel import apply_tensor_parallel_to_part
 from neox_hf.parallel.tp_checkpoint import load_tp_shard_state_dict
@@ -458,17 +458,6 @@ class StageLoss:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class StepResult:
-    """What one optimizer step reports (the fields of the training loop's StepResult)."""
-
-    loss: torch.Tensor  # 0-dim: the step's loss as logged, the same on every rank
-    tokens: torch.Tensor  # 0-dim: labelled tokens of the step over all data-parallel ranks
-    samples: torch.Tensor  # 0-dim: sequences of the step over every data-parallel rank
-    grad_norm: torch.Tensor | None
-    skipped: bool
-
-
 def pipe_micro_batch(batch: dict) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """A loader batch as DeepSpeed's pipeline reads it: ((input_ids, position_ids, attention_mask), labels)."""
     input_ids = batch["input_ids"]
@@ -508,7 +497,7 @@ def pipeline_train_step(engine, micro_batches: list[dict] | None, layout: Layout
                           f"got {len(micro_batches or ())}")
     counts = _token_and_sample_counts(micro_batches or [], engine.device)
     if layout.is_last_stage:
-        dist.all_reduce(counts, group=layout.dp_group)  # N before any backward: every micro-batch weighs by it
+        counts = dp_sum(layout, counts)  # N before any backward: every micro-batch weighs by it
         loss_fn.scale = gas * layout.dp / max(float(counts[0]), 1.0)
         loss_fn.records = []
     data = iter([pipe_micro_batch(mb) for mb in micro_batches]) if holds_data else None
@@ -543,8 +532,7 @@ def pipeline_eval_loss_sums(engine, batches: list[dict] | None, layout: Layout, 
     data = iter([pipe_micro_batch(b) for b in batches]) if holds_data else None
     engine.eval_batch(data, compute_loss=True, reduce_output=None, bcast_loss=False, num_micro_batches=count)
     if layout.is_last_stage:
-        totals = torch.stack(loss_fn.records).sum(0).to(engine.device)
-        dist.all_reduce(totals, group=layout.dp_group)
+        totals = dp_sum(layout, torch.stack(loss_fn.records).sum(0).to(engine.device))
     return _from_last_stage(totals, layout)
 
 

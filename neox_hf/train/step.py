@@ -14,22 +14,11 @@ A pipeline engine replaces this function (`parallel.pipeline.pipeline_train_step
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.distributed as dist
 
 from neox_hf.parallel.accelerator import uses_deepspeed
+from neox_hf.parallel.layout import StepResult, dp_sum
 from neox_hf.train.loss import causal_lm_loss
-
-
-@dataclass
-class StepResult:
-    loss: torch.Tensor  # 0-dim, on device: the step's loss as the recipe normalises it, the same on every rank
-    tokens: torch.Tensor  # 0-dim: labelled tokens of the step over every micro-batch and data-parallel rank
-    samples: torch.Tensor  # 0-dim: sequences of the step over every data-parallel rank
-    grad_norm: torch.Tensor | None  # before clipping, when the optimizer path reports it
-    skipped: bool  # fp16 overflow: no update
 
 
 def train_step(run, micro_batches: list[dict]) -> StepResult:
@@ -89,14 +78,6 @@ def labelled_tokens(batch: dict) -> torch.Tensor:
 
 def _samples(micro_batches: list[dict], device) -> torch.Tensor:
     return torch.tensor(sum(mb["input_ids"].shape[0] for mb in micro_batches), device=device)
-
-
-def dp_sum(layout, tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over the data-parallel group (tensor-parallel ranks of one group hold the same values: counted once)."""
-    if layout.dp > 1:
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, group=layout.dp_group)
-    return tensor
 
 
 def _clip_gradients(accelerator, model, clip_grad: float):
