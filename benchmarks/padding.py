@@ -1,11 +1,12 @@
 """Real tokens/s of a training step on GSM8K: neox_hf against what a transformers user runs (one table).
 
-    python benchmarks/padding.py [--steps 8] [--warmup 2] [--batch 16] [--precision fp32|bf16]
+    python benchmarks/padding.py [--steps 8] [--warmup 2] [--batch 16] [--precision fp32|bf16] [--repeats 1]
 
-Pythia-14M-shaped GPTNeoX (6 layers, hidden 128, 4 heads, vocab 50304, random init), AdamW, 2 torch threads, each
+Pythia-14M-shaped GPTNeoX (6 layers, hidden 128, 4 heads, vocab 50304, random init), 2 torch threads, each
 mode in turn on the same GSM8K stream (question + answer, every token trained on):
 - baseline: transformers `Trainer` + `DataCollatorForLanguageModeling` (pad to the longest in the batch) +
-  `train_sampling_strategy="group_by_length"` (what a transformers user runs for variable-length fine-tuning);
+  `train_sampling_strategy="group_by_length"` (what a transformers user runs for variable-length fine-tuning), with
+  the Trainer's default optimizer (`adamw_torch_fused` for torch ≥ 2.8: the same fused AdamW kernel neox_hf uses);
 - `Trainer` + `DataCollatorWithFlattening` (padding-free: one row per batch, position ids restart per document);
 - `Trainer` + pad to longest in random order (the old baseline of this file, for reference);
 - neox_hf: `neox_hf.train.loop.train(recipe)` in `pad` mode (length-bucketed dynamic padding) and in `pack` mode.
@@ -13,7 +14,8 @@ Real tokens = positions that are trained on (labelled tokens), counted from the 
 Step times come from a global optimizer-step hook (`torch.optim.optimizer.register_optimizer_step_post_hook`), so
 both loops are timed the same way, whole steps including data loading; the first --warmup steps are left out.
 Padding efficiency = real tokens / positions computed over the timed steps. Timings vary with machine load (the
-load average is printed); nothing here is asserted by the tests. A run with the defaults takes about 3 minutes on
+load average is printed; on shared virtual cores by ±20% from one minute to the next): `--repeats R` runs every mode
+R times, round-robin, and keeps each mode's best. Nothing here is asserted by the tests. A run with the defaults takes about 3 minutes on
 2 idle cores.
 """
 
@@ -35,7 +37,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from bench_common import StepClock  # noqa: E402
+from bench_common import StepClock, cpu_name  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 GSM8K = SHARED / "corpora" / "gsm8k" / "train.jsonl"
@@ -90,7 +92,7 @@ def trainer_run(tok, docs, collator: str, sampling: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         training_args = TrainingArguments(
             output_dir=tmp, per_device_train_batch_size=args.batch, max_steps=args.warmup + args.steps,
-            learning_rate=1e-5, lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0,
+            learning_rate=1e-5, lr_scheduler_type="constant", optim="adamw_torch_fused", weight_decay=0.0,
             train_sampling_strategy=sampling, use_cpu=True, report_to="none", save_strategy="no",
             logging_strategy="no", bf16=args.precision == "bf16", remove_unused_columns=False,
             dataloader_drop_last=True, disable_tqdm=True, seed=0)
@@ -176,6 +178,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--modes", default="all", help="comma-separated row numbers (1-5) to run; 1 is the baseline")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every mode, round-robin; the best is shown")
     args = parser.parse_args(argv)
     args.warmup = max(args.warmup, 1)
     torch.set_num_threads(2)
@@ -192,15 +195,19 @@ def main(argv=None) -> None:
         (f"neox_hf pack, {SEQ} x B4", lambda: ours_run(tok, args, mode="pack", micro_batch_size=4)),
     ]
     chosen = range(len(modes)) if args.modes == "all" else [int(m) - 1 for m in args.modes.split(",")]
-    rows = []
-    for i in chosen:
-        name, run = modes[i]
-        rows.append((name, run()))
-        torch.set_num_threads(2)  # Trainer / Accelerate may change it
+    best: dict[int, dict] = {}
+    for _ in range(max(args.repeats, 1)):
+        for i in chosen:
+            result = modes[i][1]()
+            torch.set_num_threads(2)  # Trainer / Accelerate may change it
+            if i not in best or result["tokens_per_s"] > best[i]["tokens_per_s"]:
+                best[i] = result
+    rows = [(modes[i][0], best[i]) for i in chosen]
     base = rows[0][1]["tokens_per_s"]
     width = max(len(r[0]) for r in rows)
     print(f"\nGSM8K train ({len(docs)} pairs), GPT-NeoX-20B tokenizer, Pythia-14M-shaped GPTNeoX, {args.precision}, "
-          f"{torch.get_num_threads()} threads, {args.steps} timed steps after {args.warmup} warm-up")
+          f"{torch.get_num_threads()} threads, {args.steps} timed steps after {args.warmup} warm-up, best of {args.repeats}")
+    print(cpu_name())
     print(f"machine load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (timings scale with it)")
     print(f"| {'mode':<{width}} | pad efficiency | real tok/s | vs row 1 |")
     print(f"|{'-' * (width + 2)}|---:|---:|---:|")
