@@ -41,22 +41,53 @@ def _launch(model_dir, out_dir, processes: int, zero_stage: int, tensor_parallel
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-@pytest.mark.parametrize(
-    "zero_stage,tensor_parallel,processes,options",
-    [(1, 1, 2, ()), (2, 1, 2, ()), (3, 1, 2, ()), (1, 2, 2, ()), (1, 2, 4, ()),
-     (2, 1, 2, ("--offload-optimizer",)), (2, 2, 2, ("--activation-checkpointing",)),
-     (2, 2, 2, ("--sequence-parallel", "--activation-checkpointing")), (1, 2, 4, ("--sequence-parallel",))],
-    ids=["dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2", "tp2xdp2-zero1", "dp2-zero2-cpu-offload",
-         "tp2-zero2-activation-checkpointing", "tp2-sp-zero2-activation-checkpointing", "tp2xdp2-sp-zero1"],
-)
-def test_layout_matches_one_process(model_dir, one_process_losses, tmp_path, zero_stage, tensor_parallel, processes,
-                                    options):
-    _launch(model_dir, tmp_path, processes, zero_stage, tensor_parallel, *options)
-    got = step_losses(tmp_path)
+# name: (processes, ZeRO stage, TP, recipe switches). The layouts of one process count run in one launch, one after
+# the other (the worker resets Accelerate between them): start-up is most of a launch on 2 cores. ZeRO-3 goes last.
+LAYOUTS = {
+    "dp2-zero1": (2, 1, 1, ()),
+    "dp2-zero2": (2, 2, 1, ()),
+    "dp2-zero2-cpu-offload": (2, 2, 1, ("--offload-optimizer",)),
+    "tp2": (2, 1, 2, ()),
+    "tp2-zero2-activation-checkpointing": (2, 2, 2, ("--activation-checkpointing",)),
+    "tp2-sp-zero2-activation-checkpointing": (2, 2, 2, ("--sequence-parallel", "--activation-checkpointing")),
+    "dp2-zero3": (2, 3, 1, ()),
+    "tp2xdp2-zero1": (4, 1, 2, ()),
+    "tp2xdp2-sp-zero1": (4, 1, 2, ("--sequence-parallel",)),
+}
+
+
+@pytest.fixture(scope="module")
+def layout_launches(model_dir, tmp_path_factory):
+    """processes → (output folder, finished launch) of every layout with that many processes; launched on first use."""
+    launches = {}
+
+    def launch(processes: int):
+        if processes not in launches:
+            out = tmp_path_factory.mktemp(f"layouts{processes}")
+            specs = [f"{name}={','.join(map(str, (stage, tp, *options)))}"
+                     for name, (n, stage, tp, options) in LAYOUTS.items() if n == processes]
+            # --zero_stage only fills Accelerate's plugin defaults: each layout's recipe sets its own stage.
+            command = accelerate_launch_command(WORKER, model_dir, out, "--layouts", *specs, zero_stage=1,
+                                                num_processes=processes)
+            launches[processes] = out, subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True,
+                                                      timeout=900)
+        return launches[processes]
+
+    return launch
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_one_process(layout_launches, one_process_losses, layout):
+    processes = LAYOUTS[layout][0]
+    out, done = layout_launches(processes)
+    assert (out / layout / "train_log.jsonl").is_file(), f"{layout} did not run: " + done.stderr[-4000:]
+    got = step_losses(out / layout)
     assert sorted(got) == sorted(one_process_losses) == [1, 2, 3, 4, 5]
     assert got[5] < got[1]  # it trains
     for step, expected in one_process_losses.items():
-        assert abs(got[step] - expected) <= 1e-5, (zero_stage, tensor_parallel, step, got[step], expected)
+        assert abs(got[step] - expected) <= 1e-5, (layout, step, got[step], expected)
+    if layout == [name for name, spec in LAYOUTS.items() if spec[0] == processes][-1]:  # the launch ended cleanly
+        assert done.returncode == 0, done.stderr[-4000:]
 
 
 def _deepspeed_runs_fp16_here() -> bool:

@@ -2,9 +2,14 @@
 
     python tests/workers/dp_equivalence.py MODEL_DIR OUT_DIR ZERO_STAGE [TP] [options]   (1 process: no DeepSpeed)
     accelerate launch --num_processes N --use_deepspeed ... dp_equivalence.py MODEL_DIR OUT_DIR ZERO_STAGE [TP] [options]
+    accelerate launch ... dp_equivalence.py MODEL_DIR OUT_DIR --layouts NAME=ZERO_STAGE,TP[,option...] ...
 
 Options (recipe switches): --offload-optimizer, --activation-checkpointing, --sequence-parallel, --precision fp16, --steps N,
 --deepspeed-config FILE (raw DeepSpeed JSON merged over the recipe's).
+
+`--layouts` runs several layouts one after the other in the same processes (OUT_DIR/NAME/train_log.jsonl each),
+resetting Accelerate between them: a launch costs ~10 s of start-up on 2 cores, the runs themselves a second or two.
+Order ZeRO-3 last: transformers keeps treating later models as ZeRO-3 partitioned while its config lives.
 
 Every run sees the same global batch of 8 sequences per step; data-parallel rank r of D = N / TP takes rows
 [r·8/D, (r+1)·8/D), so both ranks of a tensor-parallel group see the same rows. The per-step losses (averaged over
@@ -43,19 +48,32 @@ def fixed_batches(rank: int, world: int):
         yield {"input_ids": ids[rows, :-1], "labels": ids[rows, 1:]}
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("model_dir")
     parser.add_argument("out_dir")
-    parser.add_argument("zero_stage", type=int)
+    parser.add_argument("zero_stage", type=int, nargs="?", default=1)
     parser.add_argument("tensor_parallel", type=int, nargs="?", default=1)
+    parser.add_argument("--layouts", nargs="+", default=[])
     parser.add_argument("--offload-optimizer", action="store_true")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--deepspeed-config")
-    return parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def layout_runs(args):
+    """(out_dir, args) of each run: the command line's one, or one per `--layouts` entry."""
+    if not args.layouts:
+        return [args]
+    runs = []
+    for entry in args.layouts:
+        name, spec = entry.split("=", 1)
+        stage, tp, *options = spec.split(",")
+        runs.append(parse_args([args.model_dir, os.path.join(args.out_dir, name), stage, tp, *options]))
+    return runs
 
 
 def main(args) -> None:
@@ -84,5 +102,15 @@ def main(args) -> None:
     run_steps(TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader, [], layout=layout), TrainState())
 
 
+def reset_accelerate_state() -> None:
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
 if __name__ == "__main__":
-    main(parse_args())
+    for run in layout_runs(parse_args()):
+        main(run)
+        reset_accelerate_state()
