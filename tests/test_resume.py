@@ -1,8 +1,10 @@
 """Resume after SIGKILL: 10 steps straight vs 5 steps, kill -9, `--resume`, 5 more — steps 6–10 match ≤ 1e-6
-(DP2 ZeRO-2 and TP2), and the TP2 run's final folder loads in stock transformers."""
+(DP2 ZeRO-2 and TP2). The uninterrupted runs' final folders are checked too: full weights after ZeRO-2, TP shards
+merged into a folder stock transformers loads after TP2 (one launch serves both checks: start-up is most of it)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -13,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, accelerate_launch_command
-from tests.test_train import SMALL, launch, shakespeare_sources
+from tests.test_eval_tasks import local_task
+from tests.test_train import SMALL, assert_saved_weights_are_full, launch, shakespeare_sources
 
 
 def step_losses(output_dir: Path) -> dict[int, float]:
@@ -64,7 +67,16 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, zero_stage, te
               "--train.eval_iters", "0", "--data.sources", shakespeare_sources(), "--parallel.zero_stage", str(zero_stage),
               "--parallel.tensor_parallel", str(tensor_parallel)]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    launch([*common, "--output.dir", str(straight)], zero_stage=zero_stage)
+    # lm-eval at the end of the TP2 reference only: it runs after the last step, so the losses compared are untouched.
+    task = local_task(tmp_path) if tensor_parallel == 2 and importlib.util.find_spec("lm_eval") else None
+    reference = launch([*common, "--output.dir", str(straight), *(["--train.eval_tasks", f"[{task}]"] if task else [])],
+                       zero_stage=zero_stage)
+    if tensor_parallel == 2:
+        assert_tp2_folder_is_merged(straight, reference.stdout)
+        if task:
+            assert_eval_tasks_match_the_saved_folder(straight, task, step=10)
+    else:
+        assert_saved_weights_are_full(straight)
     launch_and_kill_after_checkpoint([*common, "--output.dir", str(resumed)], resumed, zero_stage=zero_stage)
     assert (resumed / "checkpoints" / "latest").read_text() == "step_00000005"
     assert not (resumed / "config.json").exists()  # the killed run never reached its final save
@@ -77,15 +89,27 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, zero_stage, te
     assert abs(got[5] - expected[5]) <= 1e-6
 
 
-def test_tp2_run_saves_a_merged_folder_stock_transformers_loads(tmp_path):
+def assert_eval_tasks_match_the_saved_folder(out: Path, task: Path, step: int) -> None:
+    """The main process scored a copy built from the gathered TP shards during training; the same task on the saved
+    folder (the same final weights) gives the same numbers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from neox_hf.eval_tasks import run_eval_tasks
+    from neox_hf.train.run_log import read_run_log
+
+    logged = read_run_log(out).evals[-1]
+    assert logged["step"] == step
+    saved = run_eval_tasks(AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out), [str(task)])
+    assert {k: logged[k] for k in saved} == pytest.approx(saved, rel=1e-5)
+
+
+def assert_tp2_folder_is_merged(out: Path, stdout: str) -> None:
+    """A TP2 run's final folder: the vocabulary padded as GPT-NeoX pads it, every shard merged back, stock-loadable."""
     from safetensors.torch import load_file
     from transformers import GPTNeoXForCausalLM
 
-    out = tmp_path / "tp2"
-    done = launch([str(REPO / "recipes" / "tiny.yaml"), *SMALL, "--parallel.tensor_parallel", "2", "--parallel.zero_stage", "1",
-                   "--data.sources", shakespeare_sources(), "--output.dir", str(out)], zero_stage=1)
-    assert "tensor parallel 2" in done.stdout
-    assert "vocab 50432" in done.stdout  # padded to a multiple of 128 × TP 2, as GPT-NeoX does
+    assert "tensor parallel 2" in stdout
+    assert "vocab 50432" in stdout  # padded to a multiple of 128 × TP 2, as GPT-NeoX does
     model = GPTNeoXForCausalLM.from_pretrained(out)
     assert load_file(out / "model.safetensors")["embed_out.weight"].shape == (50432, 64)
     assert model.gpt_neox.layers[0].attention.query_key_value.weight.shape == (192, 64)  # all heads merged back

@@ -76,21 +76,37 @@ def _eval_losses(stdout: str) -> tuple[float, float]:
     return first, last
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_two_process_deepspeed_run_saves_full_weights(tmp_path, zero_stage):
-    out = tmp_path / f"zero{zero_stage}"
-    done = launch([str(REPO / "recipes" / "tiny.yaml"), *SMALL, "--parallel.zero_stage", str(zero_stage),
-                   "--train.save_interval", "12", "--data.sources", shakespeare_sources(), "--output.dir", str(out)],
-                  zero_stage=zero_stage)
-    assert "layout: 2 data-parallel = 2 process(es)" in done.stdout and f"ZeRO stage {zero_stage}" in done.stdout
-    first, last = _eval_losses(done.stdout)
-    assert last < first - 0.5
+def assert_saved_weights_are_full(out: Path) -> dict:
+    """The folder's tensors have the full model's names and shapes (not ZeRO partitions) and were trained; returns them."""
     weights = load_file(out / "model.safetensors")
     model = GPTNeoXForCausalLM.from_pretrained(out).eval()
     expected = {k: v.shape for k, v in GPTNeoXForCausalLM(model.config).state_dict().items()}
     expected["embed_out.weight"] = expected.pop("lm_head.weight")
-    assert {k: v.shape for k, v in weights.items()} == expected  # full tensors, not ZeRO-3 partitions
+    assert {k: v.shape for k, v in weights.items()} == expected
     assert all(v.float().std() > 0 for k, v in weights.items() if k.endswith(".weight") and "layernorm" not in k)
+    return weights
+
+
+def test_two_process_zero3_run_saves_full_weights_exports_them_and_scores_eval_tasks_on_them(tmp_path):
+    """ZeRO-3, where every saved tensor, the exported checkpoint and the model lm-eval scores during training all have
+    to be gathered from partitions (ZeRO-2's final folder is checked by the DP2 ZeRO-2 resume test, TP2's eval tasks
+    by the TP2 one, tests/test_resume.py). One launch serves the three checks: start-up is most of it."""
+    pytest.importorskip("lm_eval")
+    from neox_hf.eval_tasks import run_eval_tasks
+    from neox_hf.train.run_log import read_run_log
+    from tests.test_eval_tasks import local_task
+
+    zero_stage = 3
+    out = tmp_path / f"zero{zero_stage}"
+    task = local_task(tmp_path)
+    done = launch([str(REPO / "recipes" / "tiny.yaml"), *SMALL, "--parallel.zero_stage", str(zero_stage),
+                   "--train.save_interval", "12", "--data.sources", shakespeare_sources(), "--output.dir", str(out),
+                   "--train.eval_tasks", f"[{task}]"], zero_stage=zero_stage)
+    assert "layout: 2 data-parallel = 2 process(es)" in done.stdout and f"ZeRO stage {zero_stage}" in done.stdout
+    first, last = _eval_losses(done.stdout)
+    assert last < first - 0.5
+    weights = assert_saved_weights_are_full(out)
+    model = GPTNeoXForCausalLM.from_pretrained(out).eval()
     # The saved weights are the trained ones: their loss on held-out text matches what training reported.
     from neox_hf.data import build_eval_loader
     from neox_hf.train.args import parse_run_args
@@ -112,6 +128,12 @@ def test_two_process_deepspeed_run_saves_full_weights(tmp_path, zero_stage):
     again = load_file(exported / "model.safetensors")
     assert set(again) == set(weights) and all(torch.equal(again[k], weights[k]) for k in weights)
     assert AutoTokenizer.from_pretrained(exported).eos_token == "<|endoftext|>"
+
+    # lm-eval during training scored a copy built from the gathered weights: the saved folder scores the same.
+    logged = read_run_log(out).evals[-1]
+    assert logged["step"] == 12
+    saved = run_eval_tasks(model, AutoTokenizer.from_pretrained(out), [str(task)])
+    assert {k: logged[k] for k in saved} == pytest.approx(saved, rel=1e-5)
 
 
 @pytest.mark.distributed  # slow tier: torch.compile's first call builds kernels for a few seconds
