@@ -27,7 +27,7 @@ setup(
     ],
     extras_require={
         # The optional integrations are installed for the tests so they run rather than skip.
-        "test": ["pytest", "pytest-timeout", "lm-eval>=0.4.5", "wandb"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "lm-eval>=0.4.5", "wandb"],
         "eval": ["lm-eval>=0.4.5"],  # train.eval_tasks: lm-evaluation-harness during training
         "trackers": ["wandb"],  # output.report_to: [wandb]; comet_ml, mlflow, aim install the same way
     },
