@@ -166,7 +166,8 @@ class TrainConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # auto: bf16 where the device runs it natively and it is faster (see parallel.accelerator.resolve_precision)
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
     seed: int = 1234
     log_interval: int = 10
     eval_interval: int = 50

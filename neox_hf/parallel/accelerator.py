@@ -126,9 +126,48 @@ def _launched_distributed() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def native_bf16(cpu_flags: set[str] | None = None) -> str | None:
+    """Why this machine runs bf16 matmuls natively ("this CPU has amx_bf16", a CUDA GPU of compute capability ≥ 8),
+    or None where bf16 is emulated (AVX2-only CPUs: slower than fp32). `cpu_flags` defaults to /proc/cpuinfo's."""
+    if torch.cuda.is_available():
+        major, _ = torch.cuda.get_device_capability()
+        return f"{torch.cuda.get_device_name()} (compute capability {major}.x) has bf16 tensor cores" if major >= 8 else None
+    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    native = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+    return f"this CPU has {native[0]}" if native else None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def resolve_precision(train: TrainConfig, parallel: ParallelConfig, *, bf16_reason: str | None = None) -> str:
+    """The precision `auto` stands for here (measured, benchmarks/precision.py): bf16 where the device runs it natively
+    — on CPUs as autocast only, because DeepSpeed's bf16 (bf16 weights + fp32 master copies) ran at 0.48× fp32 on
+    an AVX512-BF16 CPU, while autocast ran at 1.45–1.69× — and fp32 elsewhere. Other values are returned as given."""
+    if train.precision != "auto":
+        return train.precision
+    if bf16_reason is None:
+        bf16_reason = native_bf16()
+    if not bf16_reason:
+        return "fp32"
+    if not torch.cuda.is_available() and wants_deepspeed(parallel):
+        return "fp32"
+    return "bf16"
+
+
 def build_accelerator(recipe: Recipe, *, log_with: str | None = None) -> Accelerator:
-    """One Accelerator configured from the recipe (single process, DDP, or DeepSpeed ZeRO 0–3)."""
+    """One Accelerator configured from the recipe (single process, DDP, or DeepSpeed ZeRO 0–3). `train.precision:
+    auto` is resolved here, in the recipe itself, so that everything after (report, checkpoints, recipe.yaml) sees
+    the precision that runs."""
     train, parallel = recipe.train, recipe.parallel
+    train.precision = resolve_precision(train, parallel)
     use_deepspeed = wants_deepspeed(parallel)
     if use_deepspeed and not _launched_distributed():
         _single_process_environment()

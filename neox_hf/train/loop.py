@@ -398,9 +398,20 @@ def startup_report(run: TrainingRun, notices: list[str]) -> str:
 
 
 def _precision_in_effect(t, accelerator) -> str:
-    """What runs in which precision, as the start-up report states it."""
+    """What runs in which precision, as the start-up report states it, and whether the device has native bf16."""
+    from neox_hf.parallel.accelerator import native_bf16
+
+    reason = native_bf16()
     if t.precision == "fp32":
-        return "fp32 everywhere"
+        faster = reason and (torch.cuda.is_available() or accelerator.state.deepspeed_plugin is None)
+        return "fp32 everywhere" + (f" ({reason}: `train.precision: auto` would run bf16)" if faster else "")
+    described = _mixed_precision_in_effect(t, accelerator)
+    if t.precision == "bf16":
+        return described + (f" ({reason})" if reason else " (bf16 is emulated on this device: slower than fp32)")
+    return described
+
+
+def _mixed_precision_in_effect(t, accelerator) -> str:
     if accelerator.state.deepspeed_plugin is not None:
         return (f"{t.precision} weights, activations and gradients, fp32 master weights and optimizer states "
                 f"(DeepSpeed {t.precision})")
