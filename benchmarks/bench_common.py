@@ -46,14 +46,22 @@ def gemm_peak(dtype: torch.dtype, sizes=(1024, 2048, 3072), repeats: int = 5) ->
 class StepClock:
     """Wall-clock time of every optimizer step of whichever loop runs, from a global post-step hook: a stock loop,
     transformers' Trainer and our `train(recipe)` are timed by the same code, whole steps (data, forward, backward,
-    clipping, update, logging)."""
+    clipping, update, logging). Only the first optimizer that steps is timed: wrappers that are optimizers too
+    (DeepSpeed's ZeRO optimizer around the torch AdamW) fire the hook twice per step."""
 
     def __enter__(self):
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self.times = [time.perf_counter()]
-        self._handle = register_optimizer_step_post_hook(lambda *_: self.times.append(time.perf_counter()))
+        self._timed = None
+        self._handle = register_optimizer_step_post_hook(self._tick)
         return self
+
+    def _tick(self, optimizer, *_):
+        if self._timed is None:
+            self._timed = id(optimizer)
+        if id(optimizer) == self._timed:
+            self.times.append(time.perf_counter())
 
     def __exit__(self, *exc):
         self._handle.remove()

@@ -403,8 +403,7 @@ def _precision_in_effect(t, accelerator) -> str:
 
     reason = native_bf16()
     if t.precision == "fp32":
-        faster = reason and (torch.cuda.is_available() or accelerator.state.deepspeed_plugin is None)
-        return "fp32 everywhere" + (f" ({reason}: `train.precision: auto` would run bf16)" if faster else "")
+        return "fp32 everywhere" + (f" ({reason}: `train.precision: auto` would run bf16)" if reason else "")
     described = _mixed_precision_in_effect(t, accelerator)
     if t.precision == "bf16":
         return described + (f" ({reason})" if reason else " (bf16 is emulated on this device: slower than fp32)")
