@@ -63,6 +63,8 @@ def test_pad_mode_on_gsm8k_reaches_98_percent_efficiency_at_batch_16(tok):
     # batch order is shuffled: lengths are not sorted over the stream
     widths = [b["input_ids"].shape[1] for b in batches]
     assert widths != sorted(widths) and widths != sorted(widths, reverse=True)
+    # except that the widest batch comes first, as in transformers' LengthGroupedSampler (out-of-memory at step 1)
+    assert widths[0] == max(widths) and widths[1:] != sorted(widths[1:], reverse=True)
 
 
 @pytest.mark.parametrize("budget", [None, 2048])

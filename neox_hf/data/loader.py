@@ -162,7 +162,7 @@ class DataLoader:
             docs = reader.take(self.cfg.buffer_size)
             rng = np.random.default_rng([self.seed, chunk_index]) if self.shuffle else None
             last = len(docs) < self.cfg.buffer_size  # only a finite (eval) stream runs short
-            makers, carry = self._chunk(docs, carry, rng, flush=last)
+            makers, carry = self._chunk(docs, carry, rng, flush=last, first=chunk_index == 0)
             for i, make in enumerate(makers):
                 batch = make()
                 self._count(batch)
@@ -173,15 +173,15 @@ class DataLoader:
             if last:
                 return
 
-    def _chunk(self, docs, carry, rng, flush: bool):
+    def _chunk(self, docs, carry, rng, flush: bool, first: bool = False):
         """(batch makers for this chunk, carry state for the next); makers are lazy so a resume skips cheaply."""
         makers, carry = self._pack_chunk(docs, carry, rng) if self.cfg.mode == "pack" else \
-            self._pad_chunk(docs, carry, rng, flush)
+            self._pad_chunk(docs, carry, rng, flush, first)
         if self.cfg.eod_mask_loss:
             makers = [lambda make=make: mask_eod_predictions(make(), self.tokenizer.eos_token_id) for make in makers]
         return makers, carry
 
-    def _pad_chunk(self, docs, carry, rng, flush: bool):
+    def _pad_chunk(self, docs, carry, rng, flush: bool, first: bool = False):
         examples = [(np.asarray(i, np.int64), np.asarray(l, np.int64)) for i, l in (carry or [])]
         examples += [padding.example_from_document(ids, n) for ids, n in self._whole_examples(docs)]
         lengths = [len(inputs) for inputs, _ in examples]
@@ -194,6 +194,8 @@ class DataLoader:
             groups, leftover = groups + [leftover], []
         if rng is not None:
             groups = [groups[i] for i in rng.permutation(len(groups))]
+            if first and groups:
+                groups = _longest_first(groups, lengths)
         pad = dict(pad_id=self.tokenizer.pad_token_id, multiple=self.cfg.pad_to_multiple_of, max_length=self.max_length)
         makers = [lambda g=g: padding.pad_batch([examples[i] for i in g], **pad) for g in groups]
         next_carry = [(examples[i][0].tolist(), examples[i][1].tolist()) for i in leftover]
@@ -395,3 +397,12 @@ def _file_size(path: str) -> int:
     import os
 
     return os.path.getsize(path)
+
+
+def _longest_first(groups: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    """The shuffled batches with the one of the most padded positions moved to the front, as transformers'
+    `LengthGroupedSampler` does: a run that does not fit in memory fails at its first step, not hours in, and the
+    largest activations are allocated once at the start instead of paying their page faults mid-run."""
+    widest = max(range(len(groups)), key=lambda g: len(groups[g]) * max(lengths[i] for i in groups[g]))
+    return [groups[widest]] + groups[:widest] + groups[widest + 1:]
+
