@@ -19,6 +19,7 @@ from huggingface_hub import ModelCard
 from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ is not a package
+from conftest import reset_accelerate_state  # noqa: E402
 from hub_server import FakeHub  # noqa: E402
 
 from neox_hf.errors import HubError  # noqa: E402
@@ -325,7 +326,6 @@ def test_model_card_reads_the_rotary_fraction_of_a_transformers_5_config(tmp_pat
 def test_training_run_pushes_pythia_step_branches_and_final_main(hub, tmp_path):
     """`train.push_to_hub` end to end: step checkpoints land on branches step{N}, the final model and card on main,
     and `from_pretrained(repo, revision="step4")` returns the step-4 weights."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
     from transformers import GPTNeoXForCausalLM
 
     from neox_hf.train.args import parse_run_args
@@ -342,9 +342,7 @@ def test_training_run_pushes_pythia_step_branches_and_final_main(hub, tmp_path):
     try:
         train(args.recipe)
     finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        PartialState._reset_state()
+        reset_accelerate_state()
     assert {"step4", "step8"} <= set(hub.branches(REPO))
     main_files = hub.files(REPO, "main")
     assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", "recipe.yaml"} <= set(main_files)

@@ -18,6 +18,8 @@ ranks by the loop) land in OUT_DIR/train_log.jsonl.
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
 import torch
 
@@ -26,6 +28,9 @@ from neox_hf.recipe import recipe_from_dict
 from neox_hf.train.checkpoint import TrainState
 from neox_hf.train.loop import TrainingRun, run_steps
 from neox_hf.train.schedule import build_lr_scheduler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the suite-wide conftest helpers
+from conftest import reset_accelerate_state  # noqa: E402
 
 GLOBAL_BATCH, SEQ, STEPS, VOCAB = 8, 32, 5, 512
 
@@ -65,7 +70,7 @@ def parse_args(argv=None):
 
 
 def layout_runs(args):
-    """(out_dir, args) of each run: the command line's one, or one per `--layouts` entry."""
+    """The parsed arguments of each run: the command line's one, or one per `--layouts` entry (OUT_DIR/NAME)."""
     if not args.layouts:
         return [args]
     runs = []
@@ -100,14 +105,6 @@ def main(args) -> None:
     scheduler = build_lr_scheduler(optimizer, recipe.train)
     loader = fixed_batches(layout.dp_rank, layout.dp)
     run_steps(TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader, [], layout=layout), TrainState())
-
-
-def reset_accelerate_state() -> None:
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
 
 
 if __name__ == "__main__":
