@@ -180,7 +180,7 @@ def main(argv=None) -> None:
     parser.add_argument("--modes", default="all", help="comma-separated row numbers (1-5) to run; 1 is the baseline")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every mode, round-robin; the best is shown")
     args = parser.parse_args(argv)
-    args.warmup = max(args.warmup, 1)
+    args.warmup, args.repeats = max(args.warmup, 1), max(args.repeats, 1)
     torch.set_num_threads(2)
     tok = load_tokenizer()
     docs = gsm8k_documents(tok)
@@ -196,7 +196,7 @@ def main(argv=None) -> None:
     ]
     chosen = range(len(modes)) if args.modes == "all" else [int(m) - 1 for m in args.modes.split(",")]
     best: dict[int, dict] = {}
-    for _ in range(max(args.repeats, 1)):
+    for _ in range(args.repeats):
         for i in chosen:
             result = modes[i][1]()
             torch.set_num_threads(2)  # Trainer / Accelerate may change it

@@ -405,4 +405,3 @@ def _longest_first(groups: list[list[int]], lengths: list[int]) -> list[list[int
     largest activations are allocated once at the start instead of paying their page faults mid-run."""
     widest = max(range(len(groups)), key=lambda g: len(groups[g]) * max(lengths[i] for i in groups[g]))
     return [groups[widest]] + groups[:widest] + groups[widest + 1:]
-
