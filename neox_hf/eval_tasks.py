@@ -157,7 +157,8 @@ def _full_weights_copy(accelerator, model, unwrapped, layout):
     with no_init_weights():  # every weight is overwritten by the gathered ones
         copy = GPTNeoXForCausalLM(_plain_causal_lm(unwrapped).config)
     copy.tie_weights()
-    copy.load_state_dict(state_dict)
+    # In the weights' dtype (bf16 under DeepSpeed bf16): scored as the saved folder and the unsharded model are.
+    copy.to(next(iter(state_dict.values())).dtype).load_state_dict(state_dict)
     return copy.to(accelerator.device)
 
 

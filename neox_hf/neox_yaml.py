@@ -253,6 +253,8 @@ def _translate_precision(args: dict, recipe: dict) -> set[str]:
         _put(recipe, "train.precision", "bf16")
     elif fp16.get("enabled", fp16.get("fp16", False)):
         _put(recipe, "train.precision", "fp16")
+    else:  # GPT-NeoX trains fp32 when its config enables neither; our default (`auto`) would pick bf16 on some devices
+        _put(recipe, "train.precision", "fp32")
     return {"fp16", "bf16", "precision"}
 
 

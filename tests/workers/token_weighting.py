@@ -70,7 +70,8 @@ def main(args) -> None:
         "model": {"num_attention_heads": 4, "seq_length": 64},
         "train": {"train_iters": STEPS, "micro_batch_size": args.micro, "gradient_accumulation_steps": args.accumulation,
                   "lr": 1e-3, "min_lr": 1e-4, "warmup": 0.0, "clip_grad": 0.0, "log_interval": 1,
-                  "eval_interval": 100, "loss_normalization": args.normalization},
+                  "eval_interval": 100, "loss_normalization": args.normalization,
+                  "precision": "fp32"},  # compared to 1e-5: not bf16, which `auto` picks on some machines
         "parallel": {"tensor_parallel": args.tp},
         "output": {"dir": args.out_dir, "tensorboard": False},
     })
