@@ -219,3 +219,13 @@ def test_auto_precision_is_resolved_into_the_recipe_the_run_reports_and_saves(tm
     assert recipe.train.precision == ("bf16" if native_bf16() else "fp32")
     assert accelerator.mixed_precision == ("bf16" if native_bf16() else "no")
     assert "precision: auto" not in recipe.to_yaml()
+
+
+def test_auto_is_the_default_but_a_gpt_neox_config_keeps_gpt_neoxs_precision(tmp_path):
+    assert recipe_from_dict({}).train.precision == "auto"
+    plain = _write(tmp_path, "plain.yml", '{"num_layers": 2}')  # neither fp16 nor bf16: GPT-NeoX trains fp32
+    assert parse_run_args([str(plain)]).recipe.train.precision == "fp32"
+    bf16 = _write(tmp_path, "bf16.yml", '{"num_layers": 2, "bf16": {"enabled": true}}')
+    assert parse_run_args([str(bf16)]).recipe.train.precision == "bf16"
+    overridden = parse_run_args([str(plain), "--train.precision", "auto"]).recipe
+    assert overridden.train.precision == "auto"
