@@ -15,7 +15,7 @@ import pytest
 
 from neox_hf.train import main
 from neox_hf.train.checkpoint import checkpoint_name, is_complete_checkpoint
-from tests.conftest import BUNDLED_TOKENIZER, REPO
+from tests.conftest import BUNDLED_TOKENIZER, REPO, reset_accelerate_state
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +201,16 @@ def test_undecodable_documents_are_reported_and_fail_above_the_threshold(tmp_pat
                           capsys)
     assert code == 0, err
     assert "documents skipped as undecodable" in outp
+
+
+@pytest.mark.parametrize("trained_in", ["fp32", "bf16"])  # one of the two differs from what `auto` picks here
+def test_auto_precision_resumes_in_the_precision_the_checkpoint_was_trained_in(trained_in, tmp_path, small_text,
+                                                                               capsys, fresh_accelerate_state):
+    out = tmp_path / "run"
+    code, _, err = run(tiny_args(out, small_text, "--train.precision", trained_in, steps=2, save=2), capsys)
+    assert code == 0, err
+    reset_accelerate_state()  # the second run's Accelerator may take another precision
+    code, outp, err = run(tiny_args(out, small_text, "--resume", "--train.precision", "auto", steps=3, save=3), capsys)
+    assert code == 0, err
+    assert f"`train.precision: auto` resumes in {trained_in}, the precision step_00000002 was trained in" in outp
+    assert f"precision: {trained_in}" in (out / "recipe.yaml").read_text()

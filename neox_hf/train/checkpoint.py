@@ -53,8 +53,9 @@ def checkpoint_name(step: int) -> str:
 
 
 def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, data_loader, keep_last_n: int,
-                    model_config=None, tokenizer=None) -> Path:
-    """Write a complete checkpoint atomically; return its folder. Collective: every rank must call it."""
+                    model_config=None, tokenizer=None, precision: str | None = None) -> Path:
+    """Write a complete checkpoint atomically; return its folder. Collective: every rank must call it. `precision`
+    (what ran) is recorded so that a resumed `train.precision: auto` run keeps it (see `checkpoint_precision`)."""
     root = checkpoint_root(output_dir)
     final = root / checkpoint_name(state.step)
     staging = root / f"{TMP_PREFIX}{final.name}"
@@ -67,6 +68,7 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
         "train_state": asdict(state),
         "scheduler": scheduler.state_dict(),
         "data": data_loader.state_dict() if hasattr(data_loader, "state_dict") else None,
+        "precision": precision,
     }
     atomic_torch_save(trainer_state, staging / f"trainer_state_rank{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()
@@ -199,6 +201,16 @@ def load_checkpoint(accelerator, folder: Path, *, scheduler, data_loader) -> Tra
     if trainer_state["data"] is not None and hasattr(data_loader, "load_state_dict"):
         data_loader.load_state_dict(trainer_state["data"])
     return TrainState(**trainer_state["train_state"])
+
+
+def checkpoint_precision(folder: Path) -> str | None:
+    """The precision a checkpoint was trained in (None for checkpoints written before it was recorded, or unreadable
+    ones: `load_checkpoint` reports those)."""
+    try:
+        state = torch.load(folder / "trainer_state_rank0.pt", map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 — corrupt or missing: load_checkpoint names the file and the fix
+        return None
+    return state.get("precision") if isinstance(state, dict) else None
 
 
 def _read_torch_file(path: Path, folder: Path, *, weights_only: bool, required: bool = True):

@@ -23,7 +23,8 @@ from neox_hf.parallel import build_model, full_state_dict, init_distributed, par
 from neox_hf.plot import model_card_section, write_run_plot
 from neox_hf.recipe import Recipe
 from neox_hf.trackers import init_tracker_kwargs, tracker_names
-from neox_hf.train.checkpoint import TrainState, find_resume_checkpoint, load_checkpoint, save_checkpoint
+from neox_hf.train.checkpoint import (TrainState, checkpoint_precision, find_resume_checkpoint, load_checkpoint,
+                                      save_checkpoint)
 from neox_hf.train.guards import (
     check_before_build,
     check_finite,
@@ -62,6 +63,7 @@ def train(recipe: Recipe, *, notices: list[str] | None = None, overwrite: bool =
 
 
 def _train(recipe: Recipe, notices: list[str] | None) -> RunResult:
+    notices = [*(notices or []), *_keep_resumed_precision(recipe)]
     accelerator, layout = init_distributed(recipe, log_with=tracker_names(recipe) or None)
     _set_seed(recipe.train.seed)
     check_peft_recipe(recipe)
@@ -89,7 +91,7 @@ def _train(recipe: Recipe, notices: list[str] | None) -> RunResult:
     run = TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, tokenizer, layout,
                       _hub_pusher(recipe) if accelerator.is_main_process else None)
     if accelerator.is_main_process:
-        accelerator.print(startup_report(run, notices or []))
+        accelerator.print(startup_report(run, notices))
     if tracker_names(recipe):
         accelerator.init_trackers(**init_tracker_kwargs(recipe))  # the resolved recipe, secrets redacted
     history = History()
@@ -314,7 +316,8 @@ def _save_checkpoint_and_push(run: TrainingRun, state: TrainState) -> None:
     t = run.recipe.train
     save_checkpoint(run.accelerator, output_dir=run.recipe.output.dir, state=state, scheduler=run.scheduler,
                     data_loader=run.loader_position or run.loader, keep_last_n=t.keep_last_n,
-                    model_config=run.accelerator.unwrap_model(run.model).config, tokenizer=run.tokenizer)
+                    model_config=run.accelerator.unwrap_model(run.model).config, tokenizer=run.tokenizer,
+                    precision=t.precision)
     if t.push_to_hub is not None and t.push_to_hub.revision_per_step and run.recipe.peft.method is None:
         # Pythia convention: an HF folder of step N on branch `step{N}`, uploaded in the background.
         folder = Path(run.recipe.output.dir) / "hub_steps" / f"step{state.step}"
@@ -338,6 +341,20 @@ def save_final_model(run: TrainingRun, out_dir=None) -> Path:
                        extra_files={"recipe.yaml": recipe.to_yaml()}, max_shard_size=recipe.output.max_shard_size)
     accelerator.wait_for_everyone()
     return out
+
+
+def _keep_resumed_precision(recipe: Recipe) -> list[str]:
+    """`train.precision: auto` resumes in the precision its checkpoint was trained in (a DeepSpeed bf16 checkpoint
+    holds bf16 weights an fp32 engine cannot load), not in what `auto` picks on this machine; returns the notice."""
+    t = recipe.train
+    if t.precision != "auto" or t.resume is None:
+        return []
+    folder = find_resume_checkpoint(t.resume, recipe.output.dir, notify=lambda message: None)  # reported later
+    trained_in = checkpoint_precision(folder) if folder is not None else None
+    if trained_in is None:
+        return []
+    t.precision = trained_in
+    return [f"`train.precision: auto` resumes in {trained_in}, the precision {folder.name} was trained in"]
 
 
 def _hub_pusher(recipe: Recipe):
