@@ -345,16 +345,17 @@ def save_final_model(run: TrainingRun, out_dir=None) -> Path:
 
 def _keep_resumed_precision(recipe: Recipe) -> list[str]:
     """`train.precision: auto` resumes in the precision its checkpoint was trained in (a DeepSpeed bf16 checkpoint
-    holds bf16 weights an fp32 engine cannot load), not in what `auto` picks on this machine; returns the notice."""
+    holds bf16 weights an fp32 engine cannot load), not in what `auto` picks on this machine; returns the notices for the start-up report."""
     t = recipe.train
     if t.precision != "auto" or t.resume is None:
         return []
-    folder = find_resume_checkpoint(t.resume, recipe.output.dir, notify=lambda message: None)  # reported later
+    notices: list[str] = []  # a repaired `latest` is reported here: the lookup after the Accelerator finds it repaired
+    folder = find_resume_checkpoint(t.resume, recipe.output.dir, notify=notices.append)
     trained_in = checkpoint_precision(folder) if folder is not None else None
     if trained_in is None:
-        return []
+        return notices
     t.precision = trained_in
-    return [f"`train.precision: auto` resumes in {trained_in}, the precision {folder.name} was trained in"]
+    return [*notices, f"`train.precision: auto` resumes in {trained_in}, the precision {folder.name} was trained in"]
 
 
 def _hub_pusher(recipe: Recipe):
