@@ -22,24 +22,37 @@ def cpu_name() -> str:
     return f"{name} ({os.cpu_count()} logical CPUs; {', '.join(extensions) or 'no AVX2'})"
 
 
+def synchronize() -> None:
+    """Wait for queued GPU work (a no-op on CPU): GPU kernels run asynchronously to the Python that launched them."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def best_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        synchronize()
         start = time.perf_counter()
         fn()
+        synchronize()
         times.append(time.perf_counter() - start)
     return min(times)
 
 
-def gemm_peak(dtype: torch.dtype, sizes=(1024, 2048, 3072), repeats: int = 5) -> tuple[float, int]:
+def gemm_peak(dtype: torch.dtype, sizes=None, repeats: int = 5, device: torch.device | str = "cpu"
+              ) -> tuple[float, int]:
     """(FLOP/s, n) of the fastest square n×n GEMM: each size warmed up twice, best of `repeats`. One short GEMM
-    without warm-up under-measures the peak (an MFU above 100% was printed that way)."""
+    without warm-up under-measures the peak (an MFU above 100% was printed that way). GPUs need larger sizes."""
+    device = torch.device(device)
+    sizes = sizes or ((4096, 8192) if device.type == "cuda" else (1024, 2048, 3072))
     best = (0.0, 0)
     for n in sizes:
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        best = max(best, (2 * n**3 / best_seconds(lambda: torch.mm(a, b), repeats, warmup=2), n))
+        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+        gemms = 10 if device.type == "cuda" else 1  # one 8192² bf16 GEMM is ~1 ms on a GPU: time several
+        seconds = best_seconds(lambda: [torch.mm(a, b) for _ in range(gemms)], repeats, warmup=2) / gemms
+        best = max(best, (2 * n**3 / seconds, n))
     return best
 
 
@@ -61,6 +74,7 @@ class StepClock:
         if self._timed is None:
             self._timed = id(optimizer)
         if id(optimizer) == self._timed:
+            synchronize()  # on a GPU the step has only been queued
             self.times.append(time.perf_counter())
 
     def __exit__(self, *exc):

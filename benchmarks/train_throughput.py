@@ -1,17 +1,23 @@
-"""Training-step throughput on the Pythia-70M shape at 8 × 512 tokens, against the machine's measured GEMM peak.
+"""Training-step throughput of Pythia shapes against the device's peak: stock transformers vs neox_hf, MFU.
 
     python benchmarks/train_throughput.py [--steps 3] [--warmup 2] [--threads N] [--precision fp32,bf16]
+    python benchmarks/train_throughput.py --shape 410m,1b --precision bf16 --batch 8 --seq 2048 \\
+        --fused both --steps 10 --warmup 3          # the GPU run issue 17 asks for (MFU ≥ 50% of dense bf16)
 
-For each precision, in one run: the GEMM peak (square GEMMs of 1024-3072, each warmed up, best of 5, the fastest
-size kept), stock transformers `GPTNeoXForCausalLM` trained by a plain PyTorch loop (AdamW, HF's own loss; bf16
-autocast for bf16), and our `neox_hf.train.loop.train(recipe)` (packed Tiny Shakespeare, 8 × 512, the same model
-shape and precision, so whatever the loop does by default — fused loss, compile — is measured). Both loops are timed
-by the same global optimizer-step hook, warm-up steps left out. Prints tokens/s, achieved FLOP/s, MFU against the
-peak of the precision trained, and our ratio to stock. An MFU above 100% means the peak was under-measured (the
-machine's load changed during the run): the run then fails (exit status 1) instead of printing it as a result.
+`--device` defaults to cuda where torch sees a GPU (the first one, as Accelerate picks it), else cpu.
+
+For each shape and precision, in one run: the GEMM peak (square GEMMs — 1024-3072 on CPU, 4096-8192 on a GPU —
+each warmed up, best of 5, the fastest size kept), stock transformers `GPTNeoXForCausalLM` trained by a plain
+PyTorch loop (AdamW, HF's own loss; bf16 autocast for bf16), and our `neox_hf.train.loop.train(recipe)` (packed
+Tiny Shakespeare windows, the same model shape, batch and precision, so whatever the loop does by default is
+measured; `--fused both` adds a row with `train.fused_cross_entropy: false`). Both loops are timed by the same
+global optimizer-step hook (on a GPU it synchronises first), warm-up steps left out. Prints tokens/s, achieved
+FLOP/s, MFU against the measured peak and, on GPUs whose datasheet peak is known (A100, H100, H200), against that
+dense peak too, and our ratio to stock. An MFU above 100% of the measured peak means the peak was under-measured
+(the machine's load changed during the run): the run then fails (exit status 1) instead of printing it as a result.
 Model FLOPs per token follow the PaLM appendix: 6·N (N = parameters that take part in matmuls: everything except the
 input embedding) + 12·L·H·T. On a CPU without AVX512-BF16 / AMX bf16 matmuls are emulated: pass --precision fp32.
-A default run takes about 3 minutes on 2 idle cores (each step ~3-6 s).
+A default run (Pythia-70M, 8 × 512, CPU) takes about 4 minutes on 2 idle cores (each step ~3-6 s).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -30,56 +37,66 @@ import torch  # noqa: E402
 from bench_common import StepClock, cpu_name, gemm_peak  # noqa: E402
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM  # noqa: E402
 
-BATCH, SEQ = 8, 512
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 TEXT = SHARED / "corpora" / "tinyshakespeare" / "input.txt"
-PYTHIA_70M = dict(num_hidden_layers=6, hidden_size=512, num_attention_heads=8, intermediate_size=2048, vocab_size=50304,
-                  max_position_embeddings=2048, rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False)
+# Pythia's GPT-NeoX configs (pythia/*.yml): layers, hidden size, attention heads; 4·hidden MLP, untied head.
+PYTHIA_SHAPES = {"14m": (6, 128, 4), "70m": (6, 512, 8), "160m": (12, 768, 12), "410m": (24, 1024, 16),
+                 "1b": (16, 2048, 8), "1.4b": (24, 2048, 16)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, FLOP/s; SXM parts.
+DATASHEET_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
 
-def model_flops_per_token(config: GPTNeoXConfig, model) -> float:
+def pythia_config(shape: str) -> GPTNeoXConfig:
+    layers, hidden, heads = PYTHIA_SHAPES[shape]
+    return GPTNeoXConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                         intermediate_size=4 * hidden, vocab_size=50304, max_position_embeddings=2048, rotary_pct=0.25,
+                         use_parallel_residual=True, tie_word_embeddings=False)
+
+
+def model_flops_per_token(config: GPTNeoXConfig, model, seq: int) -> float:
     matmul_params = sum(p.numel() for n, p in model.named_parameters() if "embed_in" not in n and p.ndim == 2)
-    return 6 * matmul_params + 12 * config.num_hidden_layers * config.hidden_size * SEQ
+    return 6 * matmul_params + 12 * config.num_hidden_layers * config.hidden_size * seq
 
 
-def stock_seconds(config, warmup: int, steps: int, precision: str) -> tuple[float, object]:
+def stock_seconds(config, shape: tuple[int, int], warmup: int, steps: int, precision: str, device: torch.device
+                  ) -> tuple[float, object]:
     """Seconds per step of stock GPTNeoXForCausalLM in a plain PyTorch loop (random tokens, HF's loss)."""
     torch.manual_seed(0)
-    model = GPTNeoXForCausalLM(config).train()
+    model = GPTNeoXForCausalLM(config).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(0)
     with StepClock() as clock:
         for _ in range(warmup + steps):
-            ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=generator)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            ids = torch.randint(0, config.vocab_size, shape, generator=generator).to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
                 loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return clock.seconds(warmup, steps) / steps, model
+    return clock.seconds(warmup, steps) / steps, model.cpu()
 
 
-def ours_seconds(warmup: int, steps: int, precision: str) -> float:
-    """Seconds per step of `train(recipe)`: the same shape, packed Tiny Shakespeare windows of SEQ + 1 tokens."""
+def ours_seconds(config, shape: tuple[int, int], warmup: int, steps: int, precision: str, fused: bool) -> float:
+    """Seconds per step of `train(recipe)`: the same model shape, packed Tiny Shakespeare windows of seq + 1 tokens."""
     from neox_hf.recipe import recipe_from_dict
     from neox_hf.train.loop import train
 
-    c = PYTHIA_70M
+    batch, seq = shape
     with tempfile.TemporaryDirectory() as tmp:
         recipe = recipe_from_dict({
-            "model": {"num_layers": c["num_hidden_layers"], "hidden_size": c["hidden_size"],
-                      "num_attention_heads": c["num_attention_heads"], "intermediate_size": c["intermediate_size"],
-                      "vocab_size": c["vocab_size"], "seq_length": SEQ, "max_position_embeddings": 2048},
+            "model": {"num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+                      "num_attention_heads": config.num_attention_heads, "intermediate_size": config.intermediate_size,
+                      "vocab_size": config.vocab_size, "seq_length": seq, "max_position_embeddings": 2048},
             "tokenizer": {"path": str(SHARED / "tokenizers" / "gpt-neox-20b.json")},
             "data": {"sources": [{"path": str(TEXT), "format": "text"}], "mode": "pack"},
-            "train": {"train_iters": warmup + steps, "micro_batch_size": BATCH, "precision": precision,
-                      "lr": 1e-4, "log_interval": 1, "eval_iters": 0},
+            "train": {"train_iters": warmup + steps, "micro_batch_size": batch, "precision": precision,
+                      "lr": 1e-4, "log_interval": 1, "eval_iters": 0, "fused_cross_entropy": fused},
             "output": {"dir": tmp, "tensorboard": False},
         })
-        with StepClock() as clock, contextlib.redirect_stdout(io.StringIO()):
-            train(recipe)
+        with StepClock() as clock, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            train(recipe)  # its report and progress bars would break up the table (an exception still propagates)
         _reset_accelerate_state()  # the next precision builds a new Accelerator in this process
         log = [json.loads(line) for line in (Path(tmp) / "train_log.jsonl").read_text().splitlines()]
     if len(log) != warmup + steps:
@@ -95,36 +112,80 @@ def _reset_accelerate_state() -> None:
     PartialState._reset_state()
 
 
-def main() -> int:
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+
+
+def datasheet_peak(device: torch.device, precision: str) -> float | None:
+    if device.type != "cuda" or precision != "bf16":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in DATASHEET_BF16.items() if key in name), None)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out (at least 1: the first holds set-up)")
     parser.add_argument("--precision", default="fp32,bf16", help="comma-separated: fp32, bf16")
+    parser.add_argument("--shape", default="70m", help=f"comma-separated Pythia shapes: {', '.join(PYTHIA_SHAPES)}")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda: the first visible GPU, as Accelerate picks it for our loop")
+    parser.add_argument("--fused", choices=["on", "both"], default="on",
+                        help="both: also our loop with train.fused_cross_entropy false")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     args.warmup = max(args.warmup, 1)
-    config = GPTNeoXConfig(**PYTHIA_70M)
-    tokens = BATCH * SEQ
-    print(f"{cpu_name()}, torch {torch.__version__}, {args.threads} threads")
-    print(f"Pythia-70M shape, {BATCH}×{SEQ} tokens/step, {args.steps} timed steps after {args.warmup} warm-up")
-    print(f"| {'precision':9} | {'what':38} | {'tokens/s':>9} | {'GFLOP/s':>8} | {'MFU':>6} |")
-    print(f"|{'-' * 11}|{'-' * 40}|{'-' * 11}|{'-' * 10}|{'-' * 8}|")
+    unknown = [s for s in args.shape.split(",") if s not in PYTHIA_SHAPES]
+    if unknown or any(p not in DTYPES for p in args.precision.split(",")):
+        parser.error(f"unknown --shape {unknown} or --precision {args.precision}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU here")
+    if args.device == "cpu":
+        os.environ["ACCELERATE_USE_CPU"] = "true"  # our loop's Accelerator would otherwise take a visible GPU
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    device = torch.device(args.device)
+    shape, tokens = (args.batch, args.seq), args.batch * args.seq
+    print(f"{device_name(device)}, torch {torch.__version__}, {args.threads} CPU threads")
+    print(f"{args.batch}×{args.seq} tokens/step, {args.steps} timed steps after {args.warmup} warm-up")
+    print(f"| {'shape':5} | {'precision':9} | {'what':40} | {'tokens/s':>9} | {'TFLOP/s':>8} | {'MFU':>6} | "
+          f"{'datasheet MFU':>13} |")
+    print(f"|{'-' * 7}|{'-' * 11}|{'-' * 42}|{'-' * 11}|{'-' * 10}|{'-' * 8}|{'-' * 15}|")
     failed = []
-    for precision in args.precision.split(","):
-        torch.set_num_threads(args.threads)
-        peak, n = gemm_peak(DTYPES[precision])
-        stock_time, stock_model = stock_seconds(config, args.warmup, args.steps, precision)
-        torch.set_num_threads(args.threads)
-        ours_time = ours_seconds(args.warmup, args.steps, precision)
-        flops_token = model_flops_per_token(config, stock_model)
-        print(f"| {precision:9} | {f'GEMM peak ({n}² square, best of 5)':38} | {'':9} | {peak / 1e9:8.1f} | {'':6} |")
-        for name, seconds in (("stock transformers + PyTorch loop", stock_time), ("neox_hf train(recipe)", ours_time)):
-            flops = flops_token * tokens / seconds
-            print(f"| {precision:9} | {name:38} | {tokens / seconds:9.0f} | {flops / 1e9:8.1f} | "
-                  f"{100 * flops / peak:5.1f}% |")
-            if flops > peak:
-                failed.append(f"{precision} {name}: MFU {100 * flops / peak:.0f}%")
-        print(f"| {precision:9} | {'ratio neox_hf / stock tokens/s':38} | {stock_time / ours_time:8.2f}× | | |")
+    for name in args.shape.split(","):
+        config = pythia_config(name)
+        for precision in args.precision.split(","):
+            torch.set_num_threads(args.threads)
+            peak, n = gemm_peak(DTYPES[precision], device=device)
+            sheet = datasheet_peak(device, precision)
+
+            def row(what: str, tflops: float | None = None, tok_s: str = "", mfu: str = "", sheet_mfu: str = ""):
+                flops = f"{tflops:8.3f}" if tflops is not None else ""
+                print(f"| {name:5} | {precision:9} | {what:40} | {tok_s:>9} | {flops:>8} | {mfu:>6} | {sheet_mfu:>13} |")
+
+            row(f"GEMM peak ({n}² square, best of 5)", peak / 1e12,
+                sheet_mfu=f"{sheet / 1e12:.0f} datasheet" if sheet else "")
+            stock_time, stock_model = stock_seconds(config, shape, args.warmup, args.steps, precision, device)
+            flops_token = model_flops_per_token(config, stock_model, args.seq)
+            del stock_model
+            timed = [("stock transformers + PyTorch loop", stock_time)]
+            for fused in ([True, False] if args.fused == "both" else [True]):
+                torch.set_num_threads(args.threads)
+                seconds = ours_seconds(config, shape, args.warmup, args.steps, precision, fused)
+                timed.append((f"neox_hf train(recipe){'' if fused else ', unfused loss'}", seconds))
+            for what, seconds in timed:
+                flops = flops_token * tokens / seconds
+                row(what, flops / 1e12, f"{tokens / seconds:.0f}", f"{100 * flops / peak:5.1f}%",
+                    f"{100 * flops / sheet:5.1f}%" if sheet else "")
+                if flops > peak:
+                    failed.append(f"{name} {precision} {what}: MFU {100 * flops / peak:.0f}%")
+            row("ratio neox_hf / stock tokens/s", tok_s=f"{stock_time / timed[1][1]:.2f}×")
     if failed:
         print("FAILED: MFU above 100% (" + "; ".join(failed) + "): the GEMM peak was under-measured, most likely "
               "because the machine's load changed during the run; rerun on an idle machine", file=sys.stderr)
