@@ -124,7 +124,11 @@ def _bad_files(tmp: Path) -> dict[str, Path]:
     used = tmp / "used"
     used.mkdir()
     (used / "train_log.jsonl").write_text('{"step": 1}\n')
-    return {"corrupt": corrupt, "blocker": blocker, "used": used}
+    jsonl = tmp / "docs.jsonl"
+    jsonl.write_text('{"text": "a line"}\n')
+    truncated = tmp / "cut.parquet"
+    truncated.write_bytes(b"PAR1" + b"\0" * 64)  # a download cut short: the footer and its magic are missing
+    return {"corrupt": corrupt, "blocker": blocker, "used": used, "jsonl": jsonl, "truncated": truncated}
 
 
 # Cases that pass --print-config's validation and are refused when training starts, before the model is built.
@@ -138,6 +142,8 @@ RUNTIME = [
     ("from-pretrained-hub-id-offline", ["--model.from_pretrained", "no-such-org/no-such-model"], "offline_marker"),
     ("data-missing", ["--data.sources", "[{{path: {tmp}/none.jsonl}}]"], "no file matches"),
     ("data-no-suffix", ["--data.sources", "[{{path: {tmp}/x/data}}]"], "format"),
+    ("data-jsonl-as-parquet", ["--data.sources", "[{{path: {jsonl}, format: parquet}}]"], "is not a Parquet file"),
+    ("data-parquet-truncated", ["--data.sources", "[{{path: {truncated}}}]"], "truncated?"),
     ("output-under-a-file", ["--output.dir", "{blocker}/out"], "cannot be written"),
     ("output-is-a-file", ["--output.dir", "{blocker}"], "is a file"),
     ("output-holds-a-run", ["--output.dir", "{used}"], "--overwrite"),

@@ -229,7 +229,23 @@ def check_data_sources(recipe: Recipe) -> None:
     for source in recipe.data.sources + recipe.data.validation:
         fmt = source_format(source)
         if fmt not in ("hub", "indexed"):
-            resolve_files(source)
+            files = resolve_files(source)
+            if fmt == "parquet":
+                _check_parquet_files(files)
+
+
+def _check_parquet_files(files) -> None:
+    """A Parquet file starts and ends with the magic bytes PAR1; pyarrow's own error for one that does not (a JSONL
+    file given `format: parquet`, a truncated download) is a traceback from inside `datasets`."""
+    for path in files:
+        with open(path, "rb") as f:
+            head = f.read(4)
+            f.seek(max(os.path.getsize(path) - 4, 0))
+            tail = f.read(4)
+        if head != b"PAR1" or tail != b"PAR1":
+            where = "start" if head != b"PAR1" else "end: truncated?"
+            raise DataError(f"{path} is not a Parquet file (no PAR1 magic bytes at its {where}); give its real "
+                            "`format` (jsonl, json, text) or a complete Parquet file")
 
 
 # ----------------------------------------------------------------------------------------------------------------
