@@ -64,7 +64,11 @@ def train(recipe: Recipe, *, notices: list[str] | None = None, overwrite: bool =
 
 def _train(recipe: Recipe, notices: list[str] | None) -> RunResult:
     notices = [*(notices or []), *_keep_resumed_precision(recipe)]
+    auto_precision = recipe.train.precision == "auto"
     accelerator, layout = init_distributed(recipe, log_with=tracker_names(recipe) or None)
+    if auto_precision:  # resolved by init_distributed: say it was chosen, not asked for
+        notices.append(f"`train.precision: auto` chose {recipe.train.precision} on this device; set `train.precision: "
+                       "fp32` for the same numbers on every machine")
     _set_seed(recipe.train.seed)
     check_peft_recipe(recipe)
     tokenizer = load_tokenizer(recipe.tokenizer.path, eos_token=recipe.tokenizer.eos_token, pad_token=recipe.tokenizer.pad_token)
