@@ -62,7 +62,7 @@ def test_bf16_autocast_trains_real_text_as_fp32_does(tmp_path, fresh_accelerate_
 
     def losses(precision: str) -> list[float]:
         args = parse_run_args([
-            str(REPO / "recipes" / "tiny.yaml"), "--train.train_iters", "20", "--train.eval_iters", "0",
+            str(REPO / "recipes" / "tiny.yaml"), "--train.train_iters", "12", "--train.eval_iters", "0",
             "--train.save_interval", "100", "--train.precision", precision,
             "--data.sources", shakespeare_sources(), "--output.dir", str(tmp_path / precision),
         ])
@@ -71,8 +71,9 @@ def test_bf16_autocast_trains_real_text_as_fp32_does(tmp_path, fresh_accelerate_
         return result
 
     fp32, bf16 = losses("fp32"), losses("bf16")
-    # Measured 5e-4 at most on an avx512_bf16 CPU; > 0 shows the bf16 run did not run fp32.
-    assert len(bf16) == 20 and 0 < max(abs(a - b) for a, b in zip(fp32, bf16)) <= 0.02, (fp32, bf16)
+    # Measured 5e-4 at most over 20 steps on an avx512_bf16 CPU; > 0 shows the bf16 run did not run fp32. 12 steps:
+    # where bf16 is emulated (AVX2-only CPUs) each step is several times slower.
+    assert len(bf16) == 12 and 0 < max(abs(a - b) for a, b in zip(fp32, bf16)) <= 0.02, (fp32, bf16)
     assert sum(bf16[-5:]) / 5 < sum(bf16[:5]) / 5 - 1.0  # and it learns
 
 
