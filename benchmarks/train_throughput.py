@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import json
 import os
@@ -123,6 +124,12 @@ def datasheet_peak(device: torch.device, precision: str) -> float | None:
     return next((peak for key, peak in DATASHEET_BF16.items() if key in name), None)
 
 
+def table_row(shape: str, precision: str, what: str, tflops: float | None = None, tok_s: str = "", mfu: str = "",
+              sheet_mfu: str = "") -> None:
+    flops = f"{tflops:8.3f}" if tflops is not None else ""
+    print(f"| {shape:5} | {precision:9} | {what:40} | {tok_s:>9} | {flops:>8} | {mfu:>6} | {sheet_mfu:>13} |")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)
@@ -164,11 +171,7 @@ def main() -> int:
             torch.set_num_threads(args.threads)
             peak, n = gemm_peak(DTYPES[precision], device=device)
             sheet = datasheet_peak(device, precision)
-
-            def row(what: str, tflops: float | None = None, tok_s: str = "", mfu: str = "", sheet_mfu: str = ""):
-                flops = f"{tflops:8.3f}" if tflops is not None else ""
-                print(f"| {name:5} | {precision:9} | {what:40} | {tok_s:>9} | {flops:>8} | {mfu:>6} | {sheet_mfu:>13} |")
-
+            row = functools.partial(table_row, name, precision)
             row(f"GEMM peak ({n}² square, best of 5)", peak / 1e12,
                 sheet_mfu=f"{sheet / 1e12:.0f} datasheet" if sheet else "")
             stock_time, stock_model = stock_seconds(config, shape, args.warmup, args.steps, precision, device)

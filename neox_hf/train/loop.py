@@ -349,7 +349,8 @@ def save_final_model(run: TrainingRun, out_dir=None) -> Path:
 
 def _keep_resumed_precision(recipe: Recipe) -> list[str]:
     """`train.precision: auto` resumes in the precision its checkpoint was trained in (a DeepSpeed bf16 checkpoint
-    holds bf16 weights an fp32 engine cannot load), not in what `auto` picks on this machine; returns the notices for the start-up report."""
+    holds bf16 weights an fp32 engine cannot load), not in what `auto` picks on this machine. Returns the notices
+    for the start-up report."""
     t = recipe.train
     if t.precision != "auto" or t.resume is None:
         return []
