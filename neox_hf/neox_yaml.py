@@ -294,8 +294,10 @@ def _translate_data(args: dict, recipe: dict, notices: list[str]) -> set[str]:
             source["label_path"] = label
         _put(recipe, "data.sources", sources)
         _put(recipe, "data.order", "gpt-neox")
-        if args.get("seed") is not None:
-            _put(recipe, "data.seed", int(args["seed"]))  # GPT-NeoX shuffles its index with the run's seed
+    if args.get("seed") is not None:
+        # GPT-NeoX shuffles its index with the run's seed, also when the data path comes from the command line
+        # (`neox_hf batches --data-path`, `--data.sources`), so the seed cannot wait for the config to name data.
+        _put(recipe, "data.seed", _convert("seed", args["seed"], int))
     valid = args.get("valid_data_paths") or []
     if valid and valid != paths:
         valid_weights = args.get("valid_data_weights") or [1.0] * len(valid)
