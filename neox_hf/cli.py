@@ -41,8 +41,9 @@ def _add_convert_neox(parser):
     parser.add_argument("--config", action="append", required=True,
                         help="a GPT-NeoX YAML file it was trained with (repeat --config for several, merged as GPT-NeoX does)")
     parser.add_argument("out", help="output HF folder")
-    parser.add_argument("--tokenizer", default=None, help="tokenizers JSON / HF folder (default: the config's vocab_file; without either, the "
-                             "vocabulary size comes from the checkpoint and no tokenizer files are written)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizers JSON / HF folder (default: the config's vocab_file, which must "
+                             "then exist; without either, the vocabulary size comes from the checkpoint and no tokenizer "
+                             "files are written)")
     parser.add_argument("--trust-pickle", action="store_true",
                         help="allow full unpickling (RNG state, args) for checkpoint files you trust")
 

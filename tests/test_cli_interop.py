@@ -75,18 +75,21 @@ def test_preprocess_writes_gpt_neox_indexed_dataset(tmp_path):
     assert (tmp_path / "corpus.idx").read_bytes()[:9] == b"MMIDIDX\x00\x00"
 
 
+def tiny_neox_yaml(path: Path, extra: str = "") -> Path:
+    """The GPT-NeoX config of `tiny_config(parallel_residual=False, tied=True)` at TP 2, naming no vocab file."""
+    path.write_text(
+        '{"num-layers": %d, "hidden-size": %d, "num-attention-heads": %d, "seq-length": 64, "rotary-pct": 0.5,\n'
+        ' "gpt-j-residual": false, "no-weight-tying": false, "model-parallel-size": 2%s}\n' % (LAYERS, HIDDEN, HEADS, extra)
+    )
+    return path
+
+
 def test_convert_neox_without_tokenizer_reads_the_vocabulary_from_the_checkpoint(tmp_path):
-    config = tiny_config(parallel_residual=False, tied=True)
+    config = tiny_config(parallel_residual=False, tied=True)  # 128 rows: not GPT-NeoX-20B's 50,304
     ranks = random_neox_shards(config, tp=2, seed=3)
     write_neox_checkpoint(ranks, tmp_path / "ckpt", "sequential")
-    neox_yaml = tmp_path / "tiny.yml"
-    neox_yaml.write_text(  # vocab_file names a file that is not here, as on a machine without the training data
-        '{"num-layers": %d, "hidden-size": %d, "num-attention-heads": %d, "seq-length": 64, "rotary-pct": 0.5,\n'
-        ' "gpt-j-residual": false, "no-weight-tying": false, "model-parallel-size": 2,\n'
-        ' "vocab-file": "/nowhere/20B_tokenizer.json"}\n' % (LAYERS, HIDDEN, HEADS)
-    )
     out = tmp_path / "hf"
-    done = neox_hf("convert-neox", str(tmp_path / "ckpt"), "--config", str(neox_yaml), str(out))
+    done = neox_hf("convert-neox", str(tmp_path / "ckpt"), "--config", str(tiny_neox_yaml(tmp_path / "tiny.yml")), str(out))
     assert "vocabulary size 128 read from the checkpoint" in done.stdout and "--tokenizer" in done.stdout
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 128
@@ -94,3 +97,16 @@ def test_convert_neox_without_tokenizer_reads_the_vocabulary_from_the_checkpoint
     with torch.no_grad():
         logits = model(INPUT_IDS).logits
     torch.testing.assert_close(logits, neox_reference_logits(ranks, config, INPUT_IDS), atol=1e-5, rtol=0)
+
+
+def test_convert_neox_refuses_a_vocab_file_that_is_not_here(tmp_path, capsys):
+    from neox_hf.cli import main
+
+    write_neox_checkpoint(random_neox_shards(tiny_config(parallel_residual=False, tied=True), tp=2), tmp_path / "ckpt",
+                          "sequential")
+    # as on a machine without the training data: guessing the vocabulary would drop the tokenizer silently
+    neox_yaml = tiny_neox_yaml(tmp_path / "tiny.yml", ', "vocab-file": "/nowhere/20B_tokenizer.json"')
+    assert main(["convert-neox", str(tmp_path / "ckpt"), "--config", str(neox_yaml), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "/nowhere/20B_tokenizer.json" in err and "--tokenizer" in err, err
+    assert not (tmp_path / "hf").exists()

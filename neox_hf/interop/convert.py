@@ -18,46 +18,51 @@ from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, load_tokeniz
 from neox_hf.model import NeoXConfig, NeoXForCausalLM, config_from_recipe
 
 
-def neox_config_to_hf(neox_config_paths: list[str], tokenizer=None, *, vocab_size: int | None = None
-                      ) -> tuple[NeoXConfig, object]:
-    """HF config (and the tokenizer, when one can be found) from GPT-NeoX YAML files, vocab padded as GPT-NeoX did.
-
-    Without a tokenizer (none given, the config's vocab_file absent), `vocab_size` (the checkpoint's embedding rows)
-    gives the vocabulary and the tokenizer returned is None.
-    """
+def neox_recipe_and_tokenizer(neox_config_paths: list[str], tokenizer_path: str | None = None):
+    """(recipe, tokenizer or None) of GPT-NeoX YAML files: the tokenizer is `tokenizer_path`, else the config's
+    vocab_file; a config that names none gets None (not our recipe's default GPT-NeoX-20B tokenizer, which would
+    impose its 50,304 rows on a checkpoint of another vocabulary)."""
     from neox_hf.neox_yaml import load_neox_recipe_dict
     from neox_hf.recipe import recipe_from_dict
 
-    recipe = recipe_from_dict(load_neox_recipe_dict(neox_config_paths).recipe, source=", ".join(map(str, neox_config_paths)))
-    if tokenizer is None and Path(recipe.tokenizer.path).is_file():
-        tokenizer = load_tokenizer(recipe.tokenizer.path)
+    translated = load_neox_recipe_dict(neox_config_paths).recipe
+    recipe = recipe_from_dict(translated, source=", ".join(map(str, neox_config_paths)))
+    path = tokenizer_path or _named_vocab_file(translated.get("tokenizer", {}).get("path"))
+    return recipe, (load_tokenizer(path) if path else None)
+
+
+def _named_vocab_file(vocab_file: str | None) -> str | None:
+    # A vocab_file that is named but absent (a machine without the training data) is refused, not replaced by the
+    # checkpoint's vocabulary: the folder would silently lose the tokenizer the config asked for.
+    if vocab_file is not None and not Path(vocab_file).exists():
+        raise CheckpointError(f"the GPT-NeoX config's vocab_file {vocab_file} is not here; pass --tokenizer PATH "
+                              "(the tokenizers JSON the model was trained with)")
+    return vocab_file
+
+
+def neox_hf_config(recipe, tokenizer=None, *, vocab_size: int | None = None) -> NeoXConfig:
+    """HF config of a translated GPT-NeoX recipe: the vocabulary padded from the tokenizer as GPT-NeoX did, or without
+    a tokenizer `vocab_size` (the checkpoint's embedding rows) and no special token ids."""
     if tokenizer is None:
-        if vocab_size is None:
-            raise CheckpointError(
-                f"the GPT-NeoX config's vocab_file {recipe.tokenizer.path!r} is not here and no vocabulary size is "
-                "known; pass --tokenizer PATH (the tokenizers JSON the model was trained with)"
-            )
         # GPT-NeoX's own tokenizers put <|endoftext|> at 0; without the tokenizer no id is claimed.
-        config = config_from_recipe(recipe.model, vocab_size=vocab_size, bos_token_id=None, eos_token_id=None)
-        return config, None
+        return config_from_recipe(recipe.model, vocab_size=vocab_size, bos_token_id=None, eos_token_id=None)
     vocab = padded_vocab_size(len(tokenizer), recipe.model.make_vocab_size_divisible_by, recipe.parallel.tensor_parallel)
-    config = config_from_recipe(recipe.model, vocab_size=vocab, bos_token_id=tokenizer.bos_token_id,
-                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return config, tokenizer
+    return config_from_recipe(recipe.model, vocab_size=vocab, bos_token_id=tokenizer.bos_token_id,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
 
 def convert_neox_checkpoint(checkpoint_dir, neox_config_paths: list[str], out_dir, *, tokenizer_path: str | None = None,
                             trust_pickle: bool = False, notices: list[str] | None = None) -> Path:
     """GPT-NeoX `global_stepN/` (pipeline or sequential layout, any TP) → an HF folder, with its tokenizer when one is
-    given (`tokenizer_path`) or named by the config's vocab_file and present; otherwise weights and config only, the
-    vocabulary size read from the checkpoint's embedding (a line saying so is appended to `notices`)."""
-    tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
-    rows = embedding_rows(detect_checkpoint_files(checkpoint_dir), trust_pickle=trust_pickle)
-    config, tokenizer = neox_config_to_hf(neox_config_paths, tokenizer, vocab_size=rows)
+    given (`tokenizer_path`) or named by the config's vocab_file; otherwise weights and config only, the vocabulary
+    size read from the checkpoint's embedding (a line saying so is appended to `notices`)."""
+    recipe, tokenizer = neox_recipe_and_tokenizer(neox_config_paths, tokenizer_path)
+    rows = None if tokenizer else embedding_rows(detect_checkpoint_files(checkpoint_dir), trust_pickle=trust_pickle)
+    config = neox_hf_config(recipe, tokenizer, vocab_size=rows)
     model = neox_to_hf_model(checkpoint_dir, config, model_class=NeoXForCausalLM, trust_pickle=trust_pickle)
     if tokenizer is None:
         if notices is not None:
-            notices.append(f"no tokenizer (none given, the config's vocab_file is not here): vocabulary size {rows} "
+            notices.append(f"no tokenizer (no --tokenizer, and the config names no vocab_file): vocabulary size {rows} "
                            "read from the checkpoint's embedding; no tokenizer files written, no special token ids "
                            "in config.json. Pass --tokenizer PATH to include them")
         return save_hf_folder(model, out_dir)
