@@ -10,22 +10,26 @@ Gaps filled over peft:
   embedding, so we pass False and stay offline.
 - merging writes a stock GPTNeoX folder (`architectures: ["GPTNeoXForCausalLM"]`) with the tokenizer, via
   `save_hf_folder`, and bad folders raise `CheckpointError` instead of a deep OSError / size-mismatch trace.
+- peft merges an adapter into any base of the same shapes; we refuse a base other than the one adapter_config.json
+  records (`base_model_name_or_path`) unless forced.
 
 Loading a folder for inference (full model or base + adapter) lives in `neox_hf.inference`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 
-from neox_hf.errors import RecipeError
+from neox_hf.errors import CheckpointError, RecipeError
 from neox_hf.inference import (  # noqa: F401  (re-exported: callers loaded models through finetune before)
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    check_model_folder,
     folder_tokenizer,
     is_adapter_folder,
     load_adapter_model,
@@ -155,12 +159,58 @@ def check_peft_recipe(recipe: Recipe) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def merge_adapter(base_path, adapter_path, out_dir) -> Path:
+def merge_adapter(base_path, adapter_path, out_dir, *, force: bool = False, notices: list[str] | None = None) -> Path:
     """base + adapter merged into plain weights (`merge_and_unload`), saved as a stock GPTNeoX folder with the
-    tokenizer of the adapter folder, else of the base folder, when one is there."""
+    tokenizer of the adapter folder, else of the base folder, when one is there. An adapter whose
+    adapter_config.json records another base is refused unless `force` (see `check_adapter_base`)."""
+    if is_adapter_folder(adapter_path):  # else load_adapter_model says what the folder lacks
+        check_model_folder(base_path)  # a missing base is "not found", not "another base"
+        note = check_adapter_base(base_path, adapter_path, force=force)
+        if note and notices is not None:
+            notices.append(note)
     merged = load_adapter_model(base_path, adapter_path).merge_and_unload()
     tokenizer = folder_tokenizer(adapter_path) or folder_tokenizer(base_path)
     return save_hf_folder(merged, out_dir, tokenizer=tokenizer)
+
+
+def check_adapter_base(base_path, adapter_path, *, force: bool = False) -> str | None:
+    """Refuse to merge an adapter into a base other than the one its adapter_config.json records (peft merges any
+    base of the same shapes, silently giving a model nobody trained). Returns a note when nothing can be compared
+    (no base recorded) or when `force` overrides a mismatch; None when the bases agree."""
+    recorded = _recorded_base(Path(adapter_path))
+    if not recorded:
+        return f"{adapter_path}/{ADAPTER_CONFIG} records no base model; merged into {base_path} unchecked"
+    if _same_base(recorded, Path(base_path)):
+        return None
+    if force:
+        return f"--force: adapter {adapter_path}, trained on {recorded}, merged into {base_path}"
+    raise CheckpointError(f"adapter {adapter_path} was trained on {recorded} (its {ADAPTER_CONFIG} "
+                          f"base_model_name_or_path), not on {base_path}; merge it into that base, or pass --force if "
+                          "both are the same model")
+
+
+def _recorded_base(adapter: Path) -> str | None:
+    config_file = adapter / ADAPTER_CONFIG
+    try:
+        return json.loads(config_file.read_text()).get("base_model_name_or_path")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise CheckpointError(f"{config_file} is not a JSON object ({err}); save the adapter again") from err
+
+
+def _same_base(recorded: str, base: Path) -> bool:
+    if Path(recorded).exists():
+        return Path(recorded).resolve() == base.resolve()  # one folder however spelled (relative, `..`, symlinks)
+    # A Hub id (or a folder of another machine): the base is that name, a Hub cache snapshot of it, or a folder of
+    # that name (what `huggingface-cli download ID --local-dir NAME` and copies between machines give).
+    return recorded in (str(base), _hub_cache_repo_id(base)) or Path(recorded).name == base.resolve().name
+
+
+def _hub_cache_repo_id(folder: Path) -> str | None:
+    """`EleutherAI/pythia-14m` for a folder under huggingface_hub's cache `models--EleutherAI--pythia-14m/snapshots/`."""
+    for part in folder.resolve().parts:
+        if part.startswith("models--"):
+            return part[len("models--"):].replace("--", "/")
+    return None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -172,9 +222,14 @@ def add_merge_arguments(parser) -> None:
     parser.add_argument("base", help="base model folder the adapter was trained on")
     parser.add_argument("adapter", help="adapter folder (adapter_config.json + adapter_model.safetensors)")
     parser.add_argument("out", help="output folder for the merged GPTNeoX model")
+    parser.add_argument("--force", action="store_true",
+                        help="merge even when the adapter's adapter_config.json records another base model")
 
 
 def run_merge(args) -> int:
-    out = merge_adapter(args.base, args.adapter, args.out)
+    notices: list[str] = []
+    out = merge_adapter(args.base, args.adapter, args.out, force=args.force, notices=notices)
+    for notice in notices:
+        print(f"note: {notice}")
     print(f"merged model written to {out}")
     return 0

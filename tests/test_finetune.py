@@ -200,6 +200,58 @@ def test_merge_refuses_bad_folders(base, tmp_path):
         finetune.merge_adapter(base, tmp_path / "wide-adapter", tmp_path / "out")
 
 
+def _adapter_on(base_folder, out, recorded="keep") -> Path:
+    """A LoRA adapter (non-zero update) of `base_folder` saved in `out`; `recorded` rewrites the base its
+    adapter_config.json names (None: removed)."""
+    torch.manual_seed(2)
+    model = finetune.wrap_with_peft(GPTNeoXForCausalLM.from_pretrained(base_folder), _peft_cfg())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)
+    model.save_pretrained(out, save_embedding_layers=False)
+    if recorded != "keep":
+        config = json.loads((out / finetune.ADAPTER_CONFIG).read_text())
+        config["base_model_name_or_path"] = recorded
+        (out / finetune.ADAPTER_CONFIG).write_text(json.dumps(config))
+    return out
+
+
+def _merged_logits(folder) -> torch.Tensor:
+    with torch.no_grad():
+        return GPTNeoXForCausalLM.from_pretrained(folder).eval()(_batch(vocab=50277)["input_ids"]).logits
+
+
+def test_merge_refuses_an_adapter_of_another_base_unless_forced(base, tmp_path, capsys):
+    from neox_hf.cli import main
+
+    other = make_tiny_folder(tmp_path / "other", seed=1)  # same shapes, other weights: peft would merge silently
+    adapter = _adapter_on(base, tmp_path / "adapter")
+    capsys.readouterr()
+    assert main(["merge", str(other), str(adapter), str(tmp_path / "wrong")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(base) in err and str(other) in err and "--force" in err, err
+    assert not (tmp_path / "wrong").exists()
+    assert main(["merge", str(other), str(adapter), str(tmp_path / "forced"), "--force"]) == 0
+    # the base the adapter records, spelled another way (relative, through `..`): the same folder, merged
+    respelled = os.path.relpath(base.parent / ".." / base.parent.name / base.name)
+    assert main(["merge", respelled, str(adapter), str(tmp_path / "right")]) == 0
+    assert (_merged_logits(tmp_path / "right") - _merged_logits(tmp_path / "forced")).abs().max() > 1e-3
+
+
+def test_merge_compares_a_recorded_hub_id_by_name_and_proceeds_without_one(base, tmp_path, capsys):
+    from neox_hf.cli import main
+
+    named = make_tiny_folder(tmp_path / "pythia-14m")
+    hub = _adapter_on(named, tmp_path / "hub-adapter", recorded="EleutherAI/pythia-14m")
+    assert main(["merge", str(named), str(hub), str(tmp_path / "merged-hub")]) == 0  # a download of that repo
+    assert main(["merge", str(base), str(hub), str(tmp_path / "not-hub")]) == 2
+    assert "EleutherAI/pythia-14m" in capsys.readouterr().err
+    anonymous = _adapter_on(base, tmp_path / "anonymous", recorded=None)
+    assert main(["merge", str(base), str(anonymous), str(tmp_path / "merged-anonymous")]) == 0
+    assert "records no base model" in capsys.readouterr().out
+
+
 def test_merge_without_base_folder_is_refused_before_training(tmp_path):
     recipe = lora_recipe(tmp_path, tmp_path / "run", model={"from_pretrained": None}, peft={"merge": True})
     with pytest.raises(RecipeError, match="model.from_pretrained"):
