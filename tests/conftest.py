@@ -32,11 +32,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def accelerate_launch_command(script, *args, zero_stage: int, num_processes: int = 2) -> list[str]:
-    """`accelerate launch` of `script` with DeepSpeed ZeRO `zero_stage` on gloo, fp32, on a free port."""
+def accelerate_launch_command(script, *args, zero_stage: int | None = None, num_processes: int = 2) -> list[str]:
+    """`accelerate launch --use_deepspeed` of `script` on gloo, on a free port; `--zero_stage` only where given: the
+    run refuses a launcher stage that contradicts its recipe's (a worker whose recipe picks its own stage, or runs
+    several, passes none)."""
+    stage = ["--zero_stage", str(zero_stage)] if zero_stage is not None else []
     return [
         sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes), "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", str(zero_stage),
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed", *stage,
         "--main_process_port", str(free_port()), str(script), *map(str, args),
     ]
 

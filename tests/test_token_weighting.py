@@ -41,7 +41,7 @@ def one_process(model_dir, out, *args):
 
 
 def launched(model_dir, out, processes, *args):
-    command = accelerate_launch_command(WORKER, model_dir, out, *args, zero_stage=1, num_processes=processes)
+    command = accelerate_launch_command(WORKER, model_dir, out, *args, num_processes=processes)
     done = subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return _result(out)

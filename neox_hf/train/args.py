@@ -8,6 +8,7 @@ from pathlib import Path
 
 from neox_hf.errors import UsageError
 from neox_hf.neox_yaml import looks_like_neox_config, read_neox_files, translate_neox_args
+from neox_hf.parallel.launch_config import reconcile_with_launcher
 from neox_hf.recipe import Recipe, load_yaml_file, merge_dicts, parse_overrides, recipe_from_dict
 
 USAGE = ("run_clm_neox.py RECIPE.yaml [MORE.yml ...] [--section.key value ...] [--print-config] [--resume | --overwrite]")
@@ -35,8 +36,9 @@ def parse_run_args(argv: list[str]) -> RunArgs:
     if resume:
         raw = merge_dicts(raw, {"train": {"resume": "auto"}})
     source = ", ".join(files) + (" with the command-line overrides" if rest else "")
+    raw, launch_notices = reconcile_with_launcher(raw, source)
     recipe = recipe_from_dict(raw, source=source)
-    return RunArgs(recipe=recipe, notices=notices, print_config=print_config, overwrite=overwrite)
+    return RunArgs(recipe=recipe, notices=notices + launch_notices, print_config=print_config, overwrite=overwrite)
 
 
 def _split_argv(argv: list[str]) -> tuple[list[str], list[str], set[str]]:
