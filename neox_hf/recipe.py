@@ -137,7 +137,8 @@ class ParallelConfig:
     zero_stage: int = 0  # 0 = no DeepSpeed ZeRO partitioning; 1, 2, 3
     use_deepspeed: Optional[bool] = None  # default: when launched with accelerate's DeepSpeed plugin or zero_stage > 0
     sequence_parallel: bool = False  # Megatron/GPT-NeoX sequence parallelism of norms/dropout/residuals (needs TP > 1)
-    offload_optimizer: bool = False
+    offload_optimizer: bool = False  # ZeRO ≥ 1: optimizer states and the fp32 master copy in CPU memory
+    offload_params: bool = False  # ZeRO-3: parameters in CPU memory between uses (DeepSpeed offload_param)
     activation_checkpointing: bool = False
     deepspeed_config: Optional[str] = None  # raw DeepSpeed JSON, overrides the generated one
 
@@ -169,6 +170,8 @@ class TrainConfig:
     # auto (the default): bf16 where the device runs it natively — measured faster there — and fp32 elsewhere
     # (see parallel.accelerator.resolve_precision); the recipe saved with a run records what `auto` resolved to
     precision: Literal["fp32", "bf16", "fp16", "auto"] = "auto"
+    # fp16: overflow-skipped steps go on (LR held, as GPT-NeoX); more than this many in a row stop the run
+    max_skipped_steps_in_a_row: int = 100
     seed: int = 1234
     log_interval: int = 10
     eval_interval: int = 50
@@ -359,6 +362,8 @@ def validate(recipe: Recipe) -> None:
         )
     for name in ("train_iters", "micro_batch_size", "gradient_accumulation_steps", "log_interval", "eval_interval"):
         _require(getattr(t, name) > 0, f"`train.{name}` must be > 0, got {getattr(t, name)}")
+    _require(t.max_skipped_steps_in_a_row >= 1,
+             f"`train.max_skipped_steps_in_a_row` must be ≥ 1, got {t.max_skipped_steps_in_a_row}")
     _require(t.eval_iters >= 0, f"`train.eval_iters` must be ≥ 0, got {t.eval_iters}")
     _require(t.lr > 0, f"`train.lr` must be > 0, got {t.lr}")
     for name in ("adam_beta1", "adam_beta2"):
@@ -374,6 +379,9 @@ def validate(recipe: Recipe) -> None:
     if t.push_to_hub is not None:
         _require(bool(t.push_to_hub.repo_id), "`train.push_to_hub.repo_id` is required, e.g. `me/pythia-tiny`")
     _require(p.zero_stage in (0, 1, 2, 3), f"`parallel.zero_stage` must be 0, 1, 2 or 3, got {p.zero_stage}")
+    _require(not p.offload_params or p.zero_stage == 3,
+             f"`parallel.offload_params: true` needs `parallel.zero_stage: 3` (DeepSpeed offloads parameters only "
+             f"under ZeRO-3), got zero_stage {p.zero_stage}")
     _require(p.tensor_parallel >= 1, f"`parallel.tensor_parallel` must be ≥ 1, got {p.tensor_parallel}")
     _require(p.pipeline_parallel >= 1, f"`parallel.pipeline_parallel` must be ≥ 1, got {p.pipeline_parallel}")
     if p.pipeline_parallel > 1:

@@ -17,6 +17,7 @@ from accelerate import Accelerator, DeepSpeedPlugin
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
 from neox_hf.errors import RecipeError
+from neox_hf.parallel.launch_config import check_recipe_agrees_with_launcher, launcher_environment_reconciled
 from neox_hf.recipe import ParallelConfig, Recipe, TrainConfig, merge_dicts
 
 _MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -55,6 +56,8 @@ def deepspeed_config(parallel: ParallelConfig, train: TrainConfig) -> dict:
         if parallel.zero_stage == 0:
             raise RecipeError("`parallel.offload_optimizer: true` needs `parallel.zero_stage` ≥ 1 (DeepSpeed ZeRO-Offload)")
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if parallel.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     config = {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
@@ -91,6 +94,23 @@ def deepspeed_config(parallel: ParallelConfig, train: TrainConfig) -> dict:
     return config
 
 
+# Read instead of /proc/cpuinfo's flags when set: the suite (and a user) can see what `auto` and the fp16 gate decide
+# on another CPU, e.g. NEOX_HF_CPU_FLAGS="avx2 fma" (AVX2-only) or "avx512f avx512_bf16 amx_bf16 avx512_fp16" (AMX).
+CPU_FLAGS_OVERRIDE = "NEOX_HF_CPU_FLAGS"
+
+
+def deepspeed_runs_fp16() -> bool:
+    """Whether DeepSpeed's accelerator here trains fp16: a GPU, or a CPU whose oneDNN has fp16 kernels (AVX512-FP16 /
+    AMX-FP16). Under NEOX_HF_CPU_FLAGS the CPU answer is the one those flags would give (it can only be narrowed:
+    flags claiming fp16 on a CPU without it do not give DeepSpeed the kernels)."""
+    from deepspeed.accelerator import get_accelerator
+
+    supported = bool(get_accelerator().is_fp16_supported())
+    if torch.cuda.is_available() or os.environ.get(CPU_FLAGS_OVERRIDE) is None:
+        return supported
+    return supported and bool(_cpu_flags() & {"avx512_fp16", "amx_fp16"})
+
+
 def check_deepspeed_precision(config: dict) -> None:
     """Refuse, naming the fix, an fp16 DeepSpeed config the accelerator here cannot run.
 
@@ -102,11 +122,10 @@ def check_deepspeed_precision(config: dict) -> None:
         return
     from deepspeed.accelerator import get_accelerator
 
-    accelerator = get_accelerator()
-    if not accelerator.is_fp16_supported():
+    if not deepspeed_runs_fp16():
         raise RecipeError(
             f"fp16 (`train.precision: fp16` or an fp16 `parallel.deepspeed_config`) is not supported by DeepSpeed's "
-            f"{accelerator.device_name()} accelerator on this machine (CPU fp16 needs AVX512-FP16 or AMX); "
+            f"{get_accelerator().device_name()} accelerator on this machine (CPU fp16 needs AVX512-FP16 or AMX); "
             "use `train.precision: bf16` or `fp32` here, or train fp16 on a GPU"
         )
 
@@ -134,10 +153,17 @@ def native_bf16(cpu_flags: set[str] | None = None) -> str | None:
         return f"{torch.cuda.get_device_name()} (compute capability {major}.x) has bf16 tensor cores" if major >= 8 else None
     flags = _cpu_flags() if cpu_flags is None else cpu_flags
     native = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
-    return f"this CPU has {native[0]}" if native else None
+    if not native:
+        return None
+    overridden = cpu_flags is None and os.environ.get(CPU_FLAGS_OVERRIDE) is not None
+    return f"this CPU has {native[0]}" + (f" (as {CPU_FLAGS_OVERRIDE} says)" if overridden else "")
 
 
 def _cpu_flags() -> set[str]:
+    """This CPU's feature flags, or NEOX_HF_CPU_FLAGS's (space- or comma-separated) where it is set."""
+    override = os.environ.get(CPU_FLAGS_OVERRIDE)
+    if override is not None:
+        return set(override.replace(",", " ").split())
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -165,6 +191,7 @@ def build_accelerator(recipe: Recipe, *, log_with: str | None = None) -> Acceler
     auto` is resolved here, in the recipe itself, so that everything after (report, checkpoints, recipe.yaml) sees
     the precision that runs."""
     train, parallel = recipe.train, recipe.parallel
+    check_recipe_agrees_with_launcher(recipe)
     train.precision = resolve_precision(train)
     use_deepspeed = wants_deepspeed(parallel)
     if use_deepspeed and not _launched_distributed():
@@ -175,16 +202,17 @@ def build_accelerator(recipe: Recipe, *, log_with: str | None = None) -> Acceler
     ds_config = deepspeed_config(parallel, train) if use_deepspeed else None
     if ds_config is not None:
         check_deepspeed_precision(ds_config)
-    plugin = DeepSpeedPlugin(hf_ds_config=ds_config) if use_deepspeed else None
     project = ProjectConfiguration(project_dir=recipe.output.dir, logging_dir=str(Path(recipe.output.dir) / "runs"))
-    return Accelerator(
-        mixed_precision=_MIXED_PRECISION[train.precision],
-        gradient_accumulation_steps=train.gradient_accumulation_steps,
-        deepspeed_plugin=plugin,
-        kwargs_handlers=kwargs_handlers,
-        project_config=project,
-        log_with=log_with,
-    )
+    with launcher_environment_reconciled(recipe):
+        plugin = DeepSpeedPlugin(hf_ds_config=ds_config) if use_deepspeed else None
+        return Accelerator(
+            mixed_precision=_MIXED_PRECISION[train.precision],
+            gradient_accumulation_steps=train.gradient_accumulation_steps,
+            deepspeed_plugin=plugin,
+            kwargs_handlers=kwargs_handlers,
+            project_config=project,
+            log_with=log_with,
+        )
 
 
 def _single_process_environment() -> None:
