@@ -66,9 +66,8 @@ def layout_launches(model_dir, tmp_path_factory):
             out = tmp_path_factory.mktemp(f"layouts{processes}")
             specs = [f"{name}={','.join(map(str, (stage, tp, *options)))}"
                      for name, (n, stage, tp, options) in LAYOUTS.items() if n == processes]
-            # --zero_stage only fills Accelerate's plugin defaults: each layout's recipe sets its own stage.
-            command = accelerate_launch_command(WORKER, model_dir, out, "--layouts", *specs, zero_stage=1,
-                                                num_processes=processes)
+            # No --zero_stage: each layout's recipe sets its own stage (a launcher stage would contradict the others).
+            command = accelerate_launch_command(WORKER, model_dir, out, "--layouts", *specs, num_processes=processes)
             launches[processes] = out, subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True,
                                                       timeout=900)
         return launches[processes]
@@ -91,9 +90,9 @@ def test_layout_matches_one_process(layout_launches, one_process_losses, layout)
 
 
 def _deepspeed_runs_fp16_here() -> bool:
-    from deepspeed.accelerator import get_accelerator
+    from neox_hf.parallel.accelerator import deepspeed_runs_fp16
 
-    return get_accelerator().is_fp16_supported()
+    return deepspeed_runs_fp16()  # NEOX_HF_CPU_FLAGS can make an fp16 CPU decide as an AVX2-only one does
 
 
 @pytest.mark.skipif(_deepspeed_runs_fp16_here(), reason="this machine runs DeepSpeed fp16: the scaling test covers it")
@@ -122,8 +121,9 @@ def test_fp16_dynamic_loss_scaling_skips_overflowing_steps_and_holds_the_lr(mode
     override.write_text(json.dumps({"fp16": {"initial_scale_power": 21}}))
     out = tmp_path / "run"
     _launch(model_dir, out, 2, 2, 1, "--precision", "fp16", "--steps", "12", "--deepspeed-config", str(override))
-    log = [r for r in map(json.loads, (out / "train_log.jsonl").read_text().splitlines()) if "loss" in r]
+    log = [r for r in strict_train_log(out) if "loss" in r]
     assert [r["step"] for r in log] == list(range(1, 13))
+    assert all("grad_norm" not in r for r in log if r["skipped"])  # infinite: left out, the line stays strict JSON
     skipped = [r for r in log if r["skipped"]]
     applied = [r for r in log if not r["skipped"]]
     assert log[0]["skipped"] and log[0]["loss_scale"] == 2.0**21
@@ -135,3 +135,34 @@ def test_fp16_dynamic_loss_scaling_skips_overflowing_steps_and_holds_the_lr(mode
     # Same model and batch as the fp32 run's first step, computed in fp16.
     assert abs(log[0]["loss"] - one_process_losses[1]) <= 1e-2
     assert all(math.isfinite(r["loss"]) for r in log)
+
+
+def strict_train_log(out) -> list[dict]:
+    """train_log.jsonl, parsed refusing NaN / Infinity (Python's json would read them back)."""
+    def refuse(constant):
+        raise ValueError(f"non-finite JSON constant {constant}")
+
+    return [json.loads(line, parse_constant=refuse) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.skipif(not _deepspeed_runs_fp16_here(), reason="DeepSpeed's CPU accelerator has no fp16 on this CPU "
+                    "(needs AVX512-FP16/AMX); tests/test_overflow_skips.py covers the guard everywhere")
+def test_fp16_run_whose_loss_scale_reaches_its_floor_stops_naming_the_step(tmp_path):
+    """The user's path: run_clm_neox.py, 2 processes, ZeRO-2, a loss scale far too high that may not fall below
+    2^28: steps 1 and 2 overflow and are skipped, the second leaves the scale at its floor, and the run stops there
+    with one line (DeepSpeed would raise a bare Exception at the next overflow)."""
+    override = tmp_path / "ds.json"
+    override.write_text(json.dumps({"fp16": {"initial_scale_power": 30, "min_loss_scale": 2**28, "hysteresis": 1}}))
+    out = tmp_path / "run"
+    command = accelerate_launch_command(
+        REPO / "run_clm_neox.py", REPO / "recipes" / "tiny.yaml", "--parallel.zero_stage", "2", "--train.precision",
+        "fp16", "--parallel.deepspeed_config", override, "--train.train_iters", "8", "--train.eval_iters", "0",
+        "--train.log_interval", "4", "--model.hidden_size", "64", "--model.seq_length", "64",
+        "--train.micro_batch_size", "2", "--output.dir", out, "--output.tensorboard", "false", zero_stage=2)
+    done = subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and "the fp16 loss scale fell to its floor (2.68435e+08) at step 2" in errors[0], done.stderr[-3000:]
+    log = strict_train_log(out)
+    assert [(r["step"], r["skipped"], r["loss_scale"]) for r in log] == [(1, True, 2.0**29), (2, True, 2.0**28)]
+    assert not (out / "model.safetensors").exists()  # nothing of a run that stopped is saved as its result

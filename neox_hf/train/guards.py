@@ -10,6 +10,7 @@ line naming the problem and the fix) or returns what the loop needs:
   `from_pretrained`) is, before minutes are spent building it.
 - `check_finite(step, loss, grad_norm)`: a non-finite loss or gradient norm stops the run before anything of that
   step is logged or saved.
+- `OverflowGuard`: fp16 overflow-skipped steps go on, a loss scale at its floor or too many skips in a row stop.
 - `truncate_train_log`: after a resume from step N, `train_log.jsonl` keeps only steps ≤ N, so no step repeats.
 - `check_skipped_documents`: undecodable documents are reported, and fail the run above
   `data.max_skipped_fraction`.
@@ -267,6 +268,38 @@ def check_finite(step: int, loss: float, grad_norm: float | None = None, *, outp
     )
 
 
+class OverflowGuard:
+    """fp16 dynamic loss scaling: an overflow-skipped step is normal (no update, LR held, as in GPT-NeoX), a run that
+    keeps skipping is not. Stops, naming the step, when a skip leaves the loss scale at its floor (the gradients
+    overflow however small the scale: DeepSpeed would raise a bare "Current loss scale already at minimum" at the
+    next overflow) or when more than `max_in_a_row` steps in a row were skipped. Every pending step is written to
+    `train_log.jsonl` first (`flush`), so the log shows what led there."""
+
+    def __init__(self, max_in_a_row: int, floor: float | None, *, output_dir=None):
+        self.max_in_a_row, self.floor, self.output_dir = max_in_a_row, floor, output_dir
+        self.in_a_row = 0
+
+    def after_step(self, step: int, skipped: bool, loss_scale: float | None, flush=lambda: None) -> None:
+        if not skipped:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        at_floor = self.floor is not None and loss_scale is not None and loss_scale <= self.floor
+        if not at_floor and self.in_a_row <= self.max_in_a_row:
+            return
+        flush()
+        if at_floor:
+            why = f"the fp16 loss scale fell to its floor ({self.floor:g}) at step {step}"
+        else:
+            why = (f"step {step} was the {self.in_a_row}th fp16 overflow-skipped step in a row (more than "
+                   f"`train.max_skipped_steps_in_a_row` {self.max_in_a_row})")
+        raise TrainingDiverged(
+            f"{why}: the gradients overflow fp16 at every loss scale, so the model no longer trains; nothing was "
+            f"updated on those steps{_last_checkpoint_text(self.output_dir)}. Train in bf16 (`--train.precision "
+            "bf16`), or lower `train.lr` and --resume from the checkpoint"
+        )
+
+
 def _last_checkpoint_text(output_dir) -> str:
     if output_dir is None:
         return ""
@@ -299,7 +332,8 @@ def truncate_train_log(output_dir, step: int) -> int:
 
 
 def step_log_line(entry: dict) -> str:
-    """One `train_log.jsonl` line; strict JSON (a non-finite value is a bug: `check_finite` runs first)."""
+    """One `train_log.jsonl` line; strict JSON (a non-finite value is a bug: `check_finite` runs first, and the entry
+    of an overflow-skipped fp16 step leaves its non-finite values out)."""
     return json.dumps(entry, allow_nan=False)
 
 

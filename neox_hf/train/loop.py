@@ -26,6 +26,7 @@ from neox_hf.trackers import init_tracker_kwargs, tracker_names
 from neox_hf.train.checkpoint import (TrainState, checkpoint_precision, find_resume_checkpoint, load_checkpoint,
                                       save_checkpoint)
 from neox_hf.train.guards import (
+    OverflowGuard,
     check_before_build,
     check_finite,
     check_skipped_documents,
@@ -36,7 +37,7 @@ from neox_hf.train.guards import (
 from neox_hf.train.prefetch import Prefetcher
 from neox_hf.train.run_log import record_evaluation
 from neox_hf.train.schedule import build_lr_scheduler
-from neox_hf.train.step import StepResult, dp_sum, eval_loss_sums, loss_scale, train_step
+from neox_hf.train.step import StepResult, dp_sum, eval_loss_sums, loss_scale, loss_scale_floor, train_step
 
 
 @dataclass
@@ -172,15 +173,19 @@ def run_steps(run: TrainingRun, state: TrainState, history: History | None = Non
     batches = Prefetcher(run.loader)
     run.loader_position = batches  # what a checkpoint records: the position of the last batch consumed
     step_log = StepLogger(run, state, history)
+    overflows = OverflowGuard(t.max_skipped_steps_in_a_row, loss_scale_floor(run.accelerator, run.model),
+                              output_dir=run.recipe.output.dir)
     progress = tqdm(total=t.train_iters, initial=state.step, disable=not run.accelerator.is_main_process, desc="train")
     run.model.train()
     try:
         while state.step < t.train_iters:
             micro_batches = [_to_device(next(batches), run.accelerator.device) for _ in range(t.gradient_accumulation_steps)]
             result = train_step(run, micro_batches)
+            scale = loss_scale(run.accelerator, run.model)
             lr = _advance_schedule(run, state, result)
-            step_log.record(result, lr, data_wait=batches.take_wait(),
+            step_log.record(result, lr, scale, data_wait=batches.take_wait(),
                             seq_length=micro_batches[0].get("curriculum_seq_length"))
+            overflows.after_step(state.step, result.skipped, scale, flush=step_log.flush)
             progress.update(1)
             if _due(state.step, t.log_interval) or state.step == t.train_iters:
                 progress.set_postfix(step_log.flush())
@@ -221,12 +226,14 @@ class StepLogger:
 
     def __init__(self, run: TrainingRun, state: TrainState, history: History):
         self.run, self.state, self.history = run, state, history
-        self.pending: list[tuple[int, StepResult, float, float, int | None]] = []
+        self.pending: list[tuple[int, StepResult, float, float | None, float, int | None]] = []
         self.window_start = time.perf_counter()
         self.reported_skipped = 0  # undecodable documents already reported
 
-    def record(self, result: StepResult, lr: float, data_wait: float, seq_length: int | None = None) -> None:
-        self.pending.append((self.state.step, result, lr, data_wait, seq_length))
+    def record(self, result: StepResult, lr: float, loss_scale: float | None, data_wait: float,
+               seq_length: int | None = None) -> None:
+        """Buffer step `state.step`'s result; `loss_scale` is the fp16 scale after the step (None in fp32/bf16)."""
+        self.pending.append((self.state.step, result, lr, loss_scale, data_wait, seq_length))
 
     def flush(self) -> dict:
         if not self.pending:
@@ -234,29 +241,25 @@ class StepLogger:
         accelerator = self.run.accelerator
         values = torch.stack([torch.stack([r.loss.double(), r.tokens.double(), r.samples.double(),
                                            (r.grad_norm if r.grad_norm is not None else torch.tensor(float("nan"))).double().to(r.loss.device)])
-                              for _, r, _, _, _ in self.pending]).tolist()
+                              for _, r, *_ in self.pending]).tolist()
         entries = []
-        for (step, result, lr, wait, seq_length), (loss, tokens, samples, grad_norm) in zip(self.pending, values):
-            # Before anything of this step is logged or saved: a diverged run stops here, naming the step.
-            check_finite(step, loss, None if result.skipped or result.grad_norm is None else grad_norm,
-                         output_dir=self.run.recipe.output.dir)
+        for (step, result, lr, scale, wait, seq_length), (loss, tokens, samples, grad_norm) in zip(self.pending, values):
+            # Before anything of this step is logged or saved: a diverged run stops here, naming the step. An fp16
+            # step skipped for overflow changed nothing: its infinite gradient norm (or loss) is not a divergence.
+            if not result.skipped:
+                check_finite(step, loss, None if result.grad_norm is None else grad_norm,
+                             output_dir=self.run.recipe.output.dir)
             self.state.consumed_tokens += int(tokens)
             self.state.consumed_samples += int(samples)
             self.history.train_losses.append(loss)
-            entry = {"step": step, "loss": loss, "lr": lr, "consumed_samples": self.state.consumed_samples,
-                     "consumed_tokens": self.state.consumed_tokens, "data_wait_s": round(wait, 6)}
-            if result.grad_norm is not None:
-                entry["grad_norm"] = grad_norm
-            if seq_length is not None:
-                entry["curriculum_seq_length"] = seq_length  # GPT-NeoX's seqlen curriculum: this step's length
-            scale = loss_scale(accelerator, self.run.model)
-            if scale is not None:
-                entry.update(skipped=result.skipped, loss_scale=scale)
-            entries.append(entry)
+            entries.append(step_log_entry(step, loss, lr, grad_norm if result.grad_norm is not None else None,
+                                          skipped=result.skipped, loss_scale=scale, data_wait=wait,
+                                          seq_length=seq_length, state=self.state))
         elapsed = time.perf_counter() - self.window_start
         window_tokens = sum(v[1] for v in values)
         entries[-1]["tokens_per_s"] = window_tokens / elapsed  # the window's throughput, for the run picture
-        metrics = {"train/loss": sum(v[0] for v in values) / len(values), "train/lr": entries[-1]["lr"],
+        finite_losses = [v[0] for v in values if math.isfinite(v[0])] or [float("nan")]
+        metrics = {"train/loss": sum(finite_losses) / len(finite_losses), "train/lr": entries[-1]["lr"],
                    "train/tokens_per_s": window_tokens / elapsed,
                    "train/data_wait_s": sum(e["data_wait_s"] for e in entries)}
         if accelerator.is_main_process:
@@ -265,6 +268,23 @@ class StepLogger:
         self.pending, self.window_start = [], time.perf_counter()
         self.reported_skipped = _report_skipped_documents(self.run, self.reported_skipped)
         return {"loss": f"{metrics['train/loss']:.4f}", "lr": f"{metrics['train/lr']:.2e}"}
+
+
+def step_log_entry(step: int, loss: float, lr: float, grad_norm: float | None, *, skipped: bool,
+                   loss_scale: float | None, data_wait: float, seq_length: int | None, state: TrainState) -> dict:
+    """One step's `train_log.jsonl` record. Strict JSON: a non-finite value can only come from an fp16 step skipped
+    for overflow (anything else stopped the run in `check_finite`), whose gradient norm and loss are then left out
+    (`loss: null`); `skipped` and `loss_scale` are recorded on every step of an fp16 run."""
+    entry = {"step": step, "loss": loss if math.isfinite(loss) else None, "lr": lr,
+             "consumed_samples": state.consumed_samples, "consumed_tokens": state.consumed_tokens,
+             "data_wait_s": round(data_wait, 6)}
+    if grad_norm is not None and math.isfinite(grad_norm):
+        entry["grad_norm"] = grad_norm
+    if seq_length is not None:
+        entry["curriculum_seq_length"] = seq_length  # GPT-NeoX's seqlen curriculum: this step's length
+    if loss_scale is not None:
+        entry.update(skipped=skipped, loss_scale=loss_scale)
+    return entry
 
 
 def _report_skipped_documents(run: TrainingRun, reported: int) -> int:

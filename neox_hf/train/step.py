@@ -112,3 +112,13 @@ def loss_scale(accelerator, model) -> float | None:
     # Accelerate builds a GradScaler only where torch AMP scales fp16 (not for fp16 on CPU without DeepSpeed).
     return float(accelerator.scaler.get_scale()) if accelerator.scaler is not None else None
 
+
+
+def loss_scale_floor(accelerator, model) -> float | None:
+    """The lowest loss scale DeepSpeed's dynamic scaler may reach (fp16 `min_loss_scale`); None where there is none
+    (fp32/bf16, torch's GradScaler)."""
+    if accelerator.mixed_precision != "fp16" or not uses_deepspeed(accelerator):
+        return None
+    scaler = getattr(model.optimizer, "loss_scaler", None)
+    floor = getattr(scaler, "min_scale", None)
+    return float(floor) if floor is not None else None
