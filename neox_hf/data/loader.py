@@ -22,7 +22,7 @@ import numpy as np
 
 from neox_hf.data import packing, padding
 from neox_hf.data.packing import TokenStream
-from neox_hf.data.sources import document_stream, resolve_files, source_format
+from neox_hf.data.sources import check_sources, document_stream, resolve_files, source_format
 from neox_hf.errors import DataError
 from neox_hf.recipe import DataConfig
 
@@ -266,6 +266,7 @@ def build_train_loader(data_cfg: DataConfig, tokenizer, *, seq_length: int, micr
     Under `data.curriculum` every batch carries `batch["curriculum_seq_length"]` (an int), for the step log."""
     if not data_cfg.sources:
         raise DataError("data.sources is empty: add at least one `- path: ...` under data.sources")
+    check_sources(data_cfg.sources)
     curriculum = _curriculum(data_cfg)
     if data_cfg.order != "stream":
         return _neox_order_loader(data_cfg, tokenizer, "train", seq_length=seq_length, micro_batch_size=micro_batch_size,
@@ -334,6 +335,7 @@ def build_eval_loader(data_cfg: DataConfig, tokenizer, *, seq_length: int, micro
         sources, role = data_cfg.sources, "validation"
     else:
         return []
+    check_sources(sources)
     loader = DataLoader(data_cfg, tokenizer, seq_length=seq_length, micro_batch_size=micro_batch_size,
                         dp_rank=dp_rank, dp_size=dp_size, seed=data_cfg.seed, role=role, cycle=False, sources=sources)
     return list(islice(loader, max_batches))

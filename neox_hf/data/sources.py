@@ -15,15 +15,20 @@ exact upstream position on resume.
 Gap filled: `datasets`' json/text builders abort the whole stream on one line of invalid UTF-8 or JSON, and
 its text builder has no "document" notion. Our line readers turn such a line into a row with
 `skip="undecodable"` (counted, never a crash), and `.txt` files are split into documents at blank lines
-(Tiny Shakespeare: one document per speech; a file without blank lines is one document).
+(Tiny Shakespeare: one document per speech; a file without blank lines is one document). A compressed file cut
+short (an interrupted download) is refused naming it: gzip raises a bare EOFError at the cut and zstandard's
+stream reader silently stops there, so it would otherwise be trained on up to the cut.
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
 import json
+import os
 import random
+import zlib
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -78,6 +83,118 @@ def resolve_files(source: DataSource) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Compressed files: whole, or refused naming the file
+# ----------------------------------------------------------------------------------------------------------------
+
+COMPRESSED_SUFFIXES = (".gz", ".zst", ".zstd")
+STARTUP_SCAN_BYTES = 256 * 2**20  # compressed bytes verified when the loader is built (~1-3 s); the rest as read
+_SCAN_CHUNK = 2**20
+_verified: set[tuple[str, int, int]] = set()  # (path, size, mtime) of compressed files found whole
+
+
+def is_compressed(path) -> bool:
+    return str(path).endswith(COMPRESSED_SUFFIXES)
+
+
+def check_compressed_file(path) -> None:
+    """Decompress `path` to nowhere; DataError naming it when the stream ends early (an interrupted download) or
+    is not valid. Decompressing costs a few % of tokenizing the same text, and each version of a file is checked
+    once per process."""
+    path = str(path)
+    stat = os.stat(path)
+    key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+    if key in _verified:
+        return
+    try:
+        whole = stat.st_size > 0 and (_gzip_is_whole(path) if path.endswith(".gz") else _zstd_is_whole(path))
+    except _decompression_errors() as err:
+        raise _compressed_file_error(path, err) from None
+    if not whole:
+        raise _compressed_file_error(path, EOFError())
+    _verified.add(key)
+
+
+def _gzip_is_whole(path: str) -> bool:
+    try:
+        with gzip.open(path, "rb") as f:  # reads every member, as `cat a.gz b.gz` makes
+            while f.read(_SCAN_CHUNK):
+                pass
+    except EOFError:
+        return False
+    return True
+
+
+def _zstd_is_whole(path: str) -> bool:
+    """A decompression object says when its frame ended (`eof`); the file is whole when no frame is left open.
+    Frames follow one another (pzstd, `cat a.zst b.zst`): each one's `unused_data` starts the next."""
+    import zstandard
+
+    decompressor = zstandard.ZstdDecompressor()
+    frame, in_frame = decompressor.decompressobj(), False
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_SCAN_CHUNK), b""):
+            while chunk:
+                frame.decompress(chunk)
+                in_frame = not frame.eof
+                if in_frame:
+                    break
+                chunk, frame = frame.unused_data, decompressor.decompressobj()
+    return not in_frame
+
+
+def _decompression_errors() -> tuple:
+    import zstandard
+
+    return EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError
+
+
+def _compressed_file_error(path: str, err: BaseException) -> DataError:
+    if isinstance(err, EOFError):
+        return DataError(f"{path} is truncated (compressed stream ends early): download it again")
+    kind = "gzip" if path.endswith(".gz") else "zstd"
+    return DataError(f"{path} is not a valid {kind} file ({err}): download it again, or rename it to its real suffix")
+
+
+def file_lines(path) -> Iterator[bytes]:
+    """The lines of a local file (plain, .gz, .zst), a compressed one verified whole before its first line."""
+    if is_compressed(path):
+        check_compressed_file(path)
+    try:
+        with open_text_file(path) as lines:
+            yield from lines
+    except _decompression_errors() as err:  # changed since it was verified
+        raise _compressed_file_error(str(path), err) from None
+
+
+def check_sources(sources: list[DataSource], *, scan_bytes: int = STARTUP_SCAN_BYTES) -> None:
+    """Start-up checks of local line-based sources (jsonl, txt), cheap enough to run before the model is built:
+    their compressed files are whole (the first `scan_bytes` of them; the files of a larger corpus are verified one
+    by one when first read), and each source has a non-blank line (an empty source would leave its blending weight
+    to the others)."""
+    for source in sources:
+        if source_format(source) not in ("jsonl", "text"):
+            continue
+        files = resolve_files(source)
+        for path in filter(is_compressed, files):
+            size = os.path.getsize(path)
+            if size <= scan_bytes:
+                check_compressed_file(path)
+                scan_bytes -= size
+        if not any(_has_a_line(path) for path in files):
+            what = f"{files[0]} is" if len(files) == 1 else f"its {len(files)} files are"
+            raise DataError(f"data source `{source.path}` holds no document: {what} empty (no non-blank line); "
+                            "give the right path, or drop the source")
+
+
+def _has_a_line(path: str) -> bool:
+    try:
+        with open_text_file(path) as lines:
+            return any(line.strip() for line in lines)
+    except _decompression_errors() as err:
+        raise _compressed_file_error(path, err) from None
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Rows → text
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -102,31 +219,29 @@ def document_texts(source: DataSource, row) -> tuple[Optional[str], Optional[str
 
 def _json_line_rows(files: list[str], source: DataSource) -> Iterator[dict]:
     for path in files:
-        with open_text_file(path) as lines:
-            for line in lines:
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError):
-                    yield _text_row(None, None, "undecodable")
-                    continue
-                yield _text_row(*document_texts(source, row))
+        for line in file_lines(path):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                yield _text_row(None, None, "undecodable")
+                continue
+            yield _text_row(*document_texts(source, row))
 
 
 def _paragraph_rows(files: list[str], source: DataSource) -> Iterator[dict]:
     """Documents of `.txt` files: runs of non-blank lines (a blank line ends a document)."""
     for path in files:
-        with open_text_file(path) as lines:
-            paragraph: list[bytes] = []
-            for line in lines:
-                if line.strip():
-                    paragraph.append(line)
-                elif paragraph:
-                    yield _decoded_paragraph(paragraph, source)
-                    paragraph = []
-            if paragraph:
+        paragraph: list[bytes] = []
+        for line in file_lines(path):
+            if line.strip():
+                paragraph.append(line)
+            elif paragraph:
                 yield _decoded_paragraph(paragraph, source)
+                paragraph = []
+        if paragraph:
+            yield _decoded_paragraph(paragraph, source)
 
 
 def _decoded_paragraph(lines: list[bytes], source: DataSource) -> dict:

@@ -1,0 +1,109 @@
+"""Data faults a user meets, through the user's path: a compressed download cut short, a blended source that gives no
+document, prompt-masked data without answers, one huge document, documents cut to max_length in pad mode.
+
+Each is refused in one `error:` line (exit 2, no traceback) naming the file and the fix, or trained on with a line
+that says what happened. The in-process runs use recipes/tiny.yaml shrunk to a few steps of a short sequence.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import zstandard
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+from data_common import neox_tokenizer, write_jsonl  # noqa: E402
+
+from neox_hf.data import build_train_loader, document_stream  # noqa: E402
+from neox_hf.errors import DataError  # noqa: E402
+from neox_hf.recipe import DataConfig, DataSource  # noqa: E402
+from tests.conftest import BUNDLED_TOKENIZER, REPO  # noqa: E402
+
+TINY = str(REPO / "recipes" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return neox_tokenizer()
+
+
+def run_train(tmp_path: Path, sources: str, capsys, *extra: str) -> tuple[int, str, str]:
+    """recipes/tiny.yaml on `sources` (a YAML list), 2 steps of 32 tokens, no eval: (exit code, stdout, stderr)."""
+    from neox_hf.train import main
+
+    code = main([TINY, "--tokenizer.path", str(BUNDLED_TOKENIZER), "--output.dir", str(tmp_path / "out"),
+                 "--data.sources", sources, "--data.validation_fraction", "0", "--model.seq_length", "32",
+                 "--train.micro_batch_size", "2", "--train.train_iters", "2", "--train.eval_iters", "0",
+                 "--train.log_interval", "1", "--train.precision", "fp32", *extra])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code: int, err: str, *needles: str) -> None:
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+def jsonl_bytes(n: int, prefix: str = "doc") -> bytes:
+    return "".join(json.dumps({"text": f"{prefix} {i} " + "words and more words " * 20}) + "\n"
+                   for i in range(n)).encode()
+
+
+def cut_in_half(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a. A compressed file cut short (an interrupted download)
+# ----------------------------------------------------------------------------------------------------------------
+
+COMPRESSORS = {"jsonl.gz": gzip.compress, "jsonl.zst": zstandard.ZstdCompressor().compress}
+
+
+@pytest.mark.parametrize("suffix", sorted(COMPRESSORS))
+def test_truncated_compressed_file_is_refused_while_streaming(tmp_path, tok, suffix):
+    """The read-time path (no start-up check ran): the error names the file, from inside `datasets` iteration."""
+    cut = tmp_path / f"cut.{suffix}"
+    cut.write_bytes(cut_in_half(COMPRESSORS[suffix](jsonl_bytes(2000))))
+    with pytest.raises(DataError, match=r"cut\.jsonl\.(gz|zst) is truncated \(compressed stream ends early\): "
+                                        "download it again"):
+        list(document_stream([DataSource(path=str(cut))], tok, epoch=0, seed=1))
+
+
+@pytest.mark.parametrize("suffix", sorted(COMPRESSORS))
+def test_truncated_compressed_file_in_a_glob_is_refused_before_any_batch(tmp_path, tok, suffix):
+    """One shard of a glob cut short: refused when the loader is built, before a document of any shard is used."""
+    compress = COMPRESSORS[suffix]
+    (tmp_path / f"a-0.{suffix}").write_bytes(compress(jsonl_bytes(50, "first")))
+    (tmp_path / f"a-1.{suffix}").write_bytes(cut_in_half(compress(jsonl_bytes(2000, "second"))))
+    cfg = DataConfig(sources=[DataSource(path=str(tmp_path / f"a-*.{suffix}"))], mode="pack")
+    with pytest.raises(DataError, match=f"a-1.{suffix} is truncated"):
+        build_train_loader(cfg, tok, seq_length=16, micro_batch_size=1)
+
+
+def test_truncated_download_is_refused_by_the_cli_in_one_line(tmp_path, capsys, fresh_accelerate_state):
+    cut = tmp_path / "pile-00.jsonl.zst"
+    cut.write_bytes(cut_in_half(zstandard.ZstdCompressor().compress(jsonl_bytes(2000))))
+    code, _, err = run_train(tmp_path, f"[{{path: {cut}}}]", capsys)
+    assert_one_line_error(code, err, str(cut), "is truncated", "download it again")
+    assert not (tmp_path / "out" / "train_log.jsonl").exists()
+
+
+@pytest.mark.parametrize("suffix", sorted(COMPRESSORS))
+def test_intact_compressed_files_of_several_frames_or_members_read_whole(tmp_path, tok, suffix):
+    """`cat a.gz b.gz` and multi-frame zstd (pzstd) are complete files: every document of both parts is read."""
+    compress = COMPRESSORS[suffix]
+    path = tmp_path / f"two.{suffix}"
+    path.write_bytes(compress(jsonl_bytes(30, "one")) + compress(jsonl_bytes(20, "two")))
+    rows = [r for r in document_stream([DataSource(path=str(path))], tok, epoch=0, seed=1, shuffle=False)
+            if r["skip"] == ""]
+    assert len(rows) == 50
