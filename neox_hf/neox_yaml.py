@@ -1,13 +1,15 @@
 """GPT-NeoX config files → our recipe dict.
 
 GPT-NeoX configs are YAML with Python literals (`True`), comments, trailing commas and keys written with `-` or
-`_`; its launcher merges several files and refuses a key given twice. We translate every key we understand, refuse
-the options our GPTNeoX architecture cannot express (naming the key and what we support), and report every key we
-ignore (logging, kernel fusions, launcher settings) so nothing is dropped silently.
+`_`; its launcher merges several files and refuses a key given twice, and a key it does not know. We refuse the same
+(an unknown key naming the closest known one), translate every key we understand, refuse the options our GPTNeoX
+architecture cannot express (naming the key and what we support), and report every GPT-NeoX key we ignore (logging,
+kernel fusions, launcher settings) so nothing is dropped silently.
 """
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -37,6 +39,7 @@ def read_neox_files(paths: list[str | Path]) -> dict:
     origin: dict = {}
     for path in paths:
         raw = _read_one(Path(path))
+        _check_known_keys(raw, Path(path))
         for key, value in raw.items():
             name = str(key).replace("-", "_")
             if name in merged:
@@ -56,6 +59,109 @@ def _read_one(path: Path) -> dict:
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a GPT-NeoX config must be a mapping of keys")
     return raw
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Known keys
+# ----------------------------------------------------------------------------------------------------------------
+
+# Every key GPT-NeoX accepts: the fields of its NeoXArgs dataclasses (megatron/neox_arguments/neox_args.py and
+# deepspeed_args.py, grouped by class), at EleutherAI/gpt-neox ea7aefd (2026-05) and in every earlier version of those
+# files back to 2021, so configs written for older releases (Pythia's) stay known. GPT-NeoX refuses any other key
+# when it builds NeoXArgs; so do we, naming the closest known key.
+_GPT_NEOX_KEYS = frozenset("".join((
+    # Parallelism
+    "is_pipe_parallel model_parallel_size pipe_parallel_size pipe_partition_method sequence_parallel world_size "
+    # Model
+    "activation apply_query_key_layer_scaling attention_config attention_softmax_in_fp32 bias_dropout_fusion "
+    "bias_gelu_fusion dim_att expansion_factor ffn_dim fp16_lm_cross_entropy fused_kernels_build_path "
+    "gmlp_attn_dim gpt_j_residual gpt_j_tied head_size hidden_size init_method init_method_std intermediate_size "
+    "layernorm_epsilon layernorm_fusion make_vocab_size_divisible_by mamba_causal_conv_fusion "
+    "mamba_inner_func_fusion mamba_selective_fp32_params mamba_selective_scan_fusion mamba_use_bias_in_conv "
+    "mamba_use_bias_in_linears max_position_embeddings mlp_multiple_of no_weight_tying norm num_attention_heads "
+    "num_kv_heads num_layers num_unique_layers online_dataserver_ips online_dataserver_ports opt_pos_emb_offset "
+    "output_layer_init_method output_layer_parallelism param_sharing_style pos_emb precision rms_norm_epsilon "
+    "rmsnorm_fusion rope_fusion rotary_emb_base rotary_pct rotary_save_freqs_buffer rpe_max_distance "
+    "rpe_num_buckets scaled_masked_softmax_fusion scaled_upper_triang_masked_softmax_fusion scalenorm_epsilon "
+    "seq_length serve_model_weights sliding_window_width soft_prompt_tuning sparsity_config te_columnparallel "
+    "te_fp8_amax_compute_algo te_fp8_amax_history_len te_fp8_format te_fp8_margin te_fp8_mha te_fp8_wgrad "
+    "te_layernorm_mlp te_mha te_rowparallel use_bias_in_attn_linear use_bias_in_mlp use_bias_in_norms "
+    "use_cpu_initialization use_flashattn_swiglu use_qk_layernorm weight_server_port "
+    # Optimizer
+    "lr optimizer_type use_bnb_optimizer zero_allgather_bucket_size zero_contiguous_gradients "
+    "zero_reduce_bucket_size zero_reduce_scatter zero_stage "
+    # LRScheduler
+    "lr_decay_fraction lr_decay_iters lr_decay_style min_lr override_lr_scheduler use_checkpoint_lr_scheduler "
+    "warmup "
+    # Logging
+    "comet_experiment comet_experiment_name comet_others comet_project comet_tags comet_workspace git_hash "
+    "gradient_noise_scale_cpu_offload gradient_noise_scale_n_batches log_dir log_grad_norm log_grad_pct_zeros "
+    "log_gradient_noise_scale log_interval log_optimizer_states log_param_norm memory_profiling "
+    "memory_profiling_path peak_theoretical_tflops profile profile_step_start profile_step_stop tensorboard_dir "
+    "use_comet use_wandb wandb_group wandb_host wandb_init_all_ranks wandb_project wandb_run_name wandb_team "
+    # Other
+    "adlr_autoresume adlr_autoresume_interval deepscale deepscale_config deepspeed_mpi deepspeed_slurm "
+    "distributed_backend do_test do_train do_valid eod_mask_loss global_num_gpus iteration lazy_mpu_init "
+    "local_rank onnx_safe rank seed short_seq_prob user_script "
+    # Tokenizer
+    "padded_vocab_size tokenizer_type "
+    # Training
+    "allow_chopped attention_dropout base_shapes_file batch_size char_level_ppl checkpoint_activations "
+    "checkpoint_factor checkpoint_in_cpu checkpoint_num_layers checkpoint_scale "
+    "checkpoint_validation_with_forward_pass clip_grad config_files contiguous_checkpointing coord_check "
+    "data_impl data_path dataset_impl deepspeed_activation_checkpointing dpo_beta dpo_fp32 dpo_reference_free "
+    "dynamic_loss_scale eval_interval eval_iters exit_interval extra_save_iters finetune fp32_reinforce "
+    "hidden_dropout hysteresis keep_last_n_checkpoints kl_div_beta kl_impl kto_beta kto_desirable_weight kto_fp32 "
+    "kto_undesirable_weight load loss_scale loss_scale_window merge_file min_scale mmap_warmup mup_attn_temp "
+    "mup_embedding_mult mup_init_scale mup_output_temp mup_rp_embedding_mult mup_width_scale neg_test_data_paths "
+    "neg_test_label_data_paths neg_train_data_paths neg_train_label_data_paths neg_valid_data_paths "
+    "neg_valid_label_data_paths no_load_optim no_load_rng no_save_optim no_save_rng num_workers pack_impl "
+    "partition_activations pos_test_data_paths pos_test_label_data_paths pos_train_data_paths "
+    "pos_train_label_data_paths pos_valid_data_paths pos_valid_label_data_paths profile_backward "
+    "reinforce_leave_one_out s3_chunk_size s3_path save save_base_shapes split synchronize_each_layer "
+    "test_data_paths test_data_weights test_label_data_paths test_reward_data_paths train_data_paths "
+    "train_data_weights train_epochs train_impl train_iters train_label_data_paths train_reward_data_paths "
+    "use_mup use_shared_fs valid_data_paths valid_data_weights valid_label_data_paths valid_reward_data_paths "
+    "vocab_file weight_by_num_documents weight_decay weighted_sampler_alpha z_loss "
+    # Textgen
+    "eval_results_prefix eval_tasks maximum_tokens num_samples precompute_model_name prompt_end recompute "
+    "return_logits sample_input_file sample_output_file temperature text_gen_type top_k top_p "
+    # MoE
+    "moe_expert_interval moe_jitter_eps moe_lbl_in_fp32 moe_num_experts moe_router_type moe_top_k "
+    # DeepspeedConfig
+    "activation_checkpointing amp autotuning bf16 checkpoint comms_logger communication_data_type "
+    "compression_training csv_monitor curriculum_learning curriculum_seqlen data_efficiency data_types deepspeed "
+    "deepspeed_extra_args dump_state elasticity flops_profiler fp16 fp32_allreduce gradient_accumulation_steps "
+    "gradient_clipping gradient_predivide_factor optimizer prescale_gradients scheduler sparse_attention "
+    "sparse_gradients steps_per_print tensorboard train_batch_size train_micro_batch_size_per_gpu "
+    "wall_clock_breakdown wandb zero_optimization "
+    # DeepspeedRunner
+    "account autotuning_run comment exclude force_multi hostfile include launcher master_addr master_port "
+    "no_ssh_check num_gpus num_nodes "
+    # accepted by earlier versions (the Pythia era), renamed or removed since
+    "apply_residual_connection_post_layernorm create_moe_param_group detect_nvlink_pairs "
+    "enable_expert_tensor_parallelism expert_interval gas geglu genfile gptj_residual greedy label_data_paths "
+    "max_tokens mlp_type moe_eval_capacity_factor moe_expert_parallel_size moe_glu moe_loss_coeff "
+    "moe_min_capacity moe_token_dropping moe_train_capacity_factor moe_type moe_use_residual num_experts "
+    "openai_gelu out_seq_length reset_attention_mask reset_position_ids save_interval save_iters slurm_comment "
+    "sparsity test_data_path train_data_path use_tutel valid_data_path zero_allow_untested_optimizer "
+)).split())
+
+
+def _check_known_keys(raw: dict, path: Path) -> None:
+    """Refuse a key GPT-NeoX does not know (a typo would otherwise train with the default), naming the closest."""
+    for key in raw:
+        name = str(key).replace("-", "_")
+        if name not in _KNOWN_KEYS:
+            raise RecipeError(f"{path}: `{key}` is not a GPT-NeoX option{_closest_key(str(key))}; GPT-NeoX refuses "
+                              "unknown keys: fix its spelling or remove it")
+
+
+def _closest_key(key: str) -> str:
+    close = difflib.get_close_matches(key.replace("-", "_"), sorted(_KNOWN_KEYS), n=1, cutoff=0.6)
+    if not close:
+        return ""
+    return f" (did you mean `{close[0].replace('_', '-') if '-' in key else close[0]}`?)"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -162,6 +268,10 @@ _NO_EFFECT = {
     "zero_allgather_partitions", "gas", "prescale_gradients", "gradient_predivide_factor", "merge_file",
 }
 
+# Besides GPT-NeoX's own keys, the few this translation has always read that GPT-NeoX never had (dynamic_padding,
+# rotary_interleaved, zero_allgather_partitions) stay accepted.
+_KNOWN_KEYS = _GPT_NEOX_KEYS | set(_DIRECT) | _NO_EFFECT | set(_SUPPORTED_VALUES) | set(_MUST_BE_FALSY)
+
 
 def translate_neox_args(args: dict) -> NeoXTranslation:
     """Recipe dict + notices from merged GPT-NeoX args (keys already `_`-normalised)."""
@@ -193,7 +303,8 @@ def translate_neox_args(args: dict) -> NeoXTranslation:
     if no_effect:
         notices.append("no effect here (kernels, logging, launcher): " + ", ".join(no_effect))
     if ignored:
-        notices.append("not translated (unknown to neox_hf; check they are not needed): " + ", ".join(ignored))
+        notices.append("GPT-NeoX options not translated (no counterpart in neox_hf; check they are not needed): "
+                       + ", ".join(ignored))
     return NeoXTranslation(recipe=recipe, notices=notices)
 
 
