@@ -95,11 +95,17 @@ def _deepspeed_runs_fp16_here() -> bool:
     return deepspeed_runs_fp16()  # NEOX_HF_CPU_FLAGS can make an fp16 CPU decide as an AVX2-only one does
 
 
-@pytest.mark.skipif(_deepspeed_runs_fp16_here(), reason="this machine runs DeepSpeed fp16: the scaling test covers it")
 @pytest.mark.parametrize("how", ["recipe", "raw-json"])
-def test_fp16_is_refused_by_name_where_deepspeed_cannot_run_it(tmp_path, how):
-    """An AVX2 CPU has no oneDNN fp16: DeepSpeed would fail inside the engine after building the model on every rank."""
+def test_fp16_is_refused_by_name_where_deepspeed_cannot_run_it(tmp_path, how, monkeypatch):
+    """An AVX2 CPU has no oneDNN fp16: DeepSpeed would fail inside the engine after building the model on every rank.
+    Runs on every CPU: where DeepSpeed has fp16 the gate is made to decide as on an AVX2-only CPU."""
+    import torch
+
     from neox_hf.errors import RecipeError
+
+    if torch.cuda.is_available():
+        pytest.skip("GPUs run DeepSpeed fp16")
+    monkeypatch.setenv("NEOX_HF_CPU_FLAGS", "avx2 fma")
     from neox_hf.parallel.accelerator import build_accelerator
     from neox_hf.recipe import recipe_from_dict
 
