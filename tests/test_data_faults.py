@@ -107,3 +107,63 @@ def test_intact_compressed_files_of_several_frames_or_members_read_whole(tmp_pat
     rows = [r for r in document_stream([DataSource(path=str(path))], tok, epoch=0, seed=1, shuffle=False)
             if r["skip"] == ""]
     assert len(rows) == 50
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# b. A blended source that gives no document
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def blend(tmp_path: Path, bad_name: str, bad: bytes, weight: float = 0.3) -> list[DataSource]:
+    write_jsonl(tmp_path / "good.jsonl", [{"text": f"good document {i} with some words"} for i in range(300)])
+    (tmp_path / bad_name).write_bytes(bad)
+    return [DataSource(path=str(tmp_path / "good.jsonl"), weight=1 - weight),
+            DataSource(path=str(tmp_path / bad_name), weight=weight)]
+
+
+@pytest.mark.parametrize("content", [b"", b"\n  \n\n"], ids=["empty", "blank-lines"])
+def test_an_empty_source_in_a_blend_is_refused_when_the_loader_is_built(tmp_path, tok, content):
+    cfg = DataConfig(sources=blend(tmp_path, "empty.jsonl", content), mode="pack")
+    with pytest.raises(DataError, match=r"data source `.*empty\.jsonl` holds no document: .*empty\.jsonl is empty"):
+        build_train_loader(cfg, tok, seq_length=16, micro_batch_size=2)
+
+
+@pytest.mark.parametrize("lines,counts", [
+    (b"{not json\n" * 5, r"0 empty, \d+ undecodable"),
+    (b'{"content": "the wrong field"}\n' * 5, r"0 empty, \d+ undecodable"),
+    (b'{"text": ""}\n{"text": "   "}\n' * 3, r"\d+ empty, 0 undecodable"),
+], ids=["invalid-json", "wrong-field", "empty-texts"])
+def test_a_blended_source_without_a_usable_document_is_refused_by_name(tmp_path, tok, lines, counts):
+    """A small bad source is cycled until the good one is used up: refused at the end of the blend's epoch."""
+    cfg = DataConfig(sources=blend(tmp_path, "bad.jsonl", lines), mode="pack", buffer_size=50)
+    loader = build_train_loader(cfg, tok, seq_length=16, micro_batch_size=2)
+    with pytest.raises(DataError, match=rf"data source `.*bad\.jsonl` gave no usable document in a whole epoch "
+                                        rf"\({counts}\)"):
+        for _ in range(200):
+            next(loader)
+
+
+def test_a_large_blended_source_without_a_usable_document_is_refused_early(tmp_path, tok):
+    """Its first pass would take the whole run: refused after its first 1,000 documents all failed."""
+    cfg = DataConfig(sources=blend(tmp_path, "bad.jsonl", b"{not json\n" * 100_000, weight=0.5), mode="pack",
+                     buffer_size=100)
+    loader = build_train_loader(cfg, tok, seq_length=16, micro_batch_size=2)
+    with pytest.raises(DataError, match=r"bad\.jsonl` gave no usable document in its first 1000 documents"):
+        for _ in range(2000):
+            next(loader)
+
+
+def test_a_blend_of_usable_sources_trains_past_an_epoch(tmp_path, tok):
+    sources = blend(tmp_path, "other.jsonl", b'{"text": "a short one"}\n{"text": ""}\n')
+    loader = build_train_loader(DataConfig(sources=sources, mode="pack", buffer_size=50), tok, seq_length=16,
+                                micro_batch_size=2)
+    for _ in range(300):
+        next(loader)
+    assert loader.stats["skipped_empty"] > 0
+
+
+def test_empty_source_is_refused_by_the_cli_in_one_line(tmp_path, capsys, fresh_accelerate_state):
+    sources = blend(tmp_path, "empty.jsonl", b"")
+    code, _, err = run_train(tmp_path, "[" + ", ".join(f"{{path: {s.path}, weight: {s.weight}}}" for s in sources)
+                             + "]", capsys)
+    assert_one_line_error(code, err, "empty.jsonl", "holds no document")

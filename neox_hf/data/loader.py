@@ -34,13 +34,24 @@ def empty_stats() -> dict:
     return {key: 0 for key in STAT_KEYS}
 
 
+PROBE_DOCUMENTS = 1000  # a source whose first this many documents on a rank all fail is refused mid-epoch
+TALLY_KEYS = ("rows", "usable", "empty", "undecodable", "split")
+
+
 class _DocumentReader:
-    """This rank's usable documents, epoch after epoch (or one epoch when `cycle` is False), counting skips."""
+    """This rank's usable documents, epoch after epoch (or one epoch when `cycle` is False), counting skips.
+
+    Also per source (`tallies`): a blended source that gives no usable document is refused by name, at the end of
+    an epoch or after its first PROBE_DOCUMENTS rows here, whichever comes first; `interleave_datasets` would
+    otherwise fill its share from the others and the blend's weights would silently not be met. Counts are
+    cumulative over epochs (a source's files are the same every epoch) and part of the resume position."""
 
     def __init__(self, make_stream, *, epoch: int, upstream: Optional[dict], usable_in_epoch: int, stats: dict,
-                 cycle: bool, describe: str):
-        self._make_stream, self._cycle, self._describe, self.stats = make_stream, cycle, describe, stats
+                 cycle: bool, sources: list, role: str, dp_size: int, tallies: Optional[list] = None):
+        self._make_stream, self._cycle, self.stats = make_stream, cycle, stats
+        self._sources, self._role, self._dp_size = sources, role, dp_size
         self.epoch, self.usable_in_epoch = epoch, usable_in_epoch
+        self.tallies = copy.deepcopy(tallies) if tallies else [dict.fromkeys(TALLY_KEYS, 0) for _ in sources]
         self._open(upstream)
 
     def _open(self, upstream: Optional[dict]) -> None:
@@ -53,7 +64,8 @@ class _DocumentReader:
     def position(self) -> dict:
         """Where the next document comes from (None upstream = the start of the epoch)."""
         upstream = copy.deepcopy(self._stream.state_dict()) if self._pulled else None
-        return {"epoch": self.epoch, "upstream": upstream, "usable_in_epoch": self.usable_in_epoch}
+        return {"epoch": self.epoch, "upstream": upstream, "usable_in_epoch": self.usable_in_epoch,
+                "tallies": copy.deepcopy(self.tallies)}
 
     def take(self, n: int) -> list[tuple[list[int], int]]:
         """Up to n usable (ids, prompt_length) documents; fewer only at the end of a finite stream."""
@@ -65,19 +77,28 @@ class _DocumentReader:
                     break
                 continue
             self._pulled = True
+            tally = self.tallies[row["source"]]
+            tally["rows"] += 1
             if row["skip"] == "":
                 self.stats["documents"] += 1
                 self.usable_in_epoch += 1
+                tally["usable"] += 1
                 docs.append((row["input_ids"], row["prompt_length"]))
-            elif row["skip"] in ("empty", "undecodable"):
+                continue
+            if row["skip"] in ("empty", "undecodable"):
                 self.stats[f"skipped_{row['skip']}"] += 1
+            tally[row["skip"] if row["skip"] in TALLY_KEYS else "split"] += 1
+            if tally["usable"] == 0 and self._counted(tally) >= PROBE_DOCUMENTS:
+                self._refuse(row["source"], f"its first {self._counted(tally)} documents")
         return docs
 
     def _next_epoch(self) -> bool:
+        self._check_sources_gave_documents()
         if self.usable_in_epoch == 0:
             if not self._cycle:
                 return False
-            raise DataError(f"{self._describe}: a whole epoch gave this rank no usable document "
+            sources = [s.path for s in self._sources]
+            raise DataError(f"data sources {sources}: a whole epoch gave this rank no usable document "
                             f"({self.stats['skipped_empty']} empty, {self.stats['skipped_undecodable']} undecodable "
                             "so far); check `text_key` / `template` field names, the paths, and that there are at "
                             "least as many documents as data-parallel ranks")
@@ -86,6 +107,25 @@ class _DocumentReader:
         self.epoch, self.usable_in_epoch = self.epoch + 1, 0
         self._open(None)
         return True
+
+    def _counted(self, tally: dict) -> int:
+        """Rows that could have been usable here: for the validation role, documents kept for training do not count."""
+        return tally["rows"] - tally["split"] if self._role == "validation" else tally["rows"]
+
+    def _check_sources_gave_documents(self) -> None:
+        """At the end of a pass: every source gave this rank a usable document. A source that gave this rank no row
+        at all is only known to be empty with one data-parallel rank (with several, its few rows may all have gone
+        to other ranks); the validation role expects most rows to be held for training."""
+        for index, tally in enumerate(self.tallies):
+            if tally["usable"] == 0 and (self._counted(tally) > 0 or (self._dp_size == 1 and self._role != "validation")):
+                self._refuse(index, "a whole epoch")
+
+    def _refuse(self, index: int, span: str) -> None:
+        t = self.tallies[index]
+        held = f", {t['split']} held out for validation by `validation_fraction`" if t["split"] else ""
+        raise DataError(f"data source `{self._sources[index].path}` gave no usable document in {span} "
+                        f"({t['empty']} empty, {t['undecodable']} undecodable{held}); check `text_key` / `template` "
+                        "field names and the file, or drop the source (a blend would fill its weight from the others)")
 
 
 class DataLoader:
@@ -132,7 +172,7 @@ class DataLoader:
             raise DataError(f"data loader state was saved with {state['fingerprint']} but this run has "
                             f"{self._fingerprint()}; resume with the same data settings (or start fresh)")
         self._position, self._emitted = copy.deepcopy(state["position"]), state["emitted"]
-        self.stats = dict(self._position["stats"])
+        self.stats = {**empty_stats(), **self._position["stats"]}
         self._batches = None
 
     # -- internals --------------------------------------------------------------------------------------------
@@ -150,10 +190,11 @@ class DataLoader:
                                append_eod=self.cfg.append_eod, role=self.role, fraction=self.cfg.validation_fraction)
 
     def _generate(self, start: dict, skip: int) -> Iterator[dict]:
-        self.stats = dict(start["stats"])
+        self.stats = {**empty_stats(), **start["stats"]}
         reader = _DocumentReader(self._make_stream, epoch=start["epoch"], upstream=start["upstream"],
                                  usable_in_epoch=start["usable_in_epoch"], stats=self.stats, cycle=self.cycle,
-                                 describe=f"data sources {[s.path for s in self.sources]}")
+                                 sources=self.sources, role=self.role, dp_size=self.dp_size,
+                                 tallies=start.get("tallies"))
         chunk_index, carry = start["chunk_index"], start["carry"]
         while True:
             self._position = {**reader.position(), "chunk_index": chunk_index, "carry": carry,

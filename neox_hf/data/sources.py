@@ -1,10 +1,12 @@
 """Documents from recipe `DataSource`s as one `datasets.IterableDataset`: read, blend, shard per rank, tokenize.
 
-Every source becomes a stream of rows `{input_ids, prompt_length, skip}`:
+Every source becomes a stream of rows `{input_ids, prompt_length, skip, source}`:
   input_ids      token ids of the document, EOD appended when `append_eod` (indexed data already has it)
   prompt_length  leading tokens that are prompt (`prompt_template`): their labels are masked downstream
   skip           "" for a usable document, else why it is not used: "empty", "undecodable", "split"
                  (held out for the other split; not counted as a loss of data)
+  source         the source's index in the list given to `document_stream` (a blended source that gives
+                 nothing is refused by name downstream)
 
 Library verbs used: `IterableDataset.from_generator` (sharded by file so `split_dataset_by_node` can give
 whole files to ranks), `load_dataset(streaming=...)` for parquet / JSON-array files / Hub names,
@@ -39,7 +41,7 @@ from neox_hf.data.indexed import IndexedDataset, indexed_paths, is_indexed_prefi
 from neox_hf.errors import DataError
 from neox_hf.recipe import DataSource
 
-COLUMNS = ["input_ids", "prompt_length", "skip"]
+COLUMNS = ["input_ids", "prompt_length", "skip", "source"]
 JSON_LINE_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst", ".jsonl.zstd")
 SHARDS_PER_INDEXED_SOURCE = 16  # document ranges, so ranks and epochs can take different orders
 
@@ -280,7 +282,7 @@ def _keeps(held_out: bool, role: str) -> bool:
     return role == "all" or (role == "validation") == held_out
 
 
-def _tokenize_batch(batch: dict, *, tokenizer, append_eod: bool, role: str, fraction: float) -> dict:
+def _tokenize_batch(batch: dict, *, tokenizer, append_eod: bool, role: str, fraction: float, index: int) -> dict:
     """Batched map: text → ids (one fast-tokenizer call per batch); prompt length via character offsets
     (a token belongs to the prompt only if it ends inside it, so BPE merges across the seam stay learned)."""
     n = len(batch["text"])
@@ -313,21 +315,21 @@ def _tokenize_batch(batch: dict, *, tokenizer, append_eod: bool, role: str, frac
         if prompt is not None:
             prompt_lengths[i] = sum(1 for _, end in encoded["offset_mapping"][k] if end <= len(prompt))
         ids[i] = doc + [tokenizer.eos_token_id] if append_eod else doc
-    return {"input_ids": ids, "prompt_length": prompt_lengths, "skip": skips}
+    return {"input_ids": ids, "prompt_length": prompt_lengths, "skip": skips, "source": [index] * n}
 
 
-def _indexed_rows(shards: list, role: str, fraction: float) -> Iterator[dict]:
+def _indexed_rows(shards: list, role: str, fraction: float, index: int) -> Iterator[dict]:
     """Generator for `from_generator`: each shard is (prefix, first_doc, last_doc)."""
     for prefix, first, last in shards:
         data = IndexedDataset(prefix)
         for i in range(first, last):
             doc = np.asarray(data.document(i))
             if not len(doc):
-                yield {"input_ids": [], "prompt_length": 0, "skip": "empty"}
+                yield {"input_ids": [], "prompt_length": 0, "skip": "empty", "source": index}
             elif not _keeps(is_held_out(doc.astype(np.int64).tobytes(), fraction), role):
-                yield {"input_ids": [], "prompt_length": 0, "skip": "split"}
+                yield {"input_ids": [], "prompt_length": 0, "skip": "split", "source": index}
             else:
-                yield {"input_ids": doc.tolist(), "prompt_length": 0, "skip": ""}
+                yield {"input_ids": doc.tolist(), "prompt_length": 0, "skip": "", "source": index}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -336,8 +338,9 @@ def _indexed_rows(shards: list, role: str, fraction: float) -> Iterator[dict]:
 
 
 def source_dataset(source: DataSource, tokenizer, *, epoch: int, seed: int, shuffle: bool, streaming: bool,
-                   append_eod: bool, role: str, fraction: float):
-    """The token rows of one source for one epoch (file / shard order reshuffled with seed + epoch)."""
+                   append_eod: bool, role: str, fraction: float, index: int = 0):
+    """The token rows of one source for one epoch (file / shard order reshuffled with seed + epoch); `index`
+    is its place in the blend, carried by every row."""
     import datasets
 
     fmt = source_format(source)
@@ -346,11 +349,12 @@ def source_dataset(source: DataSource, tokenizer, *, epoch: int, seed: int, shuf
         shards = _indexed_shards(source)
         if shuffle:
             order.shuffle(shards)
-        return datasets.IterableDataset.from_generator(
-            _indexed_rows, features=_token_features(), gen_kwargs={"shards": shards, "role": role, "fraction": fraction})
+        rows = {"shards": shards, "role": role, "fraction": fraction, "index": index}
+        return datasets.IterableDataset.from_generator(_indexed_rows, features=_token_features(), gen_kwargs=rows)
     texts = _text_dataset(source, fmt, order if shuffle else None, streaming)
     return texts.map(_tokenize_batch, batched=True, remove_columns=["text", "prompt", "error"], features=_token_features(),
-                     fn_kwargs={"tokenizer": tokenizer, "append_eod": append_eod, "role": role, "fraction": fraction})
+                     fn_kwargs={"tokenizer": tokenizer, "append_eod": append_eod, "role": role, "fraction": fraction,
+                                "index": index})
 
 
 def _text_dataset(source: DataSource, fmt: str, order: Optional[random.Random], streaming: bool):
@@ -393,7 +397,8 @@ def _text_features():
 def _token_features():
     from datasets import Features, List, Value
 
-    return Features({"input_ids": List(Value("int64")), "prompt_length": Value("int64"), "skip": Value("string")})
+    return Features({"input_ids": List(Value("int64")), "prompt_length": Value("int64"), "skip": Value("string"),
+                     "source": Value("int64")})
 
 
 def document_stream(sources: list[DataSource], tokenizer, *, epoch: int, seed: int, dp_rank: int = 0, dp_size: int = 1,
@@ -413,7 +418,7 @@ def document_stream(sources: list[DataSource], tokenizer, *, epoch: int, seed: i
     if not 0 <= dp_rank < dp_size:
         raise DataError(f"dp_rank {dp_rank} is outside dp_size {dp_size}: pass the data-parallel rank and size")
     parts = [source_dataset(s, tokenizer, epoch=epoch, seed=seed, shuffle=shuffle, streaming=streaming,
-                            append_eod=append_eod, role=role, fraction=fraction) for s in sources]
+                            append_eod=append_eod, role=role, fraction=fraction, index=i) for i, s in enumerate(sources)]
     if len(parts) == 1:
         stream = parts[0]
     else:
