@@ -243,8 +243,6 @@ _DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "min_lr": ("train.min_lr", float),
     "weight_decay": ("train.weight_decay", float),
     "gradient_clipping": ("train.clip_grad", float),
-    "train_micro_batch_size_per_gpu": ("train.micro_batch_size", int),
-    "gradient_accumulation_steps": ("train.gradient_accumulation_steps", int),
     "seed": ("train.seed", int),
     "log_interval": ("train.log_interval", int),
     "eval_interval": ("train.eval_interval", int),
@@ -290,6 +288,7 @@ def translate_neox_args(args: dict) -> NeoXTranslation:
     handled |= {"bias_gelu_fusion", "expansion_factor"}
     if args.get("intermediate_size") is None and args.get("expansion_factor") and "hidden_size" in args:
         _put(recipe, "model.intermediate_size", int(float(args["expansion_factor"]) * int(args["hidden_size"])))
+    handled |= _translate_batch(args, recipe, notices)
     handled |= _translate_optimizer(args, recipe, notices)
     handled |= _translate_zero(args, recipe)
     handled |= _translate_precision(args, recipe)
@@ -320,6 +319,104 @@ def _put(tree: dict, dotted: str, value: Any) -> None:
     for section in sections:
         tree = tree.setdefault(section, {})
     tree[leaf] = value
+
+
+def _translate_batch(args: dict, recipe: dict, notices: list[str]) -> set[str]:
+    """Micro batch and accumulation by GPT-NeoX's rule (NeoXArgs.calculate_batch_parameters, then its check that
+    train_batch_size = micro × accumulation × data-parallel size), with NeoXArgs' default gradient_accumulation_steps
+    of 1 when the config does not set it (an explicit null lets the rule derive it).
+
+    The data-parallel size is GPT-NeoX's global_num_gpus / (pipeline × model parallel). When the config fixes the GPU
+    count (`global_num_gpus`, or `num_gpus` per node × `num_nodes`) the rule is applied exactly. Otherwise the count is
+    the launch's: micro batch and accumulation given stand as they are (GPT-NeoX never changes them) and a
+    train_batch_size they cannot reach at any data-parallel size is refused; one they reach is recorded in a note
+    naming that size, which the launch must provide (here the global batch is micro × accumulation × the launch's
+    data-parallel size). Where the rule would divide train_batch_size by the unknown size (no micro batch, or
+    accumulation null) it is refused, asking for the missing value. A config with neither train_batch_size nor a
+    micro batch (a model-only file) keeps the recipe's defaults.
+    """
+    keys = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "global_num_gpus",
+            "num_gpus", "num_nodes"}
+    train_batch = _batch_value(args, "train_batch_size")
+    micro = _batch_value(args, "train_micro_batch_size_per_gpu")
+    accumulation = _batch_value(args, "gradient_accumulation_steps", absent=1)
+    if train_batch is None and micro is None:
+        if accumulation is not None:
+            _put(recipe, "train.gradient_accumulation_steps", accumulation)
+        return keys
+    dp = _data_parallel_size(args)
+    if dp is None:
+        micro, accumulation = _batch_for_any_launch(train_batch, micro, accumulation, notices)
+    else:
+        micro, accumulation = _batch_for(dp, train_batch, micro, accumulation)
+        notices.append(f"batch: GPT-NeoX's rule on {dp} data-parallel process(es) (the config's GPU count) gives "
+                       f"micro batch {micro} × accumulation {accumulation}; launch {dp} data-parallel processes here")
+    _put(recipe, "train.micro_batch_size", micro)
+    _put(recipe, "train.gradient_accumulation_steps", accumulation)
+    return keys
+
+
+def _batch_value(args: dict, key: str, absent: int | None = None) -> int | None:
+    if key not in args:
+        return absent
+    if args[key] is None:
+        return None
+    value = _convert(key, args[key], int)
+    if value <= 0:
+        raise RecipeError(f"GPT-NeoX option `{key}: {value}` must be > 0, as GPT-NeoX requires")
+    return value
+
+
+def _data_parallel_size(args: dict) -> int | None:
+    """GPT-NeoX's dp_world_size where the config fixes the GPU count; None where the launch decides it (GPT-NeoX
+    then counts its hostfile's or the machine's GPUs)."""
+    gpus = _batch_value(args, "global_num_gpus")
+    if gpus is None and args.get("num_gpus") and args.get("num_nodes"):
+        per_node, nodes = _convert("num_gpus", args["num_gpus"], int), _convert("num_nodes", args["num_nodes"], int)
+        gpus = per_node * nodes if per_node > 0 and nodes > 0 else None  # num_nodes -1: every node of the hostfile
+    if gpus is None:
+        return None
+    model_parallel = max(int(args.get("pipe_parallel_size") or 0), 1) * max(int(args.get("model_parallel_size") or 0), 1)
+    if gpus % model_parallel:
+        raise RecipeError(f"global_num_gpus {gpus} is not a multiple of pipe_parallel_size × model_parallel_size "
+                          f"({model_parallel}); GPT-NeoX refuses it: give a GPU count that holds whole model replicas")
+    return gpus // model_parallel
+
+
+def _batch_for(dp: int, train_batch: int | None, micro: int | None, accumulation: int | None) -> tuple[int, int]:
+    """GPT-NeoX's calculate_batch_parameters + check_batch_parameters on `dp` data-parallel ranks."""
+    if micro is None:
+        accumulation = accumulation or 1
+        micro = train_batch // dp // accumulation
+    elif accumulation is None:
+        accumulation = train_batch // micro // dp if train_batch is not None else 1
+    if train_batch is not None and (micro < 1 or accumulation < 1 or train_batch != micro * accumulation * dp):
+        raise RecipeError(f"train_batch_size {train_batch} is not train_micro_batch_size_per_gpu {micro} × "
+                          f"gradient_accumulation_steps {accumulation} × {dp} data-parallel process(es) (the config's "
+                          "GPU count over pipeline × model parallel; gradient_accumulation_steps is 1 when absent); GPT-NeoX "
+                          "refuses it: make them agree")
+    return micro, accumulation
+
+
+def _batch_for_any_launch(train_batch: int | None, micro: int | None, accumulation: int | None,
+                          notices: list[str]) -> tuple[int, int]:
+    if train_batch is None:  # GPT-NeoX derives train_batch_size; a null accumulation is 1 at every size
+        return micro, accumulation or 1
+    if micro is None or accumulation is None:
+        missing = "train_micro_batch_size_per_gpu" if micro is None else "gradient_accumulation_steps"
+        raise RecipeError(f"train_batch_size {train_batch} without {missing}: GPT-NeoX derives it from the number of "
+                          f"GPUs, which is the launch's; set {missing} (micro batch × accumulation × data-parallel "
+                          f"processes = {train_batch}), or global_num_gpus")
+    replicas, rest = divmod(train_batch, micro * accumulation)
+    if rest or not replicas:
+        raise RecipeError(f"train_batch_size {train_batch} is not train_micro_batch_size_per_gpu {micro} × "
+                          f"gradient_accumulation_steps {accumulation} × any number of data-parallel processes; "
+                          f"GPT-NeoX refuses it: make train_batch_size a multiple of {micro * accumulation}"
+                          + (" (or set gradient_accumulation_steps, 1 when absent)" if accumulation == 1 else ""))
+    notices.append(f"train_batch_size {train_batch} = micro batch {micro} × accumulation {accumulation} × {replicas} "
+                   f"data-parallel processes: GPT-NeoX runs this config only on {replicas}; launch {replicas} "
+                   "data-parallel processes here for its global batch")
+    return micro, accumulation
 
 
 def _translate_optimizer(args: dict, recipe: dict, notices: list[str]) -> set[str]:

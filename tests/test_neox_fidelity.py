@@ -14,7 +14,8 @@ from test_neox_order import ACC, DP, ITERS, MICRO, SEQ, corpus, write_neox_confi
 
 from neox_hf.batches import recipe_for_batches, step_batches
 from neox_hf.errors import RecipeError
-from neox_hf.neox_yaml import load_neox_recipe_dict
+from neox_hf.neox_yaml import load_neox_recipe_dict, translate_neox_args
+from neox_hf.recipe import recipe_from_dict
 from neox_hf.train.args import parse_run_args
 from tests.conftest import SHARED_DATA
 
@@ -77,3 +78,89 @@ def test_every_shipped_gpt_neox_config_uses_only_known_keys(path):
         load_neox_recipe_dict([path])
     except RecipeError as err:  # the Llama family: refused for its architecture, as before
         assert "is not supported by neox_hf" in str(err) and "did you mean" not in str(err), err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# train_batch_size: GPT-NeoX's batch rule
+# ----------------------------------------------------------------------------------------------------------------
+
+ABSENT = object()  # the key is not in the config (gradient_accumulation_steps then defaults to 1 in GPT-NeoX)
+
+
+def gpt_neox_batch(dp: int, train_batch, micro, accumulation):
+    """(micro, accumulation) GPT-NeoX trains with on `dp` data-parallel ranks, or None where it refuses the config:
+    NeoXArgs.calculate_batch_parameters then check_batch_parameters (megatron/neox_arguments/arguments.py), written
+    out branch by branch; NeoXArgs' default gradient_accumulation_steps is 1, None only when the config says null."""
+    tb, mb = (None if v is ABSENT else v for v in (train_batch, micro))
+    gas = 1 if accumulation is ABSENT else accumulation
+    if tb is not None and mb is not None and gas is not None:
+        pass
+    elif tb is not None and mb is not None:
+        gas = tb // mb // dp
+    elif tb is not None and gas is not None:
+        mb = tb // dp // gas
+    elif mb is not None and gas is not None:
+        tb = mb * gas * dp
+    elif tb is not None:
+        gas, mb = 1, tb // dp
+    elif mb is not None:
+        tb, gas = mb * dp, 1
+    else:
+        return None
+    if min(tb, mb, gas) <= 0 or tb != mb * gas * dp:
+        return None
+    return mb, gas
+
+
+def batch_args(train_batch, micro, accumulation, **layout) -> dict:
+    args = {"train_batch_size": train_batch, "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": accumulation, **layout}
+    return {k: v for k, v in args.items() if v is not ABSENT}
+
+
+def translated_batch(args: dict):
+    """(micro, accumulation) of the translation, None when it refuses, and its notices."""
+    try:
+        translation = translate_neox_args(args)
+    except RecipeError:
+        return None, []
+    train = recipe_from_dict(translation.recipe).train
+    return (train.micro_batch_size, train.gradient_accumulation_steps), translation.notices
+
+
+TRIPLES = [(tb, mb, gas) for tb in (ABSENT, 30, 32, 64) for mb in (ABSENT, 4, 8) for gas in (ABSENT, None, 1, 2, 3)
+           if not (tb is ABSENT and mb is ABSENT)]  # neither: no batch to derive (a model-only file)
+
+
+@pytest.mark.parametrize("gpus,model_parallel,pipe", [(1, 1, 0), (4, 1, 1), (8, 2, 1), (16, 2, 2)])
+def test_batch_follows_gpt_neox_when_the_config_fixes_the_gpu_count(gpus, model_parallel, pipe):
+    dp = gpus // (model_parallel * max(pipe, 1))
+    layout = {"global_num_gpus": gpus, "model_parallel_size": model_parallel, "pipe_parallel_size": pipe}
+    for triple in TRIPLES:
+        got, _ = translated_batch(batch_args(*triple, **layout))
+        assert got == gpt_neox_batch(dp, *triple), (triple, dp)
+
+
+def test_batch_without_a_known_gpu_count_is_gpt_neox_s_at_every_launch_or_refused():
+    """The data-parallel size is the launch's: a translation stands only where GPT-NeoX's (micro, accumulation) is
+    the same at every data-parallel size it accepts, and a config no data-parallel size makes consistent is refused."""
+    for triple in TRIPLES:
+        accepted = {dp: gpt_neox_batch(dp, *triple) for dp in range(1, 65)}
+        outcomes = {v for v in accepted.values() if v is not None}
+        got, notices = translated_batch(batch_args(*triple))
+        assert got == (outcomes.pop() if len(outcomes) == 1 else None), triple
+        if got is not None and triple[0] is not ABSENT:
+            dps = [dp for dp, v in accepted.items() if v is not None]
+            assert any(f"{dps[0]} data-parallel" in n for n in notices), (triple, notices)
+
+
+def test_the_issue_s_config_and_gpu_counts_from_num_gpus_and_num_nodes():
+    # micro 8, train_batch_size 32: GPT-NeoX runs it on 4 data-parallel GPUs with accumulation 1, refuses it on one
+    assert translated_batch(batch_args(32, 8, ABSENT))[0] == (8, 1)
+    assert translated_batch(batch_args(32, 8, ABSENT, global_num_gpus=1))[0] is None
+    assert translated_batch(batch_args(32, 8, None, global_num_gpus=1))[0] == (8, 4)  # accumulation derived
+    assert translated_batch(batch_args(32, 8, None, num_gpus=2, num_nodes=2))[0] == (8, 1)
+    with pytest.raises(RecipeError, match="global_num_gpus"):  # 6 GPUs cannot hold pipeline 4 replicas
+        translate_neox_args(batch_args(32, 8, ABSENT, global_num_gpus=6, pipe_parallel_size=4))
+    with pytest.raises(RecipeError, match="train_batch_size 30"):
+        translate_neox_args(batch_args(30, 8, ABSENT))
