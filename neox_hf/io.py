@@ -1,19 +1,28 @@
-"""Atomic writes: the one place neox_hf puts a file or a folder on disk so a crash never leaves half of it.
+"""Reading and writing files safely: atomic writes (a crash never leaves half a file) and loads that never run code.
 
-Gap filled: `Path.write_text`, `torch.save` and `save_pretrained` write in place, so a crash (or a full disk) leaves a
-truncated file under the final name that looks complete. Here everything is written under a temporary name in the
-same folder (same filesystem, so the rename is atomic), flushed to disk, then renamed onto the final name. Files
+Writes. Gap filled: `Path.write_text`, `torch.save` and `save_pretrained` write in place, so a crash (or a full disk)
+leaves a truncated file under the final name that looks complete. Here everything is written under a temporary name in
+the same folder (same filesystem, so the rename is atomic), flushed to disk, then renamed onto the final name. Files
 get the permissions a plain `open()` would give (0666 minus the umask), not the 0600 `tempfile.mkstemp` uses.
+
+Loads. A `torch.save` file or a `.npy` file is a pickle, and unpickling calls whatever functions the file names, so a
+crafted checkpoint, RNG state or index cache would run code. Every such file neox_hf reads goes through
+`load_torch_safely` / `load_npy_safely` (tensors, numbers, strings, containers, and the few numpy types of an RNG
+state in `allowed_globals`), and library loads that pass `weights_only=False` themselves (DeepSpeed's checkpoint
+engine) run inside `weights_only_loads`. A file that needs anything more is refused, naming it; nothing in it runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from neox_hf.errors import CheckpointError, DataError
 
 TMP_PREFIX = ".tmp-"
 
@@ -120,3 +129,123 @@ def staging_folder(out_dir: str | os.PathLike) -> Iterator[Path]:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loads that never run code
+# ----------------------------------------------------------------------------------------------------------------
+
+_FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+_FORCE_FULL_UNPICKLING = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
+
+
+def allowed_globals(*, deepspeed: bool = False) -> list:
+    """What `weights_only` unpickling may build beyond torch's own list: numpy arrays and dtypes (the state of
+    `np.random`, in accelerate's `random_states_*.pkl` and GPT-NeoX's `np_rng_state`) and, with `deepspeed`, the
+    bookkeeping classes of a DeepSpeed ZeRO optimizer state. Each only builds data (an array from bytes, an enum
+    member, a dataclass of ints, an object whose attributes are set): none calls anything the file names."""
+    import numpy as np
+
+    core = np._core if hasattr(np, "_core") else np.core
+    found = [np.ndarray, np.dtype, core.multiarray._reconstruct,
+             (core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct")]  # the name numpy < 2 pickled
+    if hasattr(np, "dtypes"):
+        found.append(np.dtypes.UInt32DType)  # the RNG key array's dtype, pickled as its class by some numpy versions
+    if deepspeed:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        found += [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+    return found
+
+
+def load_torch_safely(path: str | os.PathLike, *, mmap: bool | None = None, trust_hint: str = ""):
+    """The object in a `torch.save` file, unpickled with `weights_only=True` and `allowed_globals`.
+
+    A file that names any other function or class raises `CheckpointError` naming the file and what it holds (plus
+    `trust_hint`, e.g. how to opt in to full unpickling); a file that is no torch.save file of plain data at all (a
+    truncated zip, a raw pickle) raises `CheckpointError` too. Other errors (missing file, I/O) pass through."""
+    import pickle
+
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(allowed_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        if not is_weights_only_refusal(err):
+            raise
+        raise CheckpointError(refusal_message(path, err) + trust_hint) from err
+
+
+def is_weights_only_refusal(err: BaseException) -> bool:
+    """Whether `err` (or an exception it was raised from) is torch refusing a file under `weights_only`."""
+    while err is not None:
+        if "Weights only load failed" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def refusal_message(path, err: BaseException) -> str:
+    """One line for a file `weights_only` refused: the globals it names, or what torch could not read."""
+    text = str(err)
+    names = list(dict.fromkeys(re.findall(r"GLOBAL ([\w.]+)", text)))
+    if names:
+        return unsafe_file_message(path, names)
+    found = re.search(r"Unsupported operand \d+|Unsupported class [\w.]+", text)
+    detail = found.group(0) if found else "not a torch.save file"
+    return (f"{path}: cannot be read as tensors and plain data ({detail}): it is truncated, corrupt, or a pickle of "
+            "other objects; refused")
+
+
+def unsafe_file_message(path, names: list[str]) -> str:
+    return (f"{path}: refused: it holds {', '.join(names[:3])}, Python objects whose unpickling can run code; "
+            "neox_hf loads only tensors and plain data from it")
+
+
+def unsafe_globals_in(path: str | os.PathLike, *, deepspeed: bool = False) -> list[str]:
+    """The functions / classes a torch.save file names beyond what `allowed_globals` permits, read statically from
+    its pickle (nothing is built); [] for a file that is not a torch.save zip."""
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(allowed_globals(deepspeed=deepspeed)):
+            return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:  # noqa: BLE001 — not a zip, truncated: the load itself reports those
+        return []
+
+
+@contextlib.contextmanager
+def weights_only_loads(*, deepspeed: bool = False) -> Iterator[None]:
+    """Inside: every `torch.load`, also a library's that passes `weights_only=False` itself, unpickles with
+    `weights_only=True` and `allowed_globals`.
+
+    Gap filled: DeepSpeed's checkpoint engine (what `Accelerator.load_state` calls under DeepSpeed) and
+    `zero_to_fp32` load with `weights_only=False` and have no option to do otherwise; torch's
+    `TORCH_FORCE_WEIGHTS_ONLY_LOAD` is the one switch that overrides an explicit False. It is read at each
+    `torch.load`, so it is set for this block only (and a `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD` set outside is lifted for
+    it: the two together are an error in torch)."""
+    import torch
+
+    saved = {name: os.environ.pop(name, None) for name in (_FORCE_WEIGHTS_ONLY, _FORCE_FULL_UNPICKLING)}
+    os.environ[_FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with torch.serialization.safe_globals(allowed_globals(deepspeed=deepspeed)):
+            yield
+    finally:
+        os.environ.pop(_FORCE_WEIGHTS_ONLY, None)
+        os.environ.update({name: value for name, value in saved.items() if value is not None})
+
+
+def load_npy_safely(path: str | os.PathLike, *, mmap_mode: str | None = "r"):
+    """A `.npy` array (memory-mapped by default) read with `allow_pickle=False`: an object array, whose items are
+    pickles, raises `DataError` naming the file instead of being unpickled."""
+    import numpy as np
+
+    try:
+        return np.load(path, allow_pickle=False, mmap_mode=mmap_mode)
+    except ValueError as err:  # object arrays, and headers numpy cannot parse
+        raise DataError(f"{path}: not a plain numeric .npy array ({err}); refused: delete the file (neox_hf rebuilds "
+                        "its index caches)") from err

@@ -14,6 +14,10 @@ complete checkpoints, and by name, so after a resume from an earlier step it del
 Pruning keeps the newest `keep_last_n` checkpoints of the current timeline only (see `prune_checkpoints`); a
 missing or dangling `latest` falls back, with a notice, to the most recently written complete checkpoint; damaged
 files raise `CheckpointError` naming the file and the previous checkpoint.
+
+Nothing a checkpoint holds runs code when read: the trainer state is plain data, the RNG state tensors and numpy arrays,
+and every file is unpickled with `weights_only` (neox_hf.io), DeepSpeed's own engine files included, whose loader
+passes `weights_only=False`. A file that names anything else is refused, naming it.
 """
 
 from __future__ import annotations
@@ -25,10 +29,9 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from neox_hf.errors import CheckpointError
-from neox_hf.io import TMP_PREFIX, atomic_torch_save, atomic_write_text
+from neox_hf.io import (TMP_PREFIX, atomic_torch_save, atomic_write_text, is_weights_only_refusal, load_torch_safely,
+                        refusal_message, unsafe_file_message, unsafe_globals_in, weights_only_loads)
 
 LATEST = "latest"
 _STEP_NAME = re.compile(r"step_(\d+)")
@@ -190,13 +193,15 @@ def load_checkpoint(accelerator, folder: Path, *, scheduler, data_loader) -> Tra
             f"{state_file} is missing: the checkpoint was written by a different number of processes or is incomplete; "
             "resume with the same launch layout"
         )
-    trainer_state = _read_torch_file(state_file, folder, weights_only=True)
-    _read_torch_file(folder / f"random_states_{accelerator.process_index}.pkl", folder, weights_only=False,
-                     required=False)  # accelerate skips an unreadable RNG file with an info log: check it here
+    trainer_state = _read_torch_file(state_file, folder)
+    # accelerate skips an unreadable (or refused) RNG file with an info log and resumes with other randomness
+    _read_torch_file(folder / f"random_states_{accelerator.process_index}.pkl", folder, required=False)
+    deepspeed = _uses_deepspeed(accelerator)
     try:
-        accelerator.load_state(str(folder))
+        with weights_only_loads(deepspeed=deepspeed):  # DeepSpeed's engine loads its files with weights_only=False
+            accelerator.load_state(str(folder))
     except Exception as err:  # torch / safetensors / DeepSpeed raise many types for the same user problem
-        raise _load_error(folder, err) from err
+        raise _load_error(folder, err, deepspeed=deepspeed) from err
     scheduler.load_state_dict(trainer_state["scheduler"])
     if trainer_state["data"] is not None and hasattr(data_loader, "load_state_dict"):
         data_loader.load_state_dict(trainer_state["data"])
@@ -207,25 +212,39 @@ def checkpoint_precision(folder: Path) -> str | None:
     """The precision a checkpoint was trained in (None for checkpoints written before it was recorded, or unreadable
     ones: `load_checkpoint` reports those)."""
     try:
-        state = torch.load(folder / "trainer_state_rank0.pt", map_location="cpu", weights_only=True)
+        state = load_torch_safely(folder / "trainer_state_rank0.pt")
     except Exception:  # noqa: BLE001 — corrupt or missing: load_checkpoint names the file and the fix
         return None
     return state.get("precision") if isinstance(state, dict) else None
 
 
-def _read_torch_file(path: Path, folder: Path, *, weights_only: bool, required: bool = True):
+def _uses_deepspeed(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def _read_torch_file(path: Path, folder: Path, *, required: bool = True):
     if not path.is_file():
         if required:
             raise CheckpointError(f"{path} is missing: the checkpoint is incomplete; {_resume_hint(folder)}")
         return None
     try:
-        return torch.load(path, weights_only=weights_only, map_location="cpu")
+        return load_torch_safely(path)
+    except CheckpointError as err:  # refused: it names objects that could run code, or is no plain-data file
+        raise CheckpointError(f"{err}; {_resume_hint(folder)}") from err
     except Exception as err:  # a truncated zip, a corrupt pickle: name the file
         raise CheckpointError(f"cannot read {path} ({_first_line(err)}): the file is truncated or corrupt; "
                               f"{_resume_hint(folder)}") from err
 
 
-def _load_error(folder: Path, err: Exception) -> CheckpointError:
+def _load_error(folder: Path, err: Exception, *, deepspeed: bool = False) -> CheckpointError:
+    if is_weights_only_refusal(err):
+        # torch's message does not say which file: find it by reading each file's pickle statically
+        found = ((p, unsafe_globals_in(p, deepspeed=deepspeed)) for p in sorted(folder.rglob("*")) if p.is_file())
+        path, names = next(((p, names) for p, names in found if names), (None, []))
+        named = unsafe_file_message(path, names) if path else refusal_message(f"a file of {folder}", err)
+        return CheckpointError(f"{named}; {_resume_hint(folder)}")
     text = _first_line(err)
     if "size mismatch" in str(err) or "shape" in text.lower():
         return CheckpointError(
