@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from neox_hf.errors import CheckpointError, RecipeError
+from neox_hf.io import load_torch_safely
 from neox_hf.parallel.layout import Layout, StepResult, dp_sum, global_rank
 from neox_hf.parallel.mappings import gather_along_dim
 from neox_hf.parallel.tensor_parallel import apply_tensor_parallel_to_part
@@ -638,7 +639,7 @@ def pipeline_checkpoint_state_dict(deepspeed_dir: Path, config) -> dict[str, tor
                 continue  # the tied head is saved once, with the first stage's embedding
             raise CheckpointError(f"{deepspeed_dir} lacks layer_{index:02d}-model_*-model_states.pt ({info.name}); "
                                   "the pipeline checkpoint is incomplete or was written for another model config")
-        ranks = [torch.load(shards[index][r], map_location="cpu", weights_only=True) for r in sorted(shards[index])]
+        ranks = [load_torch_safely(shards[index][r]) for r in sorted(shards[index])]
         attributes = _LAYER_ATTRIBUTES[info.name](info)
         for key in ranks[0]:
             attribute, _, rest = key.partition(".")
