@@ -15,8 +15,9 @@ Both use the same layer index ``idx``. This module turns either into one shape,
 ``{idx: [state dict of TP rank 0, rank 1, ...]}``, so the merging code never
 looks at file names. It also fills a safety gap: GPT-NeoX's own converter calls
 ``torch.load`` with full unpickling, which torch >= 2.6 refuses by default and
-which runs arbitrary code from the file. We load with ``weights_only=True`` and
-make full unpickling an explicit, named opt-in (``trust_pickle``).
+which runs arbitrary code from the file. We load with ``weights_only=True`` (numpy
+RNG state allowed, see ``neox_hf.io.allowed_globals``) and make full unpickling an
+explicit, named opt-in (``trust_pickle``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 from neox_hf.errors import CheckpointError
-from neox_hf.io import atomic_folder, atomic_write_text
+from neox_hf.io import atomic_folder, atomic_write_text, load_torch_safely
 
 PIPELINE_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 SEQUENTIAL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -112,17 +113,16 @@ def load_torch_file(path: Path, *, trust_pickle: bool = False) -> object:
     # truncated zip has no central directory, so it takes the plain path and fails there).
     mmap = zipfile.is_zipfile(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=not trust_pickle, mmap=mmap)
-    except pickle.UnpicklingError as err:
-        if not trust_pickle and "Weights only load failed" in str(err):
-            raise CheckpointError(
-                f"{path}: the file holds Python objects besides tensors (GPT-NeoX saves numpy RNG state "
-                "and argparse args), which weights_only loading refuses because unpickling them can run code. "
-                "If you trust this file, pass trust_pickle=True (CLI: --trust-pickle) to load it with full unpickling."
-            ) from err
+        if not trust_pickle:  # tensors, plain data and numpy RNG state (GPT-NeoX's np_rng_state) only
+            return load_torch_safely(path, mmap=mmap, trust_hint=_TRUST_HINT)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    except CheckpointError:  # refused by weights_only loading: the message names the file and --trust-pickle
+        raise
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as err:
         raise _corrupt_file_error(path, err) from err
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise _corrupt_file_error(path, err) from err
+
+
+_TRUST_HINT = ". If you trust this file, pass trust_pickle=True (CLI: --trust-pickle) to load it with full unpickling"
 
 
 def _corrupt_file_error(path: Path, err: Exception) -> CheckpointError:
