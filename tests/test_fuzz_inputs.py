@@ -259,3 +259,38 @@ def test_push_without_a_token_says_so_before_any_retry(tmp_path, capsys, monkeyp
 def test_the_fuzz_covers_at_least_forty_bad_inputs():
     cases = len(RECIPE_VALUES) + len(YAML_FILES) + 3 + len(RUNTIME) + 2 + len(CLI) + 1
     assert cases >= 40, cases
+
+
+def _neox_and_merge_fixtures(tmp: Path) -> dict[str, Path]:
+    model = '"num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq-length": 32'
+    files = {"typo": '{"num-layer": 2, "hidden-size": 64, "num-attention-heads": 4}',
+             "batch": '{%s, "train_batch_size": 30, "train_micro_batch_size_per_gpu": 8}' % model,
+             "vocab": '{%s, "vocab-file": "/nowhere/20B_tokenizer.json"}' % model}
+    paths = {}
+    for name, text in files.items():
+        paths[f"neox_{name}"] = tmp / f"{name}.yml"
+        paths[f"neox_{name}"].write_text(text)
+    for base in ("base-a", "base-b"):
+        (tmp / base).mkdir()
+        (tmp / base / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
+    adapter = tmp / "adapter-of-a"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp / "base-a")}))
+    return {**paths, "base_b": tmp / "base-b", "adapter_a": adapter}
+
+
+NEOX_AND_MERGE = [
+    ("neox-key-typo", ["train", "{neox_typo}", "--print-config"], "did you mean `num-layers`"),
+    ("neox-batch-triple-inconsistent", ["train", "{neox_batch}", "--print-config"], "train_batch_size 30"),
+    ("convert-neox-vocab-file-missing", ["convert-neox", "{tmp}/none", "--config", "{neox_vocab}", "{tmp}/o"],
+     "/nowhere/20B_tokenizer.json"),
+    ("merge-adapter-of-another-base", ["merge", "{base_b}", "{adapter_a}", "{tmp}/o"], "--force"),
+]
+
+
+@pytest.mark.parametrize("args,needle", [c[1:] for c in NEOX_AND_MERGE], ids=[c[0] for c in NEOX_AND_MERGE])
+def test_bad_gpt_neox_config_or_merge_is_refused_in_one_line(args, needle, tmp_path, capsys):
+    files = _neox_and_merge_fixtures(tmp_path)
+    args = [a.format(tmp=tmp_path, **files) for a in args]
+    assert_one_line_error(*run_cli(args, capsys), needle)
+    assert not (tmp_path / "o").exists()
