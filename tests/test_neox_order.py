@@ -386,3 +386,50 @@ def test_batches_command_on_a_pythia_config_with_preshuffled_rows_and_bad_input(
     assert cli_main(["batches", str(config), "--data-parallel", "1", "--start-step", "0", "--end-step", "1",
                      "--output", str(bad)]) == 2
     assert "--data-path" in capsys.readouterr().err
+
+
+def rank_batches(cfg) -> list[torch.Tensor]:
+    """Every micro-batch of the run, rank by rank (input_ids and labels side by side)."""
+    out = []
+    for rank in range(DP):
+        loader = train_loader(cfg, rank)
+        out += [torch.cat([b["input_ids"], b["labels"]], dim=1) for b in (next(loader) for _ in range(ITERS * ACC))]
+    return out
+
+
+@pytest.mark.parametrize("documents", [60, 45], ids=["same-count", "fewer-documents"])
+def test_index_cache_is_rebuilt_when_the_corpus_beside_it_is_replaced(tmp_path, capsys, documents):
+    # GPT-NeoX reuses a cache by its name: a cache of the old corpus read wrong samples (same count) or indexed past
+    # the new corpus's end (fewer documents). The record beside it says what it was built from.
+    prefix = write_corpus(tmp_path / "corpus_text_document", random_docs(60, seed=3))
+    cfg = data_cfg(prefix)
+    rank_batches(cfg)
+    capsys.readouterr()
+    new = random_docs(documents, seed=8)
+    write_corpus(tmp_path / "corpus_text_document", new)  # the same name, another corpus
+    got = rank_batches(cfg)
+    notes = capsys.readouterr().err.splitlines()
+    assert len(notes) == 1 and "_train_indexmap_" in notes[0] and "rebuilt" in notes[0], notes
+    assert ("changed since it was built" if documents == 60 else f"now holds {documents}") in notes[0]
+    (tmp_path / "fresh").mkdir()
+    want = rank_batches(data_cfg(write_corpus(tmp_path / "fresh" / "corpus_text_document", new)))
+    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+    rank_batches(cfg)  # now it matches: read, not rebuilt
+    assert capsys.readouterr().err == ""
+
+
+def test_index_cache_without_a_record_is_rebuilt_once_to_the_same_arrays(tmp_path, capsys):
+    # A cache GPT-NeoX wrote records nothing of its corpus: rebuilt once (the same arrays when the corpus is the
+    # same, so GPT-NeoX still reads them), then reused.
+    prefix = write_corpus(tmp_path / "corpus_text_document", random_docs(60, seed=3))
+    cfg = data_cfg(prefix)
+    first = rank_batches(cfg)
+    arrays = {p.name: p.read_bytes() for p in tmp_path.glob("*.npy")}
+    (record,) = tmp_path.glob("*_source.json")
+    assert record.name.endswith("packedpi_ac_source.json")
+    record.unlink()
+    capsys.readouterr()
+    again = rank_batches(cfg)
+    assert f"there is no {record.name}" in capsys.readouterr().err
+    assert record.is_file() and {p.name: p.read_bytes() for p in tmp_path.glob("*.npy")} == arrays
+    assert all(torch.equal(a, b) for a, b in zip(first, again))

@@ -17,14 +17,20 @@ from GPT-NeoX to the HF stack would see different samples at every step. Learned
                is micro-steps [s × accumulation, (s + 1) × accumulation)
 
 The three index arrays are cached beside the data under GPT-NeoX's own names
-(`{prefix}_{name}_indexmap_{N}ns_{L}sl_{S}s_{pack_impl}pi[_ac]_{doc,sample,shuffle}_idx.npy`), so a cache GPT-NeoX
-built is reused and ours can be read by GPT-NeoX.
+(`{prefix}_{name}_indexmap_{N}ns_{L}sl_{S}s_{pack_impl}pi[_ac]_{doc,sample,shuffle}_idx.npy`), so GPT-NeoX can read
+ours. Gap filled: GPT-NeoX reuses a cache by its name alone, so after the corpus under that prefix is replaced it reads
+samples of the old corpus (or indexes past the new one). Beside the arrays `..._source.json` records what they were
+built from (the `.idx` size and a hash of the document sizes; the label tokens where they decide which documents are
+skipped); a cache whose record does not match, or that has none (GPT-NeoX's own), is rebuilt with a one-line note.
+The arrays are saved and loaded without pickle (`allow_pickle=False`), so a crafted cache runs no code.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
-import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -34,6 +40,7 @@ import numpy as np
 from neox_hf.data.indexed import IndexedDataset, indexed_paths
 from neox_hf.data.packing import gpt_neox_num_epochs
 from neox_hf.errors import DataError
+from neox_hf.io import atomic_path, atomic_write_text, load_npy_safely
 
 DEFAULT_SPLIT = "969, 30, 1"  # GPT-NeoX's default `split`
 
@@ -222,10 +229,16 @@ class IndexSpec:
     pack_impl: str = "packed"
     allow_chopped: bool = True
 
-    def files(self) -> dict[str, Path]:
-        stem = (f"{self.prefix}_{self.name}_indexmap_{self.num_samples}ns_{self.seq_length}sl_{self.seed}s_"
+    def stem(self) -> str:
+        return (f"{self.prefix}_{self.name}_indexmap_{self.num_samples}ns_{self.seq_length}sl_{self.seed}s_"
                 f"{self.pack_impl}pi{'_ac' if self.allow_chopped else ''}")
-        return {kind: Path(f"{stem}_{kind}_idx.npy") for kind in ("doc", "sample", "shuffle")}
+
+    def files(self) -> dict[str, Path]:
+        return {kind: Path(f"{self.stem()}_{kind}_idx.npy") for kind in ("doc", "sample", "shuffle")}
+
+    def source_record_file(self) -> Path:
+        """Beside the arrays: what they were built from (see `index_source`)."""
+        return Path(f"{self.stem()}_source.json")
 
 
 def build_index(spec: IndexSpec, sizes: np.ndarray, labels: Optional[IndexedDataset] = None):
@@ -247,27 +260,78 @@ def build_index(spec: IndexSpec, sizes: np.ndarray, labels: Optional[IndexedData
     return (*build(documents, sizes, labels, spec.num_samples, spec.seq_length, spec.allow_chopped, rng), None)
 
 
+def index_source(spec: IndexSpec, sizes: np.ndarray, labels: Optional[IndexedDataset] = None) -> dict:
+    """What the index arrays of `spec` depend on besides the settings in their file name: the document sizes (and the
+    `.idx` size, a cheap first check), and for the unpacked implementations the label tokens, which decide the
+    documents they skip. Token values do not matter: the arrays hold positions."""
+    idx = Path(f"{spec.prefix}.idx")
+    source = {"idx_bytes": idx.stat().st_size if idx.is_file() else None, "documents": int(len(sizes)),
+              "sizes_sha256": hashlib.sha256(np.ascontiguousarray(sizes, dtype=np.int32)).hexdigest()}
+    if labels is not None and spec.pack_impl != "packed":
+        with open(labels.bin_path, "rb") as f:
+            source["labels_sha256"] = hashlib.file_digest(f, "sha256").hexdigest()
+    return source
+
+
+def _stale_reason(spec: IndexSpec, source: dict) -> Optional[str]:
+    """Why the cached arrays of `spec` cannot be used for `source` ("" when there is no cache yet), None when they
+    can."""
+    files, record_file = spec.files(), spec.source_record_file()
+    present = [f for f in files.values() if f.is_file()]
+    if not present:
+        return ""
+    if len(present) < len(files):
+        return f"{next(f.name for f in files.values() if not f.is_file())} is missing"
+    try:
+        recorded = json.loads(record_file.read_text())
+    except FileNotFoundError:
+        return (f"there is no {record_file.name} saying which corpus it was built from (GPT-NeoX or an older neox_hf "
+                "built it)")
+    except (OSError, ValueError):
+        return f"{record_file.name} is unreadable"
+    if recorded == source:
+        return None
+    idx = f"{spec.prefix}.idx"
+    if recorded.get("documents") != source["documents"]:
+        return f"it was built for {recorded.get('documents')} documents and {idx} now holds {source['documents']:,}"
+    if recorded.get("sizes_sha256") != source["sizes_sha256"]:
+        return f"the document sizes in {idx} changed since it was built (the corpus was replaced)"
+    return "the label data changed since it was built" if "labels_sha256" in source else "its record differs"
+
+
 def load_or_build_index(spec: IndexSpec, sizes: np.ndarray, labels: Optional[IndexedDataset] = None, *,
                         build: bool = True):
-    """(doc_idx, sample_idx, shuffle_idx) memory-mapped from GPT-NeoX-named caches, built and saved first when any
-    is missing and `build` (rank 0); written to temporary names and renamed, so a crash leaves no half file."""
+    """(doc_idx, sample_idx, shuffle_idx) memory-mapped from GPT-NeoX-named caches. With `build` (rank 0) they are
+    built and saved first when missing or when their record (`index_source`) no longer matches the corpus; each file
+    is written under a temporary name and renamed, and the record last, so a crash leaves no cache that looks
+    complete."""
     files = spec.files()
-    if build and not all(f.is_file() for f in files.values()):
-        arrays = build_index(spec, sizes, labels)[:3]
-        for (kind, path), array in zip(files.items(), arrays):
-            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-            try:
-                with open(tmp, "wb") as f:
-                    np.save(f, array, allow_pickle=True)
-                os.replace(tmp, path)
-            except OSError as err:
-                raise DataError(f"cannot write the GPT-NeoX index cache {path}: {err}; make the data folder "
-                                "writable (GPT-NeoX caches its indices beside the data too)") from err
+    if build:
+        source = index_source(spec, sizes, labels)
+        stale = _stale_reason(spec, source)
+        if stale is not None:
+            if stale:
+                print(f"note: GPT-NeoX index cache {Path(spec.stem()).name}_*.npy rebuilt: {stale}", file=sys.stderr)
+            _save_index(spec, build_index(spec, sizes, labels)[:3], source)
     missing = [str(f) for f in files.values() if not f.is_file()]
     if missing:
         raise DataError(f"GPT-NeoX index cache missing after rank 0 built it: {missing[0]}; the data folder must be "
                         "on a file system every rank sees")
-    return tuple(np.load(files[k], allow_pickle=True, mmap_mode="r") for k in ("doc", "sample", "shuffle"))
+    return tuple(load_npy_safely(files[k]) for k in ("doc", "sample", "shuffle"))
+
+
+def _save_index(spec: IndexSpec, arrays, source: dict) -> None:
+    path = spec.source_record_file()
+    try:
+        path.unlink(missing_ok=True)  # no record while the arrays change: a crash then means "rebuild"
+        for path, array in zip(spec.files().values(), arrays):
+            with atomic_path(path) as tmp, open(tmp, "wb") as f:  # a file object: np.save would append .npy to a name
+                np.save(f, array, allow_pickle=False)
+        path = spec.source_record_file()
+        atomic_write_text(path, json.dumps(source, indent=1) + "\n")
+    except OSError as err:
+        raise DataError(f"cannot write the GPT-NeoX index cache {path}: {err}; make the data folder "
+                        "writable (GPT-NeoX caches its indices beside the data too)") from err
 
 
 # ----------------------------------------------------------------------------------------------------------------
