@@ -38,6 +38,9 @@ def test_tiny_recipe_trains_on_real_text_and_stock_transformers_loads_it(tmp_pat
     assert first_eval > math.log(50277) - 1.0  # starts near uniform over the vocabulary
     assert last_eval < first_eval - 2.0, result.eval_losses  # and clearly learns
     assert sum(result.train_losses[-5:]) / 5 < sum(result.train_losses[:5]) / 5 - 2.0
+    # MFU at every log window: a fraction of the peak measured here (above 1 would mean an under-measured peak).
+    windows = [entry for entry in map(json.loads, (out / "train_log.jsonl").read_text().splitlines()) if "mfu" in entry]
+    assert len(windows) == 3 and all(0 < entry["mfu"] < 1 for entry in windows)
 
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["GPTNeoXForCausalLM"] and config["model_type"] == "gpt_neox"

@@ -34,6 +34,7 @@ from neox_hf.train.guards import (
     step_log_line,
     truncate_train_log,
 )
+from neox_hf.train.mfu import Peak, device_peak, flops_per_token, mfu
 from neox_hf.train.prefetch import Prefetcher
 from neox_hf.train.run_log import record_evaluation
 from neox_hf.train.schedule import build_lr_scheduler
@@ -144,6 +145,8 @@ class TrainingRun:
     pusher: object = None  # HubPusher on the main process when train.push_to_hub is set
     loader_position: object = None  # set by run_steps: the prefetcher, whose state is the last consumed batch's
     has_eval: bool = field(init=False, default=False)  # any data-parallel rank has eval batches
+    flops_per_token: float | None = field(init=False, default=None)  # model FLOPs (None: not a GPTNeoX config)
+    peak: Peak | None = field(init=False, default=None)  # the device peak MFU is measured against
 
     def __post_init__(self):
         if self.layout is None:
@@ -154,6 +157,19 @@ class TrainingRun:
         # so whether to evaluate is decided over every data-parallel rank, not from this rank's batches.
         count = torch.tensor(len(self.eval_batches or []), device=self.accelerator.device)
         self.has_eval = bool(dp_sum(self.layout, count) > 0)
+        config = _model_config(self.accelerator, self.model)
+        if config is not None and self.recipe.train.precision in ("fp32", "bf16", "fp16"):
+            self.flops_per_token = flops_per_token(config, self.recipe.model.seq_length)
+            self.peak = device_peak(self.accelerator.device, self.recipe.train.precision)
+
+
+def _model_config(accelerator, model):
+    """The transformers config of the model being trained (through PEFT and engine wrappers), or None."""
+    unwrapped = accelerator.unwrap_model(model)
+    if hasattr(unwrapped, "get_base_model"):
+        unwrapped = unwrapped.get_base_model()
+    config = getattr(unwrapped, "config", None)
+    return config if hasattr(config, "num_hidden_layers") else None
 
 
 @dataclass
@@ -258,10 +274,15 @@ class StepLogger:
         elapsed = time.perf_counter() - self.window_start
         window_tokens = sum(v[1] for v in values)
         entries[-1]["tokens_per_s"] = window_tokens / elapsed  # the window's throughput, for the run picture
+        if self.run.peak is not None:
+            entries[-1]["mfu"] = mfu(window_tokens / elapsed, self.run.flops_per_token, self.run.peak,
+                                     self.run.layout.world_size)
         finite_losses = [v[0] for v in values if math.isfinite(v[0])] or [float("nan")]
         metrics = {"train/loss": sum(finite_losses) / len(finite_losses), "train/lr": entries[-1]["lr"],
                    "train/tokens_per_s": window_tokens / elapsed,
                    "train/data_wait_s": sum(e["data_wait_s"] for e in entries)}
+        if "mfu" in entries[-1]:
+            metrics["train/mfu"] = entries[-1]["mfu"]
         if accelerator.is_main_process:
             _append_step_log(self.run.recipe.output.dir, entries)
         accelerator.log(metrics, step=self.state.step)
@@ -436,6 +457,9 @@ def startup_report(run: TrainingRun, notices: list[str]) -> str:
                 f"data: {epoch_tokens:,} tokens per epoch; {num_samples:,} samples of seq_length+1 = {m.seq_length + 1} "
                 f"tokens need {epochs} epoch(s) (GPT-NeoX _num_epochs)"
             )
+    if run.peak is not None:
+        lines.append(f"mfu: {run.flops_per_token / 1e9:.3g} GFLOP per token (6 × matmul parameters + 12 × layers × "
+                     f"hidden × seq_length {m.seq_length}) against {run.peak.source} per device × {layout.world_size}")
     lines += [f"note: {n}" for n in notices]
     return "\n".join(lines)
 

@@ -1,0 +1,89 @@
+"""Model FLOPs utilisation of a run: model FLOPs per token from the shape, the device's peak, MFU per log window.
+
+Gap filled: neither Accelerate nor transformers' Trainer reports MFU (Trainer logs `total_flos`, without a peak);
+GPT-NeoX logs FLOPs per step and torchtitan logs MFU. We log `mfu` in `train_log.jsonl` and the trackers, and the
+start-up report names the peak it is measured against.
+
+- FLOPs per token (PaLM's appendix B, as torchtitan): 6·N for the matmul parameters N (attention and MLP projections
+  and the LM head; embeddings and norms are lookups and elementwise) plus 12·L·H·T for attention's scores and
+  values at sequence length T, forward and backward. Activation checkpointing's recomputation is not counted: this
+  is model FLOPs, not hardware FLOPs.
+- The peak: for known GPUs the datasheet's dense tensor-core rate in the run's precision; elsewhere (CPUs, other
+  GPUs, fp32) the best square-GEMM rate measured here in the run's compute dtype, which the report says.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+# Dense (no sparsity) bf16 / fp16 tensor-core peaks from NVIDIA's datasheets, FLOP/s, matched against
+# torch.cuda.get_device_name() in this order (the more specific name first: "H100 PCIe" before "H100").
+DATASHEET_BF16 = (
+    ("H200 NVL", 835e12), ("H200", 989e12),
+    ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),
+    ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12), ("L4", 121e12),
+)
+_COMPUTE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Peak:
+    flops: float  # per device, FLOP/s
+    source: str  # what the number is, for the start-up report
+
+
+def flops_per_token(config, seq_length: int) -> float:
+    """Training FLOPs (forward + backward) per token of a GPTNeoX-shaped config at `seq_length`."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    intermediate = config.intermediate_size or 4 * hidden
+    per_layer = 4 * hidden * hidden + 2 * hidden * intermediate  # QKV + output projection, MLP in + out
+    matmul_params = layers * per_layer + config.vocab_size * hidden  # + the LM head
+    return 6 * matmul_params + 12 * layers * hidden * seq_length
+
+
+def datasheet_peak(device_name: str, precision: str) -> float | None:
+    if precision not in ("bf16", "fp16"):
+        return None
+    return next((peak for part, peak in DATASHEET_BF16 if part in device_name), None)
+
+
+def device_peak(device: torch.device, precision: str) -> Peak:
+    """This device's peak FLOP/s in the run's precision: the datasheet's for known GPUs, else measured."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        sheet = datasheet_peak(name, precision)
+        if sheet is not None:
+            return Peak(sheet, f"{name} datasheet dense {precision}, {sheet / 1e12:.0f} TFLOP/s")
+    flops, n = measured_gemm_rate(_COMPUTE_DTYPE[precision], device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "this CPU"
+    return Peak(flops, f"{flops / 1e12:.3g} TFLOP/s, the best {n}² {precision} GEMM measured on {where}")
+
+
+def measured_gemm_rate(dtype: torch.dtype, device: torch.device, repeats: int = 3) -> tuple[float, int]:
+    """(FLOP/s, n) of the fastest square GEMM of a few sizes, each warmed up once, best of `repeats`. Short (about
+    0.2 s on a CPU core) because every run pays it at start-up."""
+    sizes = (4096, 8192) if device.type == "cuda" else (512, 1024)
+    best = (0.0, 0)
+    for n in sizes:
+        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+        torch.mm(a, b)
+        for _ in range(repeats):
+            _synchronize(device)
+            start = time.perf_counter()
+            torch.mm(a, b)
+            _synchronize(device)
+            best = max(best, (2 * n**3 / (time.perf_counter() - start), n))
+    return best
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def mfu(tokens_per_second: float, flops_token: float, peak: Peak, devices: int) -> float:
+    """The fraction of `devices` × the peak that the run's model FLOPs reached."""
+    return tokens_per_second * flops_token / (peak.flops * devices)

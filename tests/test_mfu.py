@@ -1,0 +1,35 @@
+"""MFU's two factors: model FLOPs per token from the shape (equal to counting the model's matmul parameters, as the
+benchmarks do) and the device peak (datasheet for known GPUs, else measured)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+from neox_hf.train.mfu import datasheet_peak, device_peak, flops_per_token, mfu
+
+
+@pytest.mark.parametrize("layers,hidden,heads,intermediate", [(2, 64, 4, None), (3, 96, 6, 200)])
+def test_flops_per_token_counts_every_matmul_parameter_and_attention(layers, hidden, heads, intermediate):
+    config = GPTNeoXConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                           intermediate_size=intermediate or 4 * hidden, vocab_size=512, tie_word_embeddings=False)
+    model = GPTNeoXForCausalLM(config)
+    matmul = sum(p.numel() for name, p in model.named_parameters() if p.ndim == 2 and "embed_in" not in name)
+    assert flops_per_token(config, 128) == 6 * matmul + 12 * layers * hidden * 128
+
+
+@pytest.mark.parametrize("name,precision,expected", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989e12), ("NVIDIA H100 PCIe", "bf16", 756e12), ("NVIDIA H200", "fp16", 989e12),
+    ("NVIDIA H200 NVL", "bf16", 835e12), ("NVIDIA A100-SXM4-80GB", "bf16", 312e12),
+    ("NVIDIA H100 80GB HBM3", "fp32", None),  # fp32 is measured: TF32 or not depends on torch's settings
+    ("NVIDIA GeForce RTX 4090", "bf16", None),
+])
+def test_datasheet_peak_names_the_part(name, precision, expected):
+    assert datasheet_peak(name, precision) == expected
+
+
+def test_a_cpu_peak_is_measured_in_the_runs_precision_and_mfu_is_a_fraction_of_it():
+    peak = device_peak(torch.device("cpu"), "fp32")
+    assert peak.flops > 1e8 and "fp32 GEMM measured on this CPU" in peak.source
+    assert mfu(tokens_per_second=peak.flops / 1000, flops_token=500.0, peak=peak, devices=2) == pytest.approx(0.25)
