@@ -206,7 +206,7 @@ def _same_base(recorded: str, base: Path) -> bool:
 
 
 def _hub_cache_repo_id(folder: Path) -> str | None:
-    """`EleutherAI/pythia-14m` for a folder under huggingface_hub's cache `models--EleutherAI--pythia-14m/snapshots/`."""
+    """`EleutherAI/pythia-14m` for a folder in huggingface_hub's cache (`models--EleutherAI--pythia-14m/snapshots/…`)."""
     for part in folder.resolve().parts:
         if part.startswith("models--"):
             return part[len("models--"):].replace("--", "/")

@@ -376,7 +376,9 @@ def _data_parallel_size(args: dict) -> int | None:
         gpus = per_node * nodes if per_node > 0 and nodes > 0 else None  # num_nodes -1: every node of the hostfile
     if gpus is None:
         return None
-    model_parallel = max(int(args.get("pipe_parallel_size") or 0), 1) * max(int(args.get("model_parallel_size") or 0), 1)
+    # GPT-NeoX counts pipe_parallel_size 0 (no pipeline engine) as one stage
+    stages, tensor_parallel = (max(int(args.get(key) or 1), 1) for key in ("pipe_parallel_size", "model_parallel_size"))
+    model_parallel = stages * tensor_parallel
     if gpus % model_parallel:
         raise RecipeError(f"global_num_gpus {gpus} is not a multiple of pipe_parallel_size × model_parallel_size "
                           f"({model_parallel}); GPT-NeoX refuses it: give a GPU count that holds whole model replicas")
@@ -393,8 +395,8 @@ def _batch_for(dp: int, train_batch: int | None, micro: int | None, accumulation
     if train_batch is not None and (micro < 1 or accumulation < 1 or train_batch != micro * accumulation * dp):
         raise RecipeError(f"train_batch_size {train_batch} is not train_micro_batch_size_per_gpu {micro} × "
                           f"gradient_accumulation_steps {accumulation} × {dp} data-parallel process(es) (the config's "
-                          "GPU count over pipeline × model parallel; gradient_accumulation_steps is 1 when absent); GPT-NeoX "
-                          "refuses it: make them agree")
+                          "GPU count over pipeline × model parallel; gradient_accumulation_steps is 1 when absent); "
+                          "GPT-NeoX refuses it: make them agree")
     return micro, accumulation
 
 

@@ -79,7 +79,8 @@ def tiny_neox_yaml(path: Path, extra: str = "") -> Path:
     """The GPT-NeoX config of `tiny_config(parallel_residual=False, tied=True)` at TP 2, naming no vocab file."""
     path.write_text(
         '{"num-layers": %d, "hidden-size": %d, "num-attention-heads": %d, "seq-length": 64, "rotary-pct": 0.5,\n'
-        ' "gpt-j-residual": false, "no-weight-tying": false, "model-parallel-size": 2%s}\n' % (LAYERS, HIDDEN, HEADS, extra)
+        ' "gpt-j-residual": false, "no-weight-tying": false, "model-parallel-size": 2%s}\n'
+        % (LAYERS, HIDDEN, HEADS, extra)
     )
     return path
 
@@ -89,7 +90,8 @@ def test_convert_neox_without_tokenizer_reads_the_vocabulary_from_the_checkpoint
     ranks = random_neox_shards(config, tp=2, seed=3)
     write_neox_checkpoint(ranks, tmp_path / "ckpt", "sequential")
     out = tmp_path / "hf"
-    done = neox_hf("convert-neox", str(tmp_path / "ckpt"), "--config", str(tiny_neox_yaml(tmp_path / "tiny.yml")), str(out))
+    neox_yaml = tiny_neox_yaml(tmp_path / "tiny.yml")
+    done = neox_hf("convert-neox", str(tmp_path / "ckpt"), "--config", str(neox_yaml), str(out))
     assert "vocabulary size 128 read from the checkpoint" in done.stdout and "--tokenizer" in done.stdout
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 128

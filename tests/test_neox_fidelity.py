@@ -65,14 +65,16 @@ def test_a_key_gpt_neox_does_not_know_is_refused_naming_the_closest(tmp_path, te
 
 
 def test_gpt_neox_keys_without_a_counterpart_here_stay_notes(tmp_path):
-    text = '{"num_layers": 2, "finetune": true, "log_dir": "logs", "text_gen_type": "unconditional", "gptj_residual": false}'
+    text = ('{"num_layers": 2, "finetune": true, "log_dir": "logs", "text_gen_type": "unconditional",'
+            ' "gptj_residual": false}')
     notices = parse_run_args([neox_file(tmp_path, text)]).notices
     assert any("log_dir" in n for n in notices)  # no effect here
     untranslated = next(n for n in notices if "finetune" in n)
     assert "text_gen_type" in untranslated and "gptj_residual" in untranslated  # an older GPT-NeoX's name is known too
 
 
-@pytest.mark.parametrize("path", sorted(SHARED_DATA.glob("neox*-configs/**/*.yml")), ids=lambda p: p.parent.name + "/" + p.name)
+@pytest.mark.parametrize("path", sorted(SHARED_DATA.glob("neox*-configs/**/*.yml")),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_shipped_gpt_neox_config_uses_only_known_keys(path):
     try:
         load_neox_recipe_dict([path])
