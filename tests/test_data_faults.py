@@ -167,3 +167,71 @@ def test_empty_source_is_refused_by_the_cli_in_one_line(tmp_path, capsys, fresh_
     code, _, err = run_train(tmp_path, "[" + ", ".join(f"{{path: {s.path}, weight: {s.weight}}}" for s in sources)
                              + "]", capsys)
     assert_one_line_error(code, err, "empty.jsonl", "holds no document")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# c. Prompt-masked data without answers
+# ----------------------------------------------------------------------------------------------------------------
+
+SFT_TEMPLATE, SFT_PROMPT = "Question: {question}\nAnswer: {answer}", "Question: {question}\nAnswer: "
+
+
+def sft_file(tmp_path: Path, answers: list[str]) -> Path:
+    rows = [{"question": f"what is {i} plus {i}?", "answer": a} for i, a in enumerate(answers)]
+    return write_jsonl(tmp_path / "sft.jsonl", rows)
+
+
+def sft_source(path: Path, **overrides) -> str:
+    fields = dict(path=str(path), template=SFT_TEMPLATE, prompt_template=SFT_PROMPT, **overrides)
+    return "[{" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in fields.items()) + "}]"
+
+
+@pytest.mark.parametrize("append_eod", ["true", "false"])
+@pytest.mark.parametrize("mode", ["pad", "pack"])
+def test_prompt_masked_data_without_answers_is_refused(tmp_path, capsys, fresh_accelerate_state, mode, append_eod):
+    """Every answer empty: nothing to learn (or only EOD after every prompt), which trained at loss 0.0 / NaN."""
+    path = sft_file(tmp_path, [""] * 8)
+    code, _, err = run_train(tmp_path, sft_source(path), capsys, "--data.mode", mode, "--data.append_eod", append_eod)
+    assert_one_line_error(code, err, "sft.jsonl", "no document with answer tokens", "`template` / `prompt_template`")
+    assert not (tmp_path / "out" / "train_log.jsonl").exists()
+
+
+def test_prompt_template_equal_to_template_is_refused(tmp_path, tok):
+    path = sft_file(tmp_path, [str(2 * i) for i in range(8)])
+    source = DataSource(path=str(path), template=SFT_PROMPT, prompt_template=SFT_PROMPT)
+    loader = build_train_loader(DataConfig(sources=[source], mode="pad"), tok, seq_length=64, micro_batch_size=2)
+    with pytest.raises(DataError, match="sft.jsonl` gave no document with answer tokens"):
+        next(loader)
+
+
+def test_some_empty_answers_learn_only_eod_and_are_counted(tmp_path, tok):
+    """With EOD appended, an empty answer still teaches the model to stop after that prompt: kept, counted, noted."""
+    from neox_hf.data import DataNotes
+
+    answers = ["", "4", "", "8", "10", "", "14", "16"]
+    cfg = DataConfig(sources=[DataSource(path=str(sft_file(tmp_path, answers)), template=SFT_TEMPLATE,
+                                         prompt_template=SFT_PROMPT)], mode="pad", buffer_size=8, shuffle=False)
+    loader = build_train_loader(cfg, tok, seq_length=64, micro_batch_size=8)
+    batch = next(loader)
+    learned = (batch["labels"] != -100).sum(dim=1).tolist()
+    assert sorted(learned)[:3] == [1, 1, 1] and min(sorted(learned)[3:]) > 1  # the EOD alone, three times
+    assert (loader.stats["documents"], loader.stats["no_answer"]) == (8, 3)
+    notes = DataNotes(max_length=64)
+    assert notes.lines(loader.stats) == ["3 of 8 documents have no answer tokens after `prompt_template`: only their "
+                                         "EOD is learned (if that is not meant, check `template` / `prompt_template` "
+                                         "and the answer field)"]
+    assert notes.lines({**loader.stats, "no_answer": 5}) == []  # said again when it has doubled
+    assert len(notes.lines({**loader.stats, "no_answer": 6})) == 1
+
+
+def test_empty_answers_without_eod_are_skipped_not_trained_at_zero_tokens(tmp_path, tok):
+    """Without EOD an empty answer has no labelled token at all: it is skipped (as empty), so no row of a batch is
+    all -100."""
+    answers = ["", "4", "", "8", "10", "", "14", "16"]
+    cfg = DataConfig(sources=[DataSource(path=str(sft_file(tmp_path, answers)), template=SFT_TEMPLATE,
+                                         prompt_template=SFT_PROMPT)], mode="pad", buffer_size=5, shuffle=False,
+                     append_eod=False)
+    loader = build_train_loader(cfg, tok, seq_length=64, micro_batch_size=5)
+    batch = next(loader)
+    assert ((batch["labels"] != -100).sum(dim=1) > 0).all()
+    assert (loader.stats["documents"], loader.stats["skipped_empty"]) == (5, 3)

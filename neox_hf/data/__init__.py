@@ -11,10 +11,10 @@
 """
 
 from neox_hf.data.indexed import IndexedDataset, write_indexed_dataset
-from neox_hf.data.loader import (DataLoader, build_eval_loader, build_neox_valid_loader, build_train_loader,
-                                 tokens_per_epoch)
+from neox_hf.data.loader import (DataLoader, DataNotes, build_eval_loader, build_neox_valid_loader,
+                                 build_train_loader, tokens_per_epoch)
 from neox_hf.data.packing import gpt_neox_num_epochs
 from neox_hf.data.sources import document_stream
 
-__all__ = ["DataLoader", "IndexedDataset", "build_eval_loader", "build_neox_valid_loader", "build_train_loader",
-           "document_stream", "gpt_neox_num_epochs", "tokens_per_epoch", "write_indexed_dataset"]
+__all__ = ["DataLoader", "DataNotes", "IndexedDataset", "build_eval_loader", "build_neox_valid_loader",
+           "build_train_loader", "document_stream", "gpt_neox_num_epochs", "tokens_per_epoch", "write_indexed_dataset"]

@@ -27,7 +27,8 @@ from neox_hf.errors import DataError
 from neox_hf.recipe import DataConfig
 
 STATE_VERSION = 1
-STAT_KEYS = ("documents", "skipped_empty", "skipped_undecodable", "truncated", "real_tokens", "padded_tokens")
+STAT_KEYS = ("documents", "skipped_empty", "skipped_undecodable", "truncated", "no_answer", "real_tokens",
+             "padded_tokens")
 
 
 def empty_stats() -> dict:
@@ -35,7 +36,7 @@ def empty_stats() -> dict:
 
 
 PROBE_DOCUMENTS = 1000  # a source whose first this many documents on a rank all fail is refused mid-epoch
-TALLY_KEYS = ("rows", "usable", "empty", "undecodable", "split")
+TALLY_KEYS = ("rows", "usable", "answered", "no_answer", "empty", "undecodable", "split")
 
 
 class _DocumentReader:
@@ -44,12 +45,18 @@ class _DocumentReader:
     Also per source (`tallies`): a blended source that gives no usable document is refused by name, at the end of
     an epoch or after its first PROBE_DOCUMENTS rows here, whichever comes first; `interleave_datasets` would
     otherwise fill its share from the others and the blend's weights would silently not be met. Counts are
-    cumulative over epochs (a source's files are the same every epoch) and part of the resume position."""
+    cumulative over epochs (a source's files are the same every epoch) and part of the resume position.
+
+    Prompt-masked documents (`prompt_template`) whose text is all prompt have no answer token. With EOD appended
+    the EOD is still learned (stop after this prompt), which a dataset may mean for a few rows: kept, counted in
+    `stats["no_answer"]` for the run log. Without EOD such a document has no labelled token at all: skipped as
+    empty. A source none of whose documents has an answer is refused like an unusable one: training on it learns
+    nothing (loss 0 over zero tokens, NaN evaluation) or only to emit EOD, which is always a template mistake."""
 
     def __init__(self, make_stream, *, epoch: int, upstream: Optional[dict], usable_in_epoch: int, stats: dict,
-                 cycle: bool, sources: list, role: str, dp_size: int, tallies: Optional[list] = None):
+                 cycle: bool, sources: list, role: str, dp_size: int, append_eod: bool, tallies: Optional[list] = None):
         self._make_stream, self._cycle, self.stats = make_stream, cycle, stats
-        self._sources, self._role, self._dp_size = sources, role, dp_size
+        self._sources, self._role, self._dp_size, self._eod = sources, role, dp_size, int(append_eod)
         self.epoch, self.usable_in_epoch = epoch, usable_in_epoch
         self.tallies = copy.deepcopy(tallies) if tallies else [dict.fromkeys(TALLY_KEYS, 0) for _ in sources]
         self._open(upstream)
@@ -77,20 +84,38 @@ class _DocumentReader:
                     break
                 continue
             self._pulled = True
+            usable = self._count(row)
             tally = self.tallies[row["source"]]
-            tally["rows"] += 1
-            if row["skip"] == "":
-                self.stats["documents"] += 1
-                self.usable_in_epoch += 1
-                tally["usable"] += 1
-                docs.append((row["input_ids"], row["prompt_length"]))
-                continue
-            if row["skip"] in ("empty", "undecodable"):
-                self.stats[f"skipped_{row['skip']}"] += 1
-            tally[row["skip"] if row["skip"] in TALLY_KEYS else "split"] += 1
-            if tally["usable"] == 0 and self._counted(tally) >= PROBE_DOCUMENTS:
+            if tally["answered"] == 0 and self._counted(tally) >= PROBE_DOCUMENTS:
                 self._refuse(row["source"], f"its first {self._counted(tally)} documents")
+            if usable:
+                docs.append((row["input_ids"], row["prompt_length"]))
         return docs
+
+    def _count(self, row: dict) -> bool:
+        """Count the row in `stats` and its source's tally; whether it is a usable document."""
+        tally, skip = self.tallies[row["source"]], row["skip"]
+        tally["rows"] += 1
+        if skip == "" and self._sources[row["source"]].prompt_template is not None and \
+                len(row["input_ids"]) - row["prompt_length"] <= self._eod:
+            tally["no_answer"] += 1
+            if not self._eod:  # not one labelled token
+                self.stats["skipped_empty"] += 1
+                return False
+            self.stats["no_answer"] += 1
+        elif skip == "":
+            tally["answered"] += 1
+        if skip == "":
+            self.stats["documents"] += 1
+            self.usable_in_epoch += 1
+            tally["usable"] += 1
+            return True
+        if skip in ("empty", "undecodable"):
+            self.stats[f"skipped_{skip}"] += 1
+            tally[skip] += 1
+        else:
+            tally["split"] += 1
+        return False
 
     def _next_epoch(self) -> bool:
         self._check_sources_gave_documents()
@@ -117,13 +142,19 @@ class _DocumentReader:
         at all is only known to be empty with one data-parallel rank (with several, its few rows may all have gone
         to other ranks); the validation role expects most rows to be held for training."""
         for index, tally in enumerate(self.tallies):
-            if tally["usable"] == 0 and (self._counted(tally) > 0 or (self._dp_size == 1 and self._role != "validation")):
+            if tally["answered"] == 0 and (self._counted(tally) > 0 or (self._dp_size == 1 and self._role != "validation")):
                 self._refuse(index, "a whole epoch")
 
     def _refuse(self, index: int, span: str) -> None:
-        t = self.tallies[index]
+        t, path = self.tallies[index], self._sources[index].path
         held = f", {t['split']} held out for validation by `validation_fraction`" if t["split"] else ""
-        raise DataError(f"data source `{self._sources[index].path}` gave no usable document in {span} "
+        if t["no_answer"]:
+            learned = "only EOD would be learned" if self._eod else "not one token would be learned"
+            raise DataError(f"data source `{path}` gave no document with answer tokens in {span} ({t['no_answer']} "
+                            f"whose text is all prompt, {t['empty']} empty, "
+                            f"{t['undecodable']} undecodable{held}): {learned}; check `template` / `prompt_template`: the "
+                            "template must go on past the prompt with the answer field, and that field must not be empty")
+        raise DataError(f"data source `{path}` gave no usable document in {span} "
                         f"({t['empty']} empty, {t['undecodable']} undecodable{held}); check `text_key` / `template` "
                         "field names and the file, or drop the source (a blend would fill its weight from the others)")
 
@@ -194,7 +225,7 @@ class DataLoader:
         reader = _DocumentReader(self._make_stream, epoch=start["epoch"], upstream=start["upstream"],
                                  usable_in_epoch=start["usable_in_epoch"], stats=self.stats, cycle=self.cycle,
                                  sources=self.sources, role=self.role, dp_size=self.dp_size,
-                                 tallies=start.get("tallies"))
+                                 append_eod=self.cfg.append_eod, tallies=start.get("tallies"))
         chunk_index, carry = start["chunk_index"], start["carry"]
         while True:
             self._position = {**reader.position(), "chunk_index": chunk_index, "carry": carry,
@@ -268,6 +299,32 @@ class DataLoader:
         real = int(batch["attention_mask"].sum()) if "attention_mask" in batch else total
         self.stats["real_tokens"] += real
         self.stats["padded_tokens"] += total - real
+
+
+class DataNotes:
+    """Run-log lines about documents that trained, but not whole: cut to max_length (pad mode), or prompt-masked
+    with no answer tokens (only their EOD learned). Fed the loader's `stats` summed over data-parallel ranks at each
+    log interval, it says each the first time it is seen and again whenever its count has doubled since."""
+
+    def __init__(self, max_length: int):
+        self.max_length = max_length
+        self._said: dict[str, int] = {}  # the count each key was last said at
+
+    def lines(self, stats: dict) -> list[str]:
+        documents, lines = int(stats.get("documents", 0)), []
+        for key in ("truncated", "no_answer"):
+            count = int(stats.get(key, 0))
+            if count and count >= 2 * self._said.get(key, 0):
+                self._said[key] = count
+                lines.append(self._line(key, count, documents))
+        return lines
+
+    def _line(self, key: str, count: int, documents: int) -> str:
+        if key == "truncated":
+            return (f"{count:,} of {documents:,} documents were longer than max_length ({self.max_length} tokens) and "
+                    "were cut to it; raise `data.max_length` or use `data.mode: pack` to train on their ends")
+        return (f"{count:,} of {documents:,} documents have no answer tokens after `prompt_template`: only their EOD "
+                "is learned (if that is not meant, check `template` / `prompt_template` and the answer field)")
 
 
 def mask_eod_predictions(batch: dict, eod_id: int) -> dict:
