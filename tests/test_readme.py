@@ -25,8 +25,8 @@ NOT_RUN = {
     'pip install -e ".[test]"': "installation",
     "pip install -e .": "installation",
     "python -m pytest tests -q": "the test suite itself",
-    "neox_hf convert-neox global_step143000 --config 14M.yml OUT": "needs a GPT-NeoX checkpoint; test_cli_interop "
-                                                                   "converts one",
+    "neox_hf convert-neox global_step143000 --config 14M.yml --tokenizer examples/data/gpt-neox-20b-tokenizer.json OUT":
+        "needs a GPT-NeoX checkpoint; test_cli_interop converts one",
     "neox_hf batches CONFIG --data-path PREFIX --data-parallel 8 --start-step 0 --end-step 10 --output b.npy":
         "the command's synopsis (placeholders); the worked example below it runs",
     "neox_hf batches ../shared/data/neox-configs/pythia/160M.yml --data-path pile-deduped-preshuffled/document --order "
