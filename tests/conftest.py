@@ -32,6 +32,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch_env(*, gpu: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of every process a test starts: this one's, one OpenMP thread per process (two pytest workers
+    on two cores, and launches of several ranks each), no tokenizer threads, and no visible GPU unless `gpu`. The
+    multi-process tests run on gloo with the GPU hidden: on a GPU machine Accelerate would map every rank of a
+    one-node launch to cuda:0 and NCCL refuses two ranks on one device; hidden, the CPU tiers run there as on CPU.
+    `gpu=True` (the cuda tier's single-process runs) leaves CUDA_VISIBLE_DEVICES as this process has it."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    env.update(extra)
+    return env
+
+
 def accelerate_launch_command(script, *args, zero_stage: int | None = None, num_processes: int = 2) -> list[str]:
     """`accelerate launch --use_deepspeed` of `script` on gloo, on a free port; `--zero_stage` only where given: the
     run refuses a launcher stage that contradicts its recipe's (a worker whose recipe picks its own stage, or runs
