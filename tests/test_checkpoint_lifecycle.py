@@ -6,7 +6,6 @@ the same folder. After each: `latest` names a complete checkpoint, no checkpoint
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 
 from neox_hf.train import main
 from neox_hf.train.checkpoint import checkpoint_name, is_complete_checkpoint
-from tests.conftest import BUNDLED_TOKENIZER, REPO, reset_accelerate_state
+from tests.conftest import BUNDLED_TOKENIZER, REPO, launch_env, reset_accelerate_state
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +154,7 @@ def test_reused_folder_is_refused_overwritten_only_when_asked_and_locked_while_r
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\nfrom neox_hf.train.guards import RunLock\n"
          "lock = RunLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\ntime.sleep(60)\n", str(out)],
-        stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdout=subprocess.PIPE, text=True, env=launch_env(PYTHONPATH=str(REPO)),
     )
     try:
         assert holder.stdout.readline().strip() == "locked"

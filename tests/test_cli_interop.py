@@ -17,11 +17,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from neox_reference import neox_reference_logits
 from test_neox_checkpoint import HEADS, HIDDEN, INPUT_IDS, LAYERS, random_neox_shards, tiny_config, write_neox_checkpoint
-from tests.conftest import REPO
+from tests.conftest import REPO, launch_env
 
 
 def neox_hf(*args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "neox_hf.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "neox_hf.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env=launch_env())
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+from conftest import launch_env  # noqa: E402
 from data_common import batch_documents, gsm8k_rows, gsm8k_source, neox_tokenizer, write_jsonl  # noqa: E402
 
 from neox_hf.data import build_train_loader, document_stream  # noqa: E402
@@ -108,8 +109,8 @@ def test_state_from_other_settings_is_refused(tok, gsm120):
 
 
 def test_two_processes_see_disjoint_documents_and_resume_exactly(tmp_path, tok, gsm120):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}
+    env = launch_env(PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
            os.path.join(WORKERS, "data_ranks.py"), str(tmp_path), str(gsm120)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)

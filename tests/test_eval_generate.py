@@ -20,6 +20,7 @@ from neox_hf import evaluation, generation
 from neox_hf.errors import CheckpointError, NeoXHFError
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from conftest import launch_env  # noqa: E402
 from peft_common import PROMPT_TEMPLATE, TEMPLATE, make_tiny_folder  # noqa: E402
 
 
@@ -188,7 +189,7 @@ def test_lm_eval_harness_runs_a_local_task_on_a_saved_folder(folder, tmp_path):
     command = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={folder},dtype=float32",
                "--tasks", "tiny_qa", "--include_path", str(tasks), "--device", "cpu", "--batch_size", "2",
                "--output_path", str(tmp_path / "results")]
-    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    env = launch_env(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = [json.loads(p.read_text()) for p in (tmp_path / "results").rglob("results*.json")]

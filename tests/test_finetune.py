@@ -23,7 +23,7 @@ from neox_hf.errors import CheckpointError, RecipeError
 from neox_hf.recipe import PeftConfig
 from neox_hf.train import loop
 from neox_hf.train.loss import causal_lm_loss
-from tests.conftest import accelerate_launch_command
+from tests.conftest import accelerate_launch_command, launch_env
 
 WORKERS = Path(__file__).parent / "workers"
 sys.path.insert(0, str(WORKERS))
@@ -275,7 +275,7 @@ def test_recipe_file_parses_and_points_at_bundled_data():
 
 def _launch(worker: str, *args, zero_stage: int, timeout: int = 240) -> None:
     command = accelerate_launch_command(WORKERS / worker, *args, zero_stage=zero_stage)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(WORKERS), str(WORKERS.parents[1])])}
+    env = launch_env(PYTHONPATH=os.pathsep.join([str(WORKERS), str(WORKERS.parents[1])]))
     done = subprocess.run(command, env=env, timeout=timeout, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
 

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from neox_hf.errors import NeoXHFError
 from neox_hf.ops import linear_cross_entropy, lm_head_loss
-from tests.conftest import free_port
+from tests.conftest import free_port, launch_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "workers")
@@ -196,7 +196,7 @@ def test_vocab_parallel_tp2_equals_one_process(tmp_path):
     input, and a sequence-parallel one): loss, count and the gathered gradients equal one process."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), os.path.join(WORKERS, "fused_ce_tp2.py"), str(tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, WORKERS]))
+    env = launch_env(PYTHONPATH=os.pathsep.join([REPO, WORKERS]))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     for name, z_loss in (("plain", 0.0), ("z_loss", 1e-3), ("sequence_parallel", 0.0)):

@@ -4,7 +4,6 @@ Nothing here mocks huggingface_hub: every push and download goes over HTTP to 12
 """
 
 import math
-import os
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from huggingface_hub import ModelCard
 from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ is not a package
-from conftest import reset_accelerate_state  # noqa: E402
+from conftest import launch_env, reset_accelerate_state  # noqa: E402
 from hub_server import FakeHub  # noqa: E402
 
 from neox_hf.errors import HubError  # noqa: E402
@@ -180,7 +179,7 @@ def test_push_cli_in_a_fresh_process_finds_the_hub_through_hf_endpoint(hub, tmp_
         "from neox_hf.hub import add_push_arguments, run_push\n"
         "sys.exit(run_push(add_push_arguments(argparse.ArgumentParser()).parse_args(sys.argv[1:])))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    env = launch_env(PYTHONPATH=str(Path(__file__).parents[1]))
 
     done = subprocess.run(
         [sys.executable, "-c", script, str(folder), REPO, "--revision", "step7"],

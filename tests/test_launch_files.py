@@ -16,7 +16,7 @@ import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DistributedType
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, launch_env
 
 LAUNCH = REPO / "examples" / "launch"
 
@@ -70,7 +70,7 @@ SMALL_RUN = ["--model.hidden_size", "64", "--model.seq_length", "64", "--train.m
 
 
 def _env(**extra) -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **extra)
+    return launch_env(**extra)
 
 
 def _accelerate_launch(*args) -> list[str]:

@@ -3,7 +3,6 @@ layout refused with the command that works (one line, exit 2, no traceback)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from neox_hf.errors import LaunchError
 from neox_hf.parallel.layout import check_launch, dp_group_ranks, global_rank, pp_group_ranks, tp_group_ranks
 from neox_hf.recipe import recipe_from_dict
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, launch_env
 
 SMALL = ["--model.hidden_size", "32", "--model.num_layers", "1", "--model.seq_length", "32",
          "--train.micro_batch_size", "2", "--train.train_iters", "2", "--train.eval_iters", "1",
@@ -41,7 +40,7 @@ def test_a_process_count_the_layout_does_not_divide_names_the_launch(monkeypatch
 
 
 def _refusal(command: list[str], *, launcher: bool = False) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = launch_env()
     env.pop("WORLD_SIZE", None)
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     if launcher:
@@ -78,7 +77,7 @@ def test_accelerate_launch_without_deepspeed_starts_one_process_and_is_told_the_
 @pytest.mark.distributed  # slow tier: a whole run in a subprocess or in process
 def test_zero_in_a_single_plain_process_trains(tmp_path):
     # DeepSpeed needs launcher variables even for one rank; a plain `python` run with ZeRO-2 gets them.
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = launch_env()
     env.pop("WORLD_SIZE", None)
     done = subprocess.run([sys.executable, "run_clm_neox.py", "recipes/tiny.yaml", *SMALL, "--parallel.zero_stage", "2",
                            "--output.dir", str(tmp_path)], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)

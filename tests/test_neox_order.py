@@ -326,9 +326,9 @@ def test_two_processes_build_the_index_once_and_read_their_slices(tmp_path, corp
     import subprocess
 
     prefix, docs = corpus
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}
-    from conftest import free_port
+    from conftest import free_port, launch_env
+    env = launch_env(PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            os.path.join(os.path.dirname(__file__), "workers", "neox_order_ranks.py"), str(tmp_path), prefix, str(ITERS)]

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import GPTNeoXForCausalLM
 
-from tests.conftest import REPO, accelerate_launch_command
+from tests.conftest import REPO, accelerate_launch_command, launch_env
 
 WORKERS = REPO / "tests" / "workers"
 sys.path.insert(0, str(WORKERS))
@@ -27,8 +27,7 @@ LOSS_TOL, WEIGHT_TOL, LOGIT_TOL = 1e-5, 1e-3, 1e-4
 
 
 def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-                PYTHONPATH=os.pathsep.join([str(REPO), str(WORKERS)]))
+    return launch_env(PYTHONPATH=os.pathsep.join([str(REPO), str(WORKERS)]))
 
 
 def launch(out_dir, model_dir, processes: int, *args, check: bool = True):

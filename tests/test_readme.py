@@ -6,7 +6,6 @@ entry points; the 2-process ZeRO-2 command runs under `accelerate launch`."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import reset_accelerate_state, REPO, free_port
+from tests.conftest import reset_accelerate_state, REPO, free_port, launch_env
 
 README = REPO / "README.md"
 
@@ -117,7 +116,7 @@ def _run_two_process(argv: list[str], root: Path) -> None:
     command = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(free_port()), "run_clm_neox.py", *argv]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    env = launch_env(PYTHONPATH=str(REPO))
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 

@@ -13,7 +13,7 @@ from neox_hf.errors import RecipeError
 from neox_hf.neox_yaml import load_neox_recipe_dict, read_neox_files
 from neox_hf.recipe import recipe_from_dict
 from neox_hf.train.args import parse_run_args
-from tests.conftest import REPO, SHARED_DATA
+from tests.conftest import REPO, SHARED_DATA, launch_env
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 NEOX_CONFIGS = sorted(SHARED_DATA.glob("neox-configs/**/*.yml"))
@@ -144,7 +144,8 @@ def test_missing_recipe_file_names_it(tmp_path):
 
 
 def _run_cli(*args):
-    return subprocess.run([sys.executable, str(REPO / "run_clm_neox.py"), *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+    return subprocess.run([sys.executable, str(REPO / "run_clm_neox.py"), *args], capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env=launch_env())
 
 
 def test_print_config_prints_resolved_yaml_and_exits_0():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, accelerate_launch_command
+from tests.conftest import REPO, accelerate_launch_command, launch_env
 from tests.test_eval_tasks import local_task
 from tests.test_train import SMALL, assert_saved_weights_are_full, launch, shakespeare_sources
 
@@ -32,7 +32,7 @@ def step_losses(output_dir: Path) -> dict[int, float]:
 def launch_and_kill_after_checkpoint(args: list[str], output_dir: Path, *, zero_stage: int) -> None:
     """Start a 2-process run, SIGKILL the whole process group once the step-5 checkpoint is complete."""
     command = accelerate_launch_command(REPO / "run_clm_neox.py", *args, zero_stage=zero_stage)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = launch_env()
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
     latest = output_dir / "checkpoints" / "latest"

@@ -29,15 +29,13 @@ WORKERS = os.path.join(REPO, "tests", "workers")
 sys.path.insert(0, WORKERS)
 from tp_common import LR, STEPS, batch, tiny_config, tp_causal_lm_loss  # noqa: E402
 
-from tests.conftest import free_port  # noqa: E402
+from tests.conftest import free_port, launch_env  # noqa: E402
 
 TOL = 1e-5
 
 
 def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, WORKERS]))
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    return env
+    return launch_env(PYTHONPATH=os.pathsep.join([REPO, WORKERS]))
 
 
 def run_torchrun(nproc, worker, *args, timeout=240):

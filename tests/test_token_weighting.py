@@ -9,14 +9,13 @@ micro 4 × accumulation 2 → per-step losses ≤ 1e-5 and weights ≤ 1e-4 afte
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.conftest import REPO, accelerate_launch_command, save_tiny_gpt_neox
+from tests.conftest import REPO, accelerate_launch_command, launch_env, save_tiny_gpt_neox
 from tests.test_resume import step_losses
 
 WORKER = REPO / "tests" / "workers" / "token_weighting.py"
@@ -30,7 +29,7 @@ def model_dir(tmp_path_factory):
 
 
 def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return launch_env(PYTHONPATH=str(REPO))
 
 
 def one_process(model_dir, out, *args):

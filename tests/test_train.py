@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXForCausalLM
 
-from tests.conftest import REPO, accelerate_launch_command, reset_accelerate_state, shared
+from tests.conftest import REPO, accelerate_launch_command, launch_env, reset_accelerate_state, shared
 
 
 def shakespeare_sources() -> str:
@@ -83,7 +82,7 @@ def test_bf16_autocast_trains_real_text_as_fp32_does(tmp_path, fresh_accelerate_
 def launch(recipe_args: list[str], *, zero_stage: int, num_processes: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
     command = accelerate_launch_command(REPO / "run_clm_neox.py", *recipe_args, zero_stage=zero_stage,
                                         num_processes=num_processes)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = launch_env()
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return done
@@ -151,7 +150,7 @@ def test_two_process_zero3_run_saves_full_weights_exports_them_and_scores_eval_t
     # `neox_hf export` of the step-12 training checkpoint (DeepSpeed partitions) gives the same weights.
     exported = tmp_path / "exported"
     cli = subprocess.run([sys.executable, "-m", "neox_hf.cli", "export", str(out / "checkpoints"), str(exported)],
-                         capture_output=True, text=True, cwd=REPO, timeout=300)
+                         capture_output=True, text=True, cwd=REPO, timeout=300, env=launch_env())
     assert cli.returncode == 0, cli.stderr[-3000:]
     again = load_file(exported / "model.safetensors")
     assert set(again) == set(weights) and all(torch.equal(again[k].to(weights[k].dtype), weights[k]) for k in weights)

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import REPO, accelerate_launch_command, save_tiny_gpt_neox
+from tests.conftest import REPO, accelerate_launch_command, launch_env, save_tiny_gpt_neox
 from tests.test_resume import step_losses
 
 WORKER = REPO / "tests" / "workers" / "dp_equivalence.py"
@@ -23,7 +22,7 @@ def model_dir(tmp_path_factory):
 
 
 def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return launch_env()
 
 
 @pytest.fixture(scope="module")
