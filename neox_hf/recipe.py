@@ -141,6 +141,9 @@ class ParallelConfig:
     offload_params: bool = False  # ZeRO-3: parameters in CPU memory between uses (DeepSpeed offload_param)
     activation_checkpointing: bool = False
     deepspeed_config: Optional[str] = None  # raw DeepSpeed JSON, overrides the generated one
+    # How long a collective waits for every rank: rank-0-only work (the GPT-NeoX index build, lm-eval, the final
+    # save and merges) must fit in it. torch's NCCL default is 10 minutes, DeepSpeed's 30.
+    timeout_minutes: float = 60.0
 
 
 @dataclass
@@ -382,6 +385,7 @@ def validate(recipe: Recipe) -> None:
     _require(not p.offload_params or p.zero_stage == 3,
              f"`parallel.offload_params: true` needs `parallel.zero_stage: 3` (DeepSpeed offloads parameters only "
              f"under ZeRO-3), got zero_stage {p.zero_stage}")
+    _require(p.timeout_minutes > 0, f"`parallel.timeout_minutes` must be > 0, got {p.timeout_minutes}")
     _require(p.tensor_parallel >= 1, f"`parallel.tensor_parallel` must be ≥ 1, got {p.tensor_parallel}")
     _require(p.pipeline_parallel >= 1, f"`parallel.pipeline_parallel` must be ≥ 1, got {p.pipeline_parallel}")
     if p.pipeline_parallel > 1:
@@ -405,6 +409,11 @@ def validate(recipe: Recipe) -> None:
     if d.max_tokens_per_batch is not None:
         _require(d.max_tokens_per_batch > 0, f"`data.max_tokens_per_batch` must be > 0, got {d.max_tokens_per_batch}")
     _validate_data_order(recipe)
+    _require(not (m.attn_implementation == "flash_attention_2" and d.isolate_documents and t.micro_batch_size > 1),
+             "`model.attn_implementation: flash_attention_2` with `data.isolate_documents: true` would attend across "
+             f"documents at `train.micro_batch_size` {t.micro_batch_size}: transformers' flash-attention finds packed "
+             "documents (restarting position_ids) only in a batch of one row; use attn_implementation sdpa (a "
+             "document mask) or micro_batch_size 1 with more gradient_accumulation_steps")
     for i, s in enumerate(d.sources + d.validation):
         _require(bool(s.path), f"`data.sources[{i}].path` is empty: give a file glob, a .bin/.idx prefix or a dataset name")
         _require(s.weight > 0, f"data source `{s.path}`: `weight` must be > 0, got {s.weight}")

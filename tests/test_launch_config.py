@@ -4,6 +4,10 @@ started). tests/test_launch_files.py launches the shipped files for real."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from neox_hf.errors import RecipeError
@@ -145,3 +149,21 @@ def test_a_recipe_built_in_python_is_checked_against_the_launcher_too(launched, 
 
     check_recipe_agrees_with_launcher(recipe)
     assert recipe.train.precision == "bf16"
+
+
+def test_the_recipes_collective_timeout_reaches_the_process_group(tmp_path):
+    """`parallel.timeout_minutes` is passed whatever the device (it was passed only on CPU, so CUDA runs had NCCL's
+    10 minutes for rank-0-only work). A fresh process: the group is created once per process."""
+    script = tmp_path / "timeout.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "from neox_hf.recipe import recipe_from_dict\n"
+        "from neox_hf.parallel.accelerator import build_accelerator\n"
+        "build_accelerator(recipe_from_dict({'parallel': {'zero_stage': 1, 'timeout_minutes': 7},"
+        " 'train': {'precision': 'fp32'}, 'output': {'dir': %r}}))\n"
+        "group = dist.distributed_c10d._get_default_group()\n"
+        "print('timeout', group._get_backend(torch.device('cpu')).options._timeout)\n" % str(tmp_path / "out"))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "timeout 0:07:00" in done.stdout

@@ -126,3 +126,28 @@ def test_max_skipped_steps_in_a_row_is_validated():
 
     with pytest.raises(RecipeError, match=r"max_skipped_steps_in_a_row` must be ≥ 1, got 0"):
         recipe_from_dict({"train": {"max_skipped_steps_in_a_row": 0}})
+
+
+def test_a_fused_optimizer_step_the_grad_scaler_skipped_is_seen_as_skipped():
+    """fp16 without DeepSpeed (torch AMP): with the fused AdamW GradScaler always calls optimizer.step() and the kernel
+    skips the update itself, so a 'was step() called' test (Accelerate's optimizer_step_was_skipped) says applied.
+    The scaler's back-off is what tells. The CPU GradScaler runs the same logic as the CUDA one."""
+    from neox_hf.train.step import scaler_backed_off
+
+    param = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.AdamW([param], lr=0.1, fused=True)
+    calls = []
+    optimizer.register_step_post_hook(lambda *_: calls.append(1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+
+    def step(loss_factor: float) -> bool:
+        before = float(scaler.get_scale())
+        optimizer.zero_grad()
+        scaler.scale(param.sum() * loss_factor).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        return scaler_backed_off(scaler, before)
+
+    assert step(float("inf")) is True
+    assert calls == [1] and torch.equal(param.detach(), torch.ones(4))  # step() ran, nothing was updated
+    assert step(1.0) is False and not torch.equal(param.detach(), torch.ones(4))

@@ -230,3 +230,13 @@ def test_auto_is_the_default_but_a_gpt_neox_config_keeps_gpt_neoxs_precision(tmp
     assert parse_run_args([str(bf16)]).recipe.train.precision == "bf16"
     overridden = parse_run_args([str(plain), "--train.precision", "auto"]).recipe
     assert overridden.train.precision == "auto"
+
+
+def test_flash_attention_with_isolated_documents_in_rows_of_more_than_one_is_refused():
+    """transformers' flash-attention path detects packed documents from position_ids only at batch size 1: with more
+    rows it would silently attend across the documents isolate_documents separates."""
+    settings = {"model": {"attn_implementation": "flash_attention_2"}, "data": {"isolate_documents": True}}
+    with pytest.raises(RecipeError, match=r"flash_attention_2.*isolate_documents.*micro_batch_size` 4.*batch of one"):
+        recipe_from_dict({**settings, "train": {"micro_batch_size": 4}})
+    recipe_from_dict({**settings, "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 4}})
+    recipe_from_dict({"model": {"attn_implementation": "sdpa"}, "data": {"isolate_documents": True}})

@@ -8,6 +8,7 @@ which then also makes DeepSpeed's batch-size checks pass; we handle it here so n
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from pathlib import Path
@@ -196,9 +197,7 @@ def build_accelerator(recipe: Recipe, *, log_with: str | None = None) -> Acceler
     use_deepspeed = wants_deepspeed(parallel)
     if use_deepspeed and not _launched_distributed():
         _single_process_environment()
-    kwargs_handlers = []
-    if not torch.cuda.is_available() and (use_deepspeed or _launched_distributed()):
-        kwargs_handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    kwargs_handlers = [process_group_kwargs(parallel, distributed=use_deepspeed or _launched_distributed())]
     ds_config = deepspeed_config(parallel, train) if use_deepspeed else None
     if ds_config is not None:
         check_deepspeed_precision(ds_config)
@@ -213,6 +212,14 @@ def build_accelerator(recipe: Recipe, *, log_with: str | None = None) -> Acceler
             project_config=project,
             log_with=log_with,
         )
+
+
+def process_group_kwargs(parallel: ParallelConfig, *, distributed: bool) -> InitProcessGroupKwargs:
+    """The recipe's collective timeout, always passed (without it NCCL waits 10 minutes and DeepSpeed's group 30, less
+    than rank-0-only work such as a 20B merge or the GPT-NeoX index build), and gloo for a process group on CPU. A
+    plain single process keeps Accelerate's default backend: naming gloo there makes Accelerate expect a group."""
+    backend = "gloo" if distributed and not torch.cuda.is_available() else "nccl"
+    return InitProcessGroupKwargs(backend=backend, timeout=datetime.timedelta(minutes=parallel.timeout_minutes))
 
 
 def _single_process_environment() -> None:

@@ -32,6 +32,7 @@ def train_step(run, micro_batches: list[dict]) -> StepResult:
     step_tokens = totals[0].clamp(min=1)
     logged = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     grad_norm = None
+    scale_before = loss_scale(accelerator, model)
     for batch, count in zip(micro_batches, counts):
         with accelerator.accumulate(model):
             with accelerator.autocast():
@@ -53,7 +54,7 @@ def train_step(run, micro_batches: list[dict]) -> StepResult:
     if uses_deepspeed(accelerator):
         grad_norm = _deepspeed_grad_norm(model)
     return StepResult(loss=loss, tokens=totals[0], samples=totals[1], grad_norm=grad_norm,
-                      skipped=step_was_skipped(accelerator, model))
+                      skipped=step_was_skipped(accelerator, model, scale_before))
 
 
 @torch.no_grad()
@@ -94,13 +95,24 @@ def _deepspeed_grad_norm(engine) -> torch.Tensor | None:
     return norm if torch.is_tensor(norm) else torch.tensor(float(norm))
 
 
-def step_was_skipped(accelerator, model) -> bool:
+def step_was_skipped(accelerator, model, scale_before: float | None = None) -> bool:
     """fp16 dynamic loss scaling skips the update when gradients overflowed (and lowers the scale)."""
     if accelerator.mixed_precision != "fp16":
         return False
     if uses_deepspeed(accelerator):
         return not model.was_step_applied()
-    return accelerator.optimizer_step_was_skipped
+    if accelerator.scaler is None or scale_before is None:
+        return accelerator.optimizer_step_was_skipped
+    return scaler_backed_off(accelerator.scaler, scale_before)
+
+
+def scaler_backed_off(scaler, scale_before: float) -> bool:
+    """Whether torch's GradScaler found an overflow at the last step: it lowers its scale then, and only then.
+
+    Accelerate's `optimizer_step_was_skipped` cannot tell with a fused optimizer: GradScaler then always calls
+    `optimizer.step()` and the fused kernel itself skips the update (huggingface/accelerate#4242), so the flag stays
+    False and the schedule would advance over skipped steps."""
+    return float(scaler.get_scale()) < scale_before
 
 
 def loss_scale(accelerator, model) -> float | None:
