@@ -273,21 +273,23 @@ def _chunk(h, w, y, opts: _Options, grad_h_out, grad_w, buffers: _LogitBuffers) 
         return loss
     exp_z = buffers.in_compute_dtype(z)
     scale = scale.masked_fill(~kept, 0.0).unsqueeze(1)
-    hit = (here & kept).nonzero().squeeze(1)  # rows whose target column lies in this rank's slice
+    # Rows whose target column lies in this rank's slice, as a mask: indices (nonzero) would make the host wait for
+    # the device once per chunk. Rows outside it subtract zeros (from row 0 of the slice, where `local` points them).
+    missed = ~(here & kept).unsqueeze(1)
     if grad_h_out is not None:
         if grad_h_out.dtype == exp_z.dtype:
             torch.mm(exp_z, w, out=grad_h_out)
         else:
             grad_h_out.copy_(torch.mm(exp_z, w))
         grad_h_out.mul_(scale.to(grad_h_out.dtype))
-        grad_h_out.index_add_(0, hit, w.index_select(0, local[hit]).to(grad_h_out.dtype), alpha=-1)
+        grad_h_out.sub_(w.index_select(0, local).to(grad_h_out.dtype).masked_fill_(missed, 0.0))
     if grad_w is not None:
         scaled_h = h * scale.to(h.dtype)
         if exp_z.dtype == grad_w.dtype:
             grad_w.addmm_(exp_z.t(), scaled_h)
         else:  # bf16 matmul (fp32 accumulation inside), each chunk's product added in fp32
             grad_w.add_(torch.mm(exp_z.t(), scaled_h))
-        grad_w.index_add_(0, local[hit], h.index_select(0, hit).to(grad_w.dtype), alpha=-1)
+        grad_w.index_add_(0, local, h.to(grad_w.dtype).masked_fill(missed, 0.0), alpha=-1)
     return loss
 
 
