@@ -148,6 +148,10 @@ RUNTIME = [
     ("output-is-a-file", ["--output.dir", "{blocker}"], "is a file"),
     ("output-holds-a-run", ["--output.dir", "{used}"], "--overwrite"),
     ("resume-path-missing", ["--train.resume", "{tmp}/ckpt", "--output.dir", "{tmp}/o2"], "not found"),
+    ("hub-repo-id-with-space", ["--train.push_to_hub", "{{repo_id: my org/tiny}}"], "is not a Hub repository id"),
+    ("hub-repo-id-three-parts", ["--train.push_to_hub", "{{repo_id: a/b/c}}"], "write it as owner/name"),
+    ("accelerate-config-contradicts", ["--parallel.zero_stage", "1", "ENV:ACCELERATE_DEEPSPEED_ZERO_STAGE=3"],
+     "sets `zero_stage: 3` but"),
 ]
 
 
@@ -155,7 +159,9 @@ RUNTIME = [
 def test_bad_run_setting_is_refused_before_the_model_is_built(args, needle, tmp_path, capsys, monkeypatch,
                                                             fresh_accelerate_state):
     files = _bad_files(tmp_path)
-    args = [a.format(tmp=tmp_path, **files) for a in args]
+    for setting in [a for a in args if a.startswith("ENV:")]:  # what `accelerate launch` puts in the environment
+        monkeypatch.setenv(*setting[4:].split("=", 1))
+    args = [a.format(tmp=tmp_path, **files) for a in args if not a.startswith("ENV:")]
     if needle == "offline_marker":
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         needle = "not in the local Hub cache"

@@ -113,3 +113,21 @@ def assert_tp2_folder_is_merged(out: Path, stdout: str) -> None:
     model = GPTNeoXForCausalLM.from_pretrained(out)
     assert load_file(out / "model.safetensors")["embed_out.weight"].shape == (50432, 64)
     assert model.gpt_neox.layers[0].attention.query_key_value.weight.shape == (192, 64)  # all heads merged back
+
+
+@pytest.mark.distributed  # slow tier: a whole (tiny) run, then its resume
+def test_resuming_a_checkpoint_past_train_iters_is_refused_naming_the_step(tmp_path, capsys, fresh_accelerate_state):
+    """It would train nothing and save the longer run's model under a recipe.yaml that says the shorter one."""
+    from neox_hf.train import main
+
+    out = tmp_path / "run"
+    common = [str(REPO / "recipes" / "tiny.yaml"), "--model.hidden_size", "32", "--model.seq_length", "32",
+              "--train.micro_batch_size", "2", "--train.eval_iters", "0", "--train.save_interval", "4",
+              "--output.tensorboard", "false", "--train.precision", "fp32", "--output.dir", str(out)]
+    assert main([*common, "--train.train_iters", "4"]) == 0
+    saved = (out / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert main([*common, "--train.train_iters", "2", "--resume"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "is at step 4, past `train.train_iters` 2: pass `--train.train_iters 4` or more" in error
+    assert (out / "model.safetensors").read_bytes() == saved  # the finished run's model is untouched

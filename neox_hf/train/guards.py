@@ -162,6 +162,19 @@ def check_before_build(recipe: Recipe) -> None:
     check_resume_path(recipe)
 
 
+def _first_sentence(err: Exception) -> str:
+    return " ".join(str(err).split()).split(". ")[0].rstrip(".")
+
+
+def check_resume_step(step: int, train_iters: int, checkpoint) -> None:
+    """A checkpoint already past `train.train_iters` would train nothing and save its longer model under a recipe
+    that says the shorter run."""
+    if step > train_iters:
+        raise RecipeError(f"the checkpoint {checkpoint} is at step {step}, past `train.train_iters` {train_iters}: "
+                          f"pass `--train.train_iters {step}` or more to continue it, or start a new run in another "
+                          "--output.dir")
+
+
 def check_resume_path(recipe: Recipe) -> None:
     """An explicit `train.resume` path must be a checkpoint now (`auto` may find none: the run starts at step 0)."""
     from neox_hf.train.checkpoint import find_resume_checkpoint
@@ -171,10 +184,21 @@ def check_resume_path(recipe: Recipe) -> None:
 
 
 def check_hub_token(recipe: Recipe) -> None:
-    """`train.push_to_hub` without a token would train, then fail every push: say so now."""
+    """`train.push_to_hub` with a malformed repo id or without a token would train, then fail every push: say so
+    now (the id is checked with huggingface_hub's own rule)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     from neox_hf.hub.push import LOGIN_FIX, has_token
 
-    if recipe.train.push_to_hub is not None and not has_token():
+    if recipe.train.push_to_hub is None:
+        return
+    repo_id = recipe.train.push_to_hub.repo_id
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise RecipeError(f"`train.push_to_hub.repo_id` {repo_id!r} is not a Hub repository id ({_first_sentence(err)}); "
+                          "write it as owner/name, e.g. my-org/pythia-tiny") from err
+    if not has_token():
         raise RecipeError(f"`train.push_to_hub` is set but no Hugging Face token is configured; {LOGIN_FIX}, or "
                           "drop `train.push_to_hub`")
 

@@ -29,6 +29,7 @@ from neox_hf.train.guards import (
     OverflowGuard,
     check_before_build,
     check_finite,
+    check_resume_step,
     check_skipped_documents,
     claim_output_dir,
     step_log_line,
@@ -91,6 +92,7 @@ def _train(recipe: Recipe, notices: list[str] | None) -> RunResult:
                                          notify=lambda message: accelerator.print(f"note: {message}"))
     if resume_from is not None:
         state = load_checkpoint(accelerator, resume_from, scheduler=scheduler, data_loader=loader)
+        check_resume_step(state.step, recipe.train.train_iters, resume_from)
         accelerator.print(f"resumed from {resume_from} at step {state.step}")
     if recipe.train.resume is not None and accelerator.is_main_process:
         truncate_train_log(recipe.output.dir, state.step)  # steps after the resume point are redone
