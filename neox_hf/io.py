@@ -217,6 +217,14 @@ def unsafe_globals_in(path: str | os.PathLike, *, deepspeed: bool = False) -> li
         return []
 
 
+def folder_refusal_message(folder: str | os.PathLike, err: BaseException, *, deepspeed: bool = False) -> str:
+    """One line for a `weights_only` refusal raised while a library loaded files of `folder` (torch's message does not
+    say which file): the first file whose pickle names a global that is not allowed, found statically."""
+    found = ((p, unsafe_globals_in(p, deepspeed=deepspeed)) for p in sorted(Path(folder).rglob("*")) if p.is_file())
+    path, names = next(((p, names) for p, names in found if names), (None, []))
+    return unsafe_file_message(path, names) if path else refusal_message(f"a file of {folder}", err)
+
+
 @contextlib.contextmanager
 def weights_only_loads(*, deepspeed: bool = False) -> Iterator[None]:
     """Inside: every `torch.load`, also a library's that passes `weights_only=False` itself, unpickles with

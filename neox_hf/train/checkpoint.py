@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from neox_hf.errors import CheckpointError
-from neox_hf.io import (TMP_PREFIX, atomic_torch_save, atomic_write_text, is_weights_only_refusal, load_torch_safely,
-                        refusal_message, unsafe_file_message, unsafe_globals_in, weights_only_loads)
+from neox_hf.io import (TMP_PREFIX, atomic_torch_save, atomic_write_text, folder_refusal_message, is_weights_only_refusal,
+                        load_torch_safely, weights_only_loads)
 
 LATEST = "latest"
 _STEP_NAME = re.compile(r"step_(\d+)")
@@ -240,11 +240,7 @@ def _read_torch_file(path: Path, folder: Path, *, required: bool = True):
 
 def _load_error(folder: Path, err: Exception, *, deepspeed: bool = False) -> CheckpointError:
     if is_weights_only_refusal(err):
-        # torch's message does not say which file: find it by reading each file's pickle statically
-        found = ((p, unsafe_globals_in(p, deepspeed=deepspeed)) for p in sorted(folder.rglob("*")) if p.is_file())
-        path, names = next(((p, names) for p, names in found if names), (None, []))
-        named = unsafe_file_message(path, names) if path else refusal_message(f"a file of {folder}", err)
-        return CheckpointError(f"{named}; {_resume_hint(folder)}")
+        return CheckpointError(f"{folder_refusal_message(folder, err, deepspeed=deepspeed)}; {_resume_hint(folder)}")
     text = _first_line(err)
     if "size mismatch" in str(err) or "shape" in text.lower():
         return CheckpointError(
