@@ -235,3 +235,51 @@ def test_empty_answers_without_eod_are_skipped_not_trained_at_zero_tokens(tmp_pa
     batch = next(loader)
     assert ((batch["labels"] != -100).sum(dim=1) > 0).all()
     assert (loader.stats["documents"], loader.stats["skipped_empty"]) == (5, 3)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# d. One very large document
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def counting_tokenizer():
+    """The real GPT-NeoX tokenizer, counting the characters it is asked to tokenize."""
+    from transformers import PreTrainedTokenizerFast
+
+    from data_common import shared_path
+
+    class CountingTokenizer(PreTrainedTokenizerFast):
+        characters = 0
+
+        def __call__(self, text, *args, **kwargs):
+            type(self).characters += sum(map(len, text)) if isinstance(text, list) else len(text)
+            return super().__call__(text, *args, **kwargs)
+
+    return CountingTokenizer(tokenizer_file=str(shared_path("tokenizers/gpt-neox-20b.json")),
+                             eos_token="<|endoftext|>", pad_token="<|padding|>")
+
+
+def one_megabyte_document(tmp_path: Path) -> tuple[Path, int]:
+    text = " ".join(f"word{i % 997} and more" for i in range(100_000))[: 2**20]
+    return write_jsonl(tmp_path / "big.jsonl", [{"text": text}]), len(text)
+
+
+@pytest.mark.parametrize("mode,passes", [("pack", 1), ("pad", 2)])
+def test_a_one_megabyte_document_is_tokenized_once_per_pass_not_once_per_buffer_slot(tmp_path, mode, passes):
+    """A corpus of one huge document: the loader filled a buffer of `buffer_size` documents by reading the corpus
+    `buffer_size` times (1,000 tokenizations of 1 MB, minutes and gigabytes before the first step). Now a buffer
+    also stops at `buffer_size` windows' worth of tokens: the first batch costs one read of the document in pack
+    mode (its ~260k tokens make thousands of windows), and one read per example in pad mode (each is the document's
+    first max_length tokens)."""
+    tok = counting_tokenizer()
+    path, characters = one_megabyte_document(tmp_path)
+    cfg = DataConfig(sources=[DataSource(path=str(path))], mode=mode)  # the default buffer of 1,000 documents
+    loader = build_train_loader(cfg, tok, seq_length=64, micro_batch_size=2)
+    batch = next(loader)
+    assert batch["input_ids"].shape == (2, 64)
+    assert loader.stats["documents"] == passes
+    assert type(tok).characters == passes * characters
+    if mode == "pack":
+        for _ in range(100):  # the next batches are cut from the same buffer: no more tokenizing
+            next(loader)
+        assert type(tok).characters == characters

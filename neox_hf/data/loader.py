@@ -57,7 +57,7 @@ class _DocumentReader:
                  cycle: bool, sources: list, role: str, dp_size: int, append_eod: bool, tallies: Optional[list] = None):
         self._make_stream, self._cycle, self.stats = make_stream, cycle, stats
         self._sources, self._role, self._dp_size, self._eod = sources, role, dp_size, int(append_eod)
-        self.epoch, self.usable_in_epoch = epoch, usable_in_epoch
+        self.epoch, self.usable_in_epoch, self.exhausted = epoch, usable_in_epoch, False
         self.tallies = copy.deepcopy(tallies) if tallies else [dict.fromkeys(TALLY_KEYS, 0) for _ in sources]
         self._open(upstream)
 
@@ -74,13 +74,20 @@ class _DocumentReader:
         return {"epoch": self.epoch, "upstream": upstream, "usable_in_epoch": self.usable_in_epoch,
                 "tallies": copy.deepcopy(self.tallies)}
 
-    def take(self, n: int) -> list[tuple[list[int], int]]:
-        """Up to n usable (ids, prompt_length) documents; fewer only at the end of a finite stream."""
+    def take(self, n: int, max_tokens: float = float("inf"),
+             cut_at: Optional[int] = None) -> list[tuple[list[int], int]]:
+        """Usable (ids, prompt_length) documents, each cut to `cut_at` tokens if given (counted as truncated): n of
+        them, or fewer once they hold `max_tokens` tokens, at the end of a pass over the data (a small corpus is not
+        read again to fill one buffer), or at the end of a finite stream (then `exhausted`)."""
         docs: list[tuple[list[int], int]] = []
-        while len(docs) < n:
+        tokens = 0
+        while len(docs) < n and tokens < max_tokens:
             row = next(self._rows, None)
             if row is None:
                 if not self._next_epoch():
+                    self.exhausted = True
+                    break
+                if docs:
                     break
                 continue
             self._pulled = True
@@ -89,7 +96,12 @@ class _DocumentReader:
             if tally["answered"] == 0 and self._counted(tally) >= PROBE_DOCUMENTS:
                 self._refuse(row["source"], f"its first {self._counted(tally)} documents")
             if usable:
-                docs.append((row["input_ids"], row["prompt_length"]))
+                ids = row["input_ids"]
+                if cut_at is not None and len(ids) > cut_at:
+                    self.stats["truncated"] += 1
+                    ids = ids[:cut_at]
+                docs.append((ids, row["prompt_length"]))
+                tokens += len(ids)
         return docs
 
     def _count(self, row: dict) -> bool:
@@ -163,7 +175,11 @@ class DataLoader:
     """Iterator of batches (dicts of int64 tensors) with `state_dict()` / `load_state_dict()` and `stats`.
 
     mode "pad": examples whole, bucketed by length inside each chunk (see `padding`), a fixed micro batch or
-    a token budget. mode "pack": GPT-NeoX windows (see `packing`). A chunk is `buffer_size` documents.
+    a token budget. mode "pack": GPT-NeoX windows (see `packing`). A chunk is `buffer_size` documents, fewer at
+    the end of a pass over the data, and in pack mode fewer once they hold `buffer_size` windows of seq_length + 1
+    tokens; pad mode cuts each document to max_length + 1 tokens as it is read. Without those bounds a corpus of
+    huge documents was read over and over to fill one chunk and held whole (a 1 MB document: 1,000 times, minutes
+    and gigabytes before the first batch).
     """
 
     def __init__(self, data_cfg: DataConfig, tokenizer, *, seq_length: int, micro_batch_size: int, dp_rank: int,
@@ -172,6 +188,8 @@ class DataLoader:
         self.dp_rank, self.dp_size, self.seed, self.role, self.cycle = dp_rank, dp_size, seed, role, cycle
         self.sources = list(data_cfg.sources if sources is None else sources)
         self.max_length = data_cfg.max_length or seq_length
+        pack = data_cfg.mode == "pack"
+        self._take = {"max_tokens": data_cfg.buffer_size * (seq_length + 1)} if pack else {"cut_at": self.max_length + 1}
         self.shuffle = data_cfg.shuffle and cycle  # eval batches are the stream in order
         _check_batching(data_cfg, tokenizer, self.max_length, micro_batch_size, seq_length)
         self._position = {"epoch": 0, "upstream": None, "usable_in_epoch": 0, "chunk_index": 0,
@@ -231,9 +249,9 @@ class DataLoader:
             self._position = {**reader.position(), "chunk_index": chunk_index, "carry": carry,
                               "stats": dict(self.stats)}
             self._emitted = 0
-            docs = reader.take(self.cfg.buffer_size)
+            docs = reader.take(self.cfg.buffer_size, **self._take)
             rng = np.random.default_rng([self.seed, chunk_index]) if self.shuffle else None
-            last = len(docs) < self.cfg.buffer_size  # only a finite (eval) stream runs short
+            last = reader.exhausted  # only a finite (eval) stream ends
             makers, carry = self._chunk(docs, carry, rng, flush=last, first=chunk_index == 0)
             for i, make in enumerate(makers):
                 batch = make()
@@ -274,15 +292,13 @@ class DataLoader:
         return makers, next_carry
 
     def _whole_examples(self, docs):
-        """Documents cut to max_length + 1 tokens (inputs of at most max_length); too short to predict → empty."""
+        """The documents (already cut to max_length + 1 tokens by the reader: inputs of at most max_length) long
+        enough to predict a token; the others count as empty."""
         for ids, prompt_length in docs:
             if len(ids) < 2:
                 self.stats["skipped_empty"] += 1
                 self.stats["documents"] -= 1
                 continue
-            if len(ids) > self.max_length + 1:
-                self.stats["truncated"] += 1
-                ids = ids[: self.max_length + 1]
             yield ids, prompt_length
 
     def _pack_chunk(self, docs, carry, rng):
