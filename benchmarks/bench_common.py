@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: the machine's name, its measured GEMM peak, and one way of timing training steps."""
+"""Shared by the benchmarks: the machine's name, its measured GEMM peak, GPU peak memory, and one way of timing
+training steps."""
 
 from __future__ import annotations
 
@@ -20,6 +21,28 @@ def cpu_name() -> str:
     flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
     extensions = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     return f"{name} ({os.cpu_count()} logical CPUs; {', '.join(extensions) or 'no AVX2'})"
+
+
+def device_name(device: torch.device | str) -> str:
+    """The GPU's name as torch reports it (the datasheet tables match on it), or the CPU's."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+
+
+def reset_peak_memory(device: torch.device | str) -> None:
+    """Start a peak-memory measurement (CUDA's allocator statistics; CPU has none)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device | str) -> int | None:
+    """Peak bytes the CUDA caching allocator handed out to tensors since `reset_peak_memory` (what `torch.cuda.
+    max_memory_allocated` reports: tensors, not the allocator's reserve); None on CPU."""
+    if torch.device(device).type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)
 
 
 def synchronize() -> None:

@@ -1,6 +1,6 @@
 """Memory per rank and step time of each parallel layout, on a ~120M-parameter GPTNeoX, on CPU (gloo).
 
-    python benchmarks/parallel_memory.py [--steps 2] [--layers 6] [--hidden 768]
+    python benchmarks/parallel_memory.py [--steps 2] [--layers 6] [--hidden 768] [--device cpu|cuda]
 
     python benchmarks/parallel_memory.py --layouts "pipeline 2,pipeline 2 × TP2"   (the 1-process baseline always runs)
 
@@ -34,6 +34,11 @@ stages differ):
   the step's time without the optimizer), next to the 1F1B bubble (p−1)/(m+p−1). On shared CPU cores the stages
   also wait for each other's compute, so this is an upper bound of what a GPU per stage would see.
 Ratios are against the 1-process run of the same invocation.
+
+`--device cpu` (the default) hides any GPU from the ranks (CUDA_VISIBLE_DEVICES=""), so the table is the CPU/gloo
+one on every machine. `--device cuda` runs one rank per GPU (NCCL): only the layouts with at most as many processes as
+visible GPUs (one GPU: the 1-process row); batches are made on each rank's GPU, timed steps are bracketed by
+torch.cuda.synchronize(), and model states count the tensors on the GPU.
 """
 
 from __future__ import annotations
@@ -119,7 +124,8 @@ class PeakTensorBytes(TorchDispatchMode):
         return peak
 
 
-def live_tensor_bytes() -> int:
+def live_tensor_bytes(device_type: str = "cpu") -> int:
+    """Bytes of every tensor (and accumulated `.grad`) alive on devices of `device_type`, each storage once."""
     gc.collect()
     storages = {}
     for obj in gc.get_objects():
@@ -129,7 +135,7 @@ def live_tensor_bytes() -> int:
             # Reading `.grad` of a leaf gives the accumulated gradient a Python object, so gc alone would miss it.
             grad = obj.grad if obj.is_leaf and obj.requires_grad else None
             for tensor in (obj, grad):
-                if tensor is not None and tensor.device.type == "cpu":
+                if tensor is not None and tensor.device.type == device_type:
                     storage = tensor.untyped_storage()
                     storages[storage.data_ptr()] = storage.nbytes()
         except Exception:  # half-built objects, meta tensors
@@ -170,6 +176,12 @@ def _trainable(module) -> list:
     return [p for p in module.parameters() if p.requires_grad]
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued kernels before reading the clock (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def rank_parameter_bytes(model) -> int:
     module = getattr(model, "module", model)
     return sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size() for p in module.parameters())
@@ -200,22 +212,28 @@ def worker(args) -> None:
     model, optimizer = parallelize(build_model(recipe, tokenizer, layout), layout, recipe, accelerator)
     generator = torch.Generator().manual_seed(0)
     module = getattr(model, "module", model)
+    device = accelerator.device
     timings, loss_peaks, layer_peaks = [], [], []
     for step in range(args.steps + 1):
-        ids = torch.randint(2, 50000, (args.micro_batch, args.seq + 1), generator=generator)
+        # The same tokens on every device (one seeded CPU generator), moved before the clock starts.
+        ids = torch.randint(2, 50000, (args.micro_batch, args.seq + 1), generator=generator).to(device)
         batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+        synchronize(device)
         start = time.perf_counter()
         with accelerator.autocast():
             loss_sum, tokens = causal_lm_loss(model, batch)
             loss = loss_sum / tokens
         accelerator.backward(loss)
+        synchronize(device)
         elapsed = time.perf_counter() - start
         del loss, loss_sum
         if step == args.steps:  # optimizer states exist from the first step on; gradients are alive now
-            model_states = live_tensor_bytes() - ids.untyped_storage().nbytes()  # the batch is not a model state
+            # the batch is not a model state
+            model_states = live_tensor_bytes(device.type) - ids.untyped_storage().nbytes()
         start = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad()
+        synchronize(device)
         if step > 0:  # the first step allocates optimizer states
             timings.append(elapsed + time.perf_counter() - start)
         if args.peaks:
@@ -248,8 +266,8 @@ def pipeline_worker(args, recipe, accelerator, tokenizer) -> None:
     from deepspeed.runtime.pipe import schedule
 
     def before_optimizer_step():
-        if "model_states" not in measured and measured.get("measure"):
-            measured["model_states"] = live_tensor_bytes() - measured["batch_bytes"]  # gradients alive, states exist
+        if "model_states" not in measured and measured.get("measure"):  # gradients alive, states exist
+            measured["model_states"] = live_tensor_bytes(engine.device.type) - measured["batch_bytes"]
 
     # The engine runs its schedule through a class-level instruction → function map: time them on this instance.
     instructions = dict(type(engine)._INSTRUCTION_MAP)
@@ -262,11 +280,14 @@ def pipeline_worker(args, recipe, accelerator, tokenizer) -> None:
     timings, idle = [], []
     for step in range(args.steps + 1):
         ids = torch.randint(2, 50000, (PIPE_MICRO_BATCHES, args.micro_batch, args.seq + 1), generator=generator)
+        ids = ids.to(engine.device)
         batches = [{"input_ids": ids[i, :, :-1], "labels": ids[i, :, 1:]} for i in range(PIPE_MICRO_BATCHES)]
         measured.update(measure=step == args.steps, batch_bytes=ids.untyped_storage().nbytes())
         compute.update(s=0.0, optimizer=0.0)
+        synchronize(engine.device)
         start = time.perf_counter()
         pipeline_train_step(engine, batches, layout, recipe)
+        synchronize(engine.device)
         elapsed = time.perf_counter() - start
         if step > 0:  # the first step allocates optimizer states
             timings.append(elapsed / PIPE_MICRO_BATCHES)
@@ -287,8 +308,10 @@ def _timed(function, totals: dict, key: str, before=None):
     def timed(self, **kwargs):
         if before is not None:
             before()
+        synchronize(self.device)
         start = time.perf_counter()
         out = function(self, **kwargs)
+        synchronize(self.device)
         totals[key] += time.perf_counter() - start
         return out
 
@@ -309,7 +332,8 @@ def run_layout(processes: int, zero: int, tp: int, sp: bool, pp: int, args, prec
     worker_args = ["--worker", "--processes", str(processes), "--zero", str(zero), "--tp", str(tp), "--out", str(out),
                    "--pp", str(pp),
                    "--steps", str(args.steps if precision == "fp32" else 1), "--layers", str(args.layers),
-                   "--hidden", str(args.hidden), "--precision", precision, *shape, *(["--sequence-parallel"] if sp else [])]
+                   "--hidden", str(args.hidden), "--precision", precision, *shape,
+                   *(["--sequence-parallel"] if sp else []), "--device", args.device]
     mixed = {"fp32": "no", "bf16": "bf16"}[precision]
     if processes == 1:
         command = [sys.executable, __file__, *worker_args]
@@ -318,6 +342,8 @@ def run_layout(processes: int, zero: int, tp: int, sp: bool, pp: int, args, prec
                    "--mixed_precision", mixed, "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", str(zero),
                    "--main_process_port", str(free_port()), __file__, *worker_args]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # else Accelerate maps every rank to cuda:0 and NCCL refuses the duplicates
     done = subprocess.run(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
         raise SystemExit(f"layout processes={processes} zero={zero} tp={tp} sp={sp} pp={pp} {precision} failed:\n"
@@ -342,6 +368,8 @@ def main() -> None:
     parser.add_argument("--sequence-parallel", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--pp", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--layouts", default="", help="comma-separated layout names to run (default: all)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu: every rank on CPU/gloo, GPUs hidden; cuda: one GPU per rank (layouts that fit)")
     args = parser.parse_args()
     if args.worker:
         return worker(args)
@@ -349,9 +377,16 @@ def main() -> None:
     unknown = chosen - {layout[0] for layout in LAYOUTS}
     if unknown:
         raise SystemExit(f"unknown layouts {sorted(unknown)}; choose from {[layout[0] for layout in LAYOUTS]}")
+    gpus = torch.cuda.device_count() if args.device == "cuda" else None
+    if gpus == 0:
+        raise SystemExit("--device cuda: torch sees no CUDA GPU here")
+    too_large = [name for name, processes, *_ in LAYOUTS if gpus is not None and processes > gpus
+                 and (not chosen or name in chosen)]
+    if too_large:
+        print(f"left out on {gpus} GPU(s), one rank per GPU: {', '.join(too_large)}")
     results = {}
     for name, processes, zero, tp, sp, pp in LAYOUTS:
-        if chosen and name not in chosen and name != "1 process":
+        if chosen and name not in chosen and name != "1 process" or name in too_large:
             continue
         results[name] = run_layout(processes, zero, tp, sp, pp, args)
         results[name]["model_states_bf16"] = run_layout(processes, zero, tp, sp, pp, args, "bf16")["model_states"]
@@ -364,8 +399,9 @@ def print_table(results: dict, args) -> None:
     columns = [("model states fp32", "model_states"), ("model states bf16", "model_states_bf16"),
                ("params fp32", "parameters"), ("layers peak fp32", "layers_peak"),
                ("loss peak fp32", "loss_peak")]
+    where = "CPU/gloo" if args.device == "cpu" else f"{torch.cuda.get_device_name()}/NCCL"
     print(f"GPTNeoX {args.layers} layers × hidden {args.hidden}, vocab 50304, micro batch {MICRO_BATCH} × {SEQ}, AdamW, "
-          "CPU/gloo; per rank 0, MiB (ratio vs 1 process)")
+          f"{where}; per rank 0, MiB (ratio vs 1 process)")
     header = f"| {'layout':16} | " + " | ".join(f"{title:>22}" for title, _ in columns) + f" | {'step s':>6} |"
     print(header)
     print("|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|")

@@ -3,6 +3,7 @@
     python benchmarks/train_throughput.py [--steps 3] [--warmup 2] [--threads N] [--precision fp32,bf16]
     python benchmarks/train_throughput.py --shape 410m,1b --precision bf16 --batch 8 --seq 2048 \\
         --fused both --steps 10 --warmup 3          # the GPU run issue 17 asks for (MFU ≥ 50% of dense bf16)
+    bash benchmarks/gpu_check.sh                    # 160m and 410m, bf16, fused and unfused, after the cuda tests
 
 `--device` defaults to cuda where torch sees a GPU (the first one, as Accelerate picks it), else cpu.
 
@@ -12,11 +13,15 @@ PyTorch loop (AdamW, HF's own loss; bf16 autocast for bf16), and our `neox_hf.tr
 Tiny Shakespeare windows, the same model shape, batch and precision, so whatever the loop does by default is
 measured; `--fused both` adds a row with `train.fused_cross_entropy: false`). Both loops are timed by the same
 global optimizer-step hook (on a GPU it synchronises first), warm-up steps left out. Prints tokens/s, achieved
-FLOP/s, MFU against the measured peak and, on GPUs whose datasheet peak is known (A100, H100, H200), against that
-dense peak too, and our ratio to stock. An MFU above 100% of the measured peak means the peak was under-measured
-(the machine's load changed during the run): the run then fails (exit status 1) instead of printing it as a result.
-Model FLOPs per token follow the PaLM appendix: 6·N (N = parameters that take part in matmuls: everything except the
-input embedding) + 12·L·H·T. On a CPU without AVX512-BF16 / AMX bf16 matmuls are emulated: pass --precision fp32.
+FLOP/s, MFU against the measured peak and, on GPUs whose datasheet peak is known, against that dense peak too (the
+part named by torch.cuda.get_device_name() and matched in neox_hf.train.mfu's table, which the training loop's MFU
+uses too: SXM and NVL/PCIe parts differ, e.g. H200 989 vs H200 NVL 835 TFLOP/s; an unknown part is named and only the
+measured GEMM rate is used), on a GPU the peak memory of each loop (torch.cuda.max_memory_allocated), and our ratio to
+stock. An MFU above 100% of the measured peak means the peak was under-measured (the machine's load changed during
+the run): the run then fails (exit status 1) instead of printing it as a result. Model FLOPs per token follow the
+PaLM appendix: 6·N (N = parameters that take part in matmuls: everything except the input embedding) + 12·L·H·T.
+Text and tokenizer are the bundled ones (examples/data), so a fresh clone runs it. On a CPU without AVX512-BF16 /
+AMX bf16 matmuls are emulated: pass --precision fp32.
 A default run (Pythia-70M, 8 × 512, CPU) takes about 4 minutes on 2 idle cores (each step ~3-6 s).
 """
 
@@ -35,17 +40,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from bench_common import StepClock, cpu_name, gemm_peak  # noqa: E402
+from bench_common import StepClock, device_name, gemm_peak, peak_memory, reset_peak_memory  # noqa: E402
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-TEXT = SHARED / "corpora" / "tinyshakespeare" / "input.txt"
+DATA = Path(__file__).resolve().parents[1] / "examples" / "data"  # in every clone (../shared/data is not)
+TEXT = DATA / "tinyshakespeare.txt"
+TOKENIZER = DATA / "gpt-neox-20b-tokenizer.json"
 # Pythia's GPT-NeoX configs (pythia/*.yml): layers, hidden size, attention heads; 4·hidden MLP, untied head.
 PYTHIA_SHAPES = {"14m": (6, 128, 4), "70m": (6, 512, 8), "160m": (12, 768, 12), "410m": (24, 1024, 16),
                  "1b": (16, 2048, 8), "1.4b": (24, 2048, 16)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, FLOP/s; SXM parts.
-DATASHEET_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
 
 def pythia_config(shape: str) -> GPTNeoXConfig:
@@ -61,8 +65,10 @@ def model_flops_per_token(config: GPTNeoXConfig, model, seq: int) -> float:
 
 
 def stock_seconds(config, shape: tuple[int, int], warmup: int, steps: int, precision: str, device: torch.device
-                  ) -> tuple[float, object]:
-    """Seconds per step of stock GPTNeoXForCausalLM in a plain PyTorch loop (random tokens, HF's loss)."""
+                  ) -> tuple[float, object, int | None]:
+    """(seconds per step, the model, peak GPU bytes or None) of stock GPTNeoXForCausalLM in a plain PyTorch loop
+    (random tokens, HF's loss)."""
+    reset_peak_memory(device)
     torch.manual_seed(0)
     model = GPTNeoXForCausalLM(config).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -76,11 +82,14 @@ def stock_seconds(config, shape: tuple[int, int], warmup: int, steps: int, preci
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return clock.seconds(warmup, steps) / steps, model.cpu()
+    peak = peak_memory(device)
+    return clock.seconds(warmup, steps) / steps, model.cpu(), peak
 
 
-def ours_seconds(config, shape: tuple[int, int], warmup: int, steps: int, precision: str, fused: bool) -> float:
-    """Seconds per step of `train(recipe)`: the same model shape, packed Tiny Shakespeare windows of seq + 1 tokens."""
+def ours_seconds(config, shape: tuple[int, int], warmup: int, steps: int, precision: str, fused: bool,
+                 device: torch.device) -> tuple[float, int | None]:
+    """(seconds per step, peak GPU bytes or None) of `train(recipe)`: the same model shape, packed Tiny Shakespeare
+    windows of seq + 1 tokens."""
     from neox_hf.recipe import recipe_from_dict
     from neox_hf.train.loop import train
 
@@ -90,19 +99,21 @@ def ours_seconds(config, shape: tuple[int, int], warmup: int, steps: int, precis
             "model": {"num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
                       "num_attention_heads": config.num_attention_heads, "intermediate_size": config.intermediate_size,
                       "vocab_size": config.vocab_size, "seq_length": seq, "max_position_embeddings": 2048},
-            "tokenizer": {"path": str(SHARED / "tokenizers" / "gpt-neox-20b.json")},
+            "tokenizer": {"path": str(TOKENIZER)},
             "data": {"sources": [{"path": str(TEXT), "format": "text"}], "mode": "pack"},
             "train": {"train_iters": warmup + steps, "micro_batch_size": batch, "precision": precision,
                       "lr": 1e-4, "log_interval": 1, "eval_iters": 0, "fused_cross_entropy": fused},
             "output": {"dir": tmp, "tensorboard": False},
         })
+        reset_peak_memory(device)
         with StepClock() as clock, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             train(recipe)  # its report and progress bars would break up the table (an exception still propagates)
+        peak = peak_memory(device)
         _reset_accelerate_state()  # the next precision builds a new Accelerator in this process
         log = [json.loads(line) for line in (Path(tmp) / "train_log.jsonl").read_text().splitlines()]
     if len(log) != warmup + steps:
         raise RuntimeError(f"train(recipe) logged {len(log)} steps, {warmup + steps} expected")
-    return clock.seconds(warmup, steps) / steps
+    return clock.seconds(warmup, steps) / steps, peak
 
 
 def _reset_accelerate_state() -> None:
@@ -113,21 +124,22 @@ def _reset_accelerate_state() -> None:
     PartialState._reset_state()
 
 
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-
-
 def datasheet_peak(device: torch.device, precision: str) -> float | None:
-    if device.type != "cuda" or precision != "bf16":
+    """The dense tensor-core peak of this GPU's datasheet (neox_hf.train.mfu's table, as the training loop's MFU);
+    None on CPU, in fp32, and for a GPU the table does not name."""
+    from neox_hf.train.mfu import datasheet_peak as named_part_peak
+
+    if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in DATASHEET_BF16.items() if key in name), None)
+    return named_part_peak(torch.cuda.get_device_name(device), precision)
 
 
 def table_row(shape: str, precision: str, what: str, tflops: float | None = None, tok_s: str = "", mfu: str = "",
-              sheet_mfu: str = "") -> None:
+              sheet_mfu: str = "", peak_bytes: int | None = None, *, gpu: bool = False) -> None:
     flops = f"{tflops:8.3f}" if tflops is not None else ""
-    print(f"| {shape:5} | {precision:9} | {what:40} | {tok_s:>9} | {flops:>8} | {mfu:>6} | {sheet_mfu:>13} |")
+    memory = f" {peak_bytes / 2**30:>8.2f} |" if peak_bytes is not None else f" {'':>8} |"
+    print(f"| {shape:5} | {precision:9} | {what:40} | {tok_s:>9} | {flops:>8} | {mfu:>6} | {sheet_mfu:>13} |"
+          + (memory if gpu else ""))  # peak memory: a GPU column (CPU has no allocator statistics)
 
 
 def parse_args() -> argparse.Namespace:
@@ -159,11 +171,16 @@ def main() -> int:
     args = parse_args()
     device = torch.device(args.device)
     shape, tokens = (args.batch, args.seq), args.batch * args.seq
+    on_gpu = device.type == "cuda"
     print(f"{device_name(device)}, torch {torch.__version__}, {args.threads} CPU threads")
     print(f"{args.batch}×{args.seq} tokens/step, {args.steps} timed steps after {args.warmup} warm-up")
+    if on_gpu and "bf16" in args.precision.split(",") and datasheet_peak(device, "bf16") is None:
+        print(f"{device_name(device)} is a part neox_hf.train.mfu's datasheet table does not name: MFU is against the "
+              "GEMM rate measured here only")
     print(f"| {'shape':5} | {'precision':9} | {'what':40} | {'tokens/s':>9} | {'TFLOP/s':>8} | {'MFU':>6} | "
-          f"{'datasheet MFU':>13} |")
-    print(f"|{'-' * 7}|{'-' * 11}|{'-' * 42}|{'-' * 11}|{'-' * 10}|{'-' * 8}|{'-' * 15}|")
+          f"{'datasheet MFU':>13} |" + (f" {'peak GiB':>8} |" if on_gpu else ""))
+    print(f"|{'-' * 7}|{'-' * 11}|{'-' * 42}|{'-' * 11}|{'-' * 10}|{'-' * 8}|{'-' * 15}|"
+          + ("-" * 10 + "|" if on_gpu else ""))
     failed = []
     for name in args.shape.split(","):
         config = pythia_config(name)
@@ -171,21 +188,23 @@ def main() -> int:
             torch.set_num_threads(args.threads)
             peak, n = gemm_peak(DTYPES[precision], device=device)
             sheet = datasheet_peak(device, precision)
-            row = functools.partial(table_row, name, precision)
+            row = functools.partial(table_row, name, precision, gpu=on_gpu)
+            no_sheet = "unknown part" if on_gpu and precision == "bf16" else ""
             row(f"GEMM peak ({n}² square, best of 5)", peak / 1e12,
-                sheet_mfu=f"{sheet / 1e12:.0f} datasheet" if sheet else "")
-            stock_time, stock_model = stock_seconds(config, shape, args.warmup, args.steps, precision, device)
+                sheet_mfu=f"{sheet / 1e12:.0f} datasheet" if sheet else no_sheet)
+            stock_time, stock_model, stock_memory = stock_seconds(config, shape, args.warmup, args.steps, precision,
+                                                                  device)
             flops_token = model_flops_per_token(config, stock_model, args.seq)
             del stock_model
-            timed = [("stock transformers + PyTorch loop", stock_time)]
+            timed = [("stock transformers + PyTorch loop", stock_time, stock_memory)]
             for fused in ([True, False] if args.fused == "both" else [True]):
                 torch.set_num_threads(args.threads)
-                seconds = ours_seconds(config, shape, args.warmup, args.steps, precision, fused)
-                timed.append((f"neox_hf train(recipe){'' if fused else ', unfused loss'}", seconds))
-            for what, seconds in timed:
+                seconds, memory = ours_seconds(config, shape, args.warmup, args.steps, precision, fused, device)
+                timed.append((f"neox_hf train(recipe){'' if fused else ', unfused loss'}", seconds, memory))
+            for what, seconds, memory in timed:
                 flops = flops_token * tokens / seconds
                 row(what, flops / 1e12, f"{tokens / seconds:.0f}", f"{100 * flops / peak:5.1f}%",
-                    f"{100 * flops / sheet:5.1f}%" if sheet else "")
+                    f"{100 * flops / sheet:5.1f}%" if sheet else "", memory)
                 if flops > peak:
                     failed.append(f"{name} {precision} {what}: MFU {100 * flops / peak:.0f}%")
             row("ratio neox_hf / stock tokens/s", tok_s=f"{stock_time / timed[1][1]:.2f}×")
