@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# The GPU check, one command from a fresh clone on a machine with one CUDA GPU (PyPI reachable, nothing else needed):
+#
+#     bash benchmarks/gpu_check.sh
+#
+# 1. keeps the torch that is installed if it sees the GPU (else says what to install, and stops);
+# 2. installs this package with its test extras (`pip install -e ".[test]"`, torch held at the installed version);
+# 3. runs the GPU tier, `python -m pytest tests -q -m cuda -n 0`, with the GPU visible (tests/test_cuda.py: tiny and
+#    Pythia-160M training in bf16 and fp16 with overflow skips, fused loss vs unfused, sdpa / flash-attention on packed
+#    documents vs eager, ZeRO-1 vs plain, kill + resume, export + stock from_pretrained);
+# 4. measures training throughput (benchmarks/train_throughput.py) of the Pythia-160M and -410M shapes in bf16, the
+#    fused and the unfused loss, against stock transformers: tokens/s, MFU against the datasheet dense bf16 peak of
+#    the part torch names (or the measured GEMM rate for a part the table lacks), and peak GPU memory;
+# and prints that table and the pytest summary. Every part has its own time limit (pip 120 s, tests 200 s, benchmark
+# 140 s): under 8 minutes in all.
+# Outputs (pip log, pytest log, the table, a summary) go to "${OUT:-benchmarks/out}".
+#
+# What one GPU cannot show: NCCL between ranks. The single-process DeepSpeed runs here (ZeRO-1, the fp16 scaler)
+# start a one-rank NCCL process group, so NCCL's library and initialisation are exercised, but no collective ever
+# crosses two devices: data-parallel gradient all-reduce, ZeRO partition gathers, tensor-parallel all-reduce /
+# all-gather and pipeline send/recv need two GPUs or more. On this machine the suite's multi-process tests run on
+# gloo with the GPU hidden from their ranks (tests/conftest.py `launch_env`), exactly as on CPU.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR="${OUT:-benchmarks/out}"
+mkdir -p "$OUT_DIR"
+PYTHON="${PYTHON:-python}"
+# Nothing here needs the Hub: fail fast instead of waiting on a network the machine may not have.
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
+START=$SECONDS
+
+# What to do when torch does not see the GPU depends on why: no torch, a CPU-only build, or a CUDA build that finds
+# no device (driver, CUDA_VISIBLE_DEVICES).
+TORCH_ADVICE='
+import sys
+try:
+    import torch
+except ImportError:
+    sys.exit(f"no torch: {sys.argv[1]} -m pip install \"torch>=2.4\" (PyPI Linux x86_64 wheels are CUDA builds)")
+if torch.cuda.is_available():
+    sys.exit(0)
+version = torch.__version__.split("+")[0]
+if torch.version.cuda is None:
+    sys.exit(f"torch {torch.__version__} is a CPU-only build: {sys.argv[1]} -m pip install --force-reinstall "
+             f"--no-deps \"torch=={version}\" (the PyPI wheel is the CUDA build) or a wheel of your CUDA version")
+sys.exit(f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU: check nvidia-smi (a driver for CUDA "
+         f"{torch.version.cuda} or newer) and CUDA_VISIBLE_DEVICES")
+'
+if ! ADVICE=$("$PYTHON" -c "$TORCH_ADVICE" "$PYTHON" 2>&1); then
+    echo "gpu_check: no GPU for torch here, nothing run. $ADVICE; then rerun this script." \
+        | tee "$OUT_DIR/gpu_check.md" >&2
+    exit 2
+fi
+"$PYTHON" -c "import torch; print(torch.cuda.get_device_name() + ', torch ' + torch.__version__ + ', CUDA ' \
+    + str(torch.version.cuda))" | tee "$OUT_DIR/device.txt"
+
+# Hold torch where it is: the test extras must not replace the CUDA build with another one.
+CONSTRAINTS="$OUT_DIR/constraints.txt"
+"$PYTHON" -c "import torch; print('torch==' + torch.__version__)" > "$CONSTRAINTS"
+echo "[$((SECONDS - START)) s] pip install -e .[test]"
+if ! timeout 120 "$PYTHON" -m pip install -q --progress-bar off --retries 1 --timeout 15 -c "$CONSTRAINTS" \
+        -e ".[test]" > "$OUT_DIR/pip.log" 2>&1; then
+    # Without PyPI (an offline machine) the checkout still runs where the dependencies are installed: the tests and
+    # benchmarks start from the repository root, which puts neox_hf on the path.
+    if "$PYTHON" -c "import transformers, accelerate, deepspeed, datasets, safetensors, psutil, pytest, xdist" \
+            2>/dev/null; then
+        echo "gpu_check: pip install -e .[test] failed (no PyPI?); the dependencies are installed: running from" \
+            "the checkout ($OUT_DIR/pip.log)"
+    else
+        echo "gpu_check: pip install -e .[test] failed or ran over 120 s ($OUT_DIR/pip.log):" >&2
+        tail -n 20 "$OUT_DIR/pip.log" >&2
+        exit 2
+    fi
+fi
+
+# SIGINT first: pytest then stops and still prints what ran and its summary line.
+echo "[$((SECONDS - START)) s] python -m pytest tests -q -m cuda -n 0"
+timeout -s INT -k 10 200 "$PYTHON" -m pytest tests -q -m cuda -n 0 -p no:cacheprovider > "$OUT_DIR/pytest_cuda.log" 2>&1
+PYTEST_STATUS=$?
+PYTEST_SUMMARY=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error|skipped|deselected)|no tests ran|Interrupted" \
+    "$OUT_DIR/pytest_cuda.log" | tail -n 1)
+
+echo "[$((SECONDS - START)) s] benchmarks/train_throughput.py --shape 160m,410m --precision bf16 --fused both"
+timeout -s INT -k 5 140 "$PYTHON" benchmarks/train_throughput.py --device cuda --shape 160m,410m --precision bf16 \
+    --batch 8 --seq 2048 --fused both --steps 8 --warmup 2 \
+    > "$OUT_DIR/train_throughput.md" 2> "$OUT_DIR/train_throughput.err"
+BENCH_STATUS=$?
+
+{
+    echo "## GPU check ($(cat "$OUT_DIR/device.txt"), $((SECONDS - START)) s)"
+    echo
+    echo "Training throughput, Pythia shapes, 8 × 2048 tokens per step, bf16 (benchmarks/train_throughput.py):"
+    echo
+    cat "$OUT_DIR/train_throughput.md"
+    if [ "$BENCH_STATUS" -ne 0 ]; then
+        echo "benchmark exit status $BENCH_STATUS:"
+        tail -n 15 "$OUT_DIR/train_throughput.err"
+    fi
+    echo
+    echo "GPU tier (python -m pytest tests -q -m cuda -n 0): ${PYTEST_SUMMARY:-no summary, see pytest_cuda.log}"
+    [ "$PYTEST_STATUS" -eq 0 ] || grep -E "^(FAILED|ERROR) " "$OUT_DIR/pytest_cuda.log" | head -n 20
+} | tee "$OUT_DIR/gpu_check.md"
+echo "(logs in $OUT_DIR: pip.log, pytest_cuda.log, train_throughput.md/.err, gpu_check.md)"
+[ "$PYTEST_STATUS" -eq 0 ] && [ "$BENCH_STATUS" -eq 0 ]
