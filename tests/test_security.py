@@ -181,9 +181,6 @@ def test_deepspeed_resume_refuses_an_engine_file_that_would_run_code(trained_zer
 
 
 @pytest.mark.distributed
-@pytest.mark.xfail(strict=True, reason="neox_hf/interop/convert.py training_checkpoint_state_dict calls DeepSpeed's "
-                   "get_fp32_state_dict_from_zero_checkpoint (torch.load weights_only=False) outside "
-                   "neox_hf.io.weights_only_loads(deepspeed=True); convert.py is owned elsewhere (issue 24)")
 def test_export_refuses_a_zero_checkpoint_file_that_would_run_code(trained_zero1, tmp_path, capsys):
     from neox_hf.cli import main
 

@@ -15,6 +15,7 @@ from neox_hf.interop.hf_folder import save_hf_folder
 from neox_hf.interop.neox_checkpoint import export_neox_checkpoint, neox_to_hf_model
 from neox_hf.interop.neox_files import detect_checkpoint_files, embedding_rows
 from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, load_tokenizer, padded_vocab_size
+from neox_hf.io import folder_refusal_message, is_weights_only_refusal, weights_only_loads
 from neox_hf.model import NeoXConfig, NeoXForCausalLM, config_from_recipe
 
 
@@ -96,7 +97,13 @@ def training_checkpoint_state_dict(checkpoint_dir: Path, config=None) -> dict[st
             return pipeline_checkpoint_state_dict(deepspeed_tag, config or NeoXConfig.from_pretrained(checkpoint_dir))
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag="pytorch_model")
+        try:
+            with weights_only_loads(deepspeed=True):  # zero_to_fp32 loads its files with weights_only=False
+                return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag="pytorch_model")
+        except Exception as err:
+            if is_weights_only_refusal(err):
+                raise CheckpointError(folder_refusal_message(checkpoint_dir, err, deepspeed=True)) from err
+            raise
     weights = checkpoint_dir / "model.safetensors"
     if weights.is_file():
         from safetensors.torch import load_file
