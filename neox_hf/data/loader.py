@@ -154,7 +154,8 @@ class _DocumentReader:
         at all is only known to be empty with one data-parallel rank (with several, its few rows may all have gone
         to other ranks); the validation role expects most rows to be held for training."""
         for index, tally in enumerate(self.tallies):
-            if tally["answered"] == 0 and (self._counted(tally) > 0 or (self._dp_size == 1 and self._role != "validation")):
+            alone = self._dp_size == 1 and self._role != "validation"
+            if tally["answered"] == 0 and (self._counted(tally) > 0 or alone):
                 self._refuse(index, "a whole epoch")
 
     def _refuse(self, index: int, span: str) -> None:
@@ -163,9 +164,9 @@ class _DocumentReader:
         if t["no_answer"]:
             learned = "only EOD would be learned" if self._eod else "not one token would be learned"
             raise DataError(f"data source `{path}` gave no document with answer tokens in {span} ({t['no_answer']} "
-                            f"whose text is all prompt, {t['empty']} empty, "
-                            f"{t['undecodable']} undecodable{held}): {learned}; check `template` / `prompt_template`: the "
-                            "template must go on past the prompt with the answer field, and that field must not be empty")
+                            f"whose text is all prompt, {t['empty']} empty, {t['undecodable']} undecodable{held}): "
+                            f"{learned}; check `template` / `prompt_template`: the template must go on past the prompt "
+                            "with the answer field, and that field must not be empty")
         raise DataError(f"data source `{path}` gave no usable document in {span} "
                         f"({t['empty']} empty, {t['undecodable']} undecodable{held}); check `text_key` / `template` "
                         "field names and the file, or drop the source (a blend would fill its weight from the others)")
@@ -188,8 +189,8 @@ class DataLoader:
         self.dp_rank, self.dp_size, self.seed, self.role, self.cycle = dp_rank, dp_size, seed, role, cycle
         self.sources = list(data_cfg.sources if sources is None else sources)
         self.max_length = data_cfg.max_length or seq_length
-        pack = data_cfg.mode == "pack"
-        self._take = {"max_tokens": data_cfg.buffer_size * (seq_length + 1)} if pack else {"cut_at": self.max_length + 1}
+        self._chunk_limits = ({"max_tokens": data_cfg.buffer_size * (seq_length + 1)} if data_cfg.mode == "pack" else
+                              {"cut_at": self.max_length + 1})
         self.shuffle = data_cfg.shuffle and cycle  # eval batches are the stream in order
         _check_batching(data_cfg, tokenizer, self.max_length, micro_batch_size, seq_length)
         self._position = {"epoch": 0, "upstream": None, "usable_in_epoch": 0, "chunk_index": 0,
@@ -249,7 +250,7 @@ class DataLoader:
             self._position = {**reader.position(), "chunk_index": chunk_index, "carry": carry,
                               "stats": dict(self.stats)}
             self._emitted = 0
-            docs = reader.take(self.cfg.buffer_size, **self._take)
+            docs = reader.take(self.cfg.buffer_size, **self._chunk_limits)
             rng = np.random.default_rng([self.seed, chunk_index]) if self.shuffle else None
             last = reader.exhausted  # only a finite (eval) stream ends
             makers, carry = self._chunk(docs, carry, rng, flush=last, first=chunk_index == 0)

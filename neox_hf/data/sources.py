@@ -417,8 +417,9 @@ def document_stream(sources: list[DataSource], tokenizer, *, epoch: int, seed: i
         raise DataError("data.sources is empty: give at least one source with a `path`")
     if not 0 <= dp_rank < dp_size:
         raise DataError(f"dp_rank {dp_rank} is outside dp_size {dp_size}: pass the data-parallel rank and size")
-    parts = [source_dataset(s, tokenizer, epoch=epoch, seed=seed, shuffle=shuffle, streaming=streaming,
-                            append_eod=append_eod, role=role, fraction=fraction, index=i) for i, s in enumerate(sources)]
+    parts = [source_dataset(source, tokenizer, epoch=epoch, seed=seed, shuffle=shuffle, streaming=streaming,
+                            append_eod=append_eod, role=role, fraction=fraction, index=index)
+             for index, source in enumerate(sources)]
     if len(parts) == 1:
         stream = parts[0]
     else:
