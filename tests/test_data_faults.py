@@ -309,7 +309,6 @@ def test_pad_mode_counts_documents_cut_to_max_length_and_says_so(tmp_path, tok):
         "`data.mode: pack` to train on their ends"]
 
 
-@pytest.mark.xfail(strict=True, reason="needs the train loop to print DataNotes (patch in the issue 24 item 2 report)")
 def test_a_run_in_pad_mode_says_how_many_documents_were_cut(tmp_path, capsys, fresh_accelerate_state):
     code, out, err = run_train(tmp_path, f"[{{path: {long_and_short_documents(tmp_path)}}}]", capsys,
                                "--data.mode", "pad", "--data.shuffle", "false")

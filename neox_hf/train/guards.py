@@ -245,8 +245,9 @@ def _hub_offline() -> bool:
 
 
 def check_data_sources(recipe: Recipe) -> None:
-    """Every local source resolves to files (or a .bin/.idx pair) now, not after the model is built."""
-    from neox_hf.data.sources import resolve_files, source_format
+    """Every local source resolves to files (or a .bin/.idx pair) now, not after the model is built; compressed files
+    are whole and line-based sources hold a line (`check_sources`)."""
+    from neox_hf.data.sources import check_sources, resolve_files, source_format
 
     if not recipe.data.sources:
         raise DataError("`data.sources` is empty: give at least one source, e.g. "
@@ -257,6 +258,7 @@ def check_data_sources(recipe: Recipe) -> None:
             files = resolve_files(source)
             if fmt == "parquet":
                 _check_parquet_files(files)
+    check_sources(recipe.data.sources + recipe.data.validation)
 
 
 def _check_parquet_files(files) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from neox_hf.data import build_eval_loader, build_train_loader, gpt_neox_num_epochs, tokens_per_epoch
+from neox_hf.data import DataNotes, build_eval_loader, build_train_loader, gpt_neox_num_epochs, tokens_per_epoch
 from neox_hf.finetune import check_peft_recipe, save_finetuned, trainable_parameters_report, wrap_with_peft
 from neox_hf.interop.hf_folder import save_hf_folder
 from neox_hf.interop.tokenizer import load_tokenizer
@@ -247,6 +247,7 @@ class StepLogger:
         self.pending: list[tuple[int, StepResult, float, float | None, float, int | None]] = []
         self.window_start = time.perf_counter()
         self.reported_skipped = 0  # undecodable documents already reported
+        self.data_notes = DataNotes(max_length=run.recipe.data.max_length or run.recipe.model.seq_length)
 
     def record(self, result: StepResult, lr: float, loss_scale: float | None, data_wait: float,
                seq_length: int | None = None) -> None:
@@ -289,7 +290,7 @@ class StepLogger:
             _append_step_log(self.run.recipe.output.dir, entries)
         accelerator.log(metrics, step=self.state.step)
         self.pending, self.window_start = [], time.perf_counter()
-        self.reported_skipped = _report_skipped_documents(self.run, self.reported_skipped)
+        self.reported_skipped = _report_skipped_documents(self.run, self.reported_skipped, self.data_notes)
         return {"loss": f"{metrics['train/loss']:.4f}", "lr": f"{metrics['train/lr']:.2e}"}
 
 
@@ -310,19 +311,22 @@ def step_log_entry(step: int, loss: float, lr: float, grad_norm: float | None, *
     return entry
 
 
-def _report_skipped_documents(run: TrainingRun, reported: int) -> int:
-    """Print how many documents were undecodable (summed over ranks) when the count grew; fail above
-    data.max_skipped_fraction. Returns the count now reported."""
+def _report_skipped_documents(run: TrainingRun, reported: int, notes: DataNotes) -> int:
+    """Print how many documents were undecodable (summed over ranks) when the count grew, and the data layer's notes
+    on documents that trained but not whole (cut to max_length, no answer tokens); fail above
+    data.max_skipped_fraction. Returns the undecodable count now reported."""
     stats = getattr(run.loader, "stats", None)
     if stats is None:
         return reported
-    local = torch.tensor([stats.get("skipped_undecodable", 0), stats.get("documents", 0)], device=run.accelerator.device)
-    skipped, documents = (int(v) for v in dp_sum(run.layout, local))
-    line = check_skipped_documents({"skipped_undecodable": skipped, "documents": documents},
-                                   run.recipe.data.max_skipped_fraction)
-    if line is not None and skipped > reported:
+    keys = ("skipped_undecodable", "documents", "truncated", "no_answer")
+    local = torch.tensor([stats.get(key, 0) for key in keys], device=run.accelerator.device)
+    summed = dict(zip(keys, (int(v) for v in dp_sum(run.layout, local))))
+    line = check_skipped_documents(summed, run.recipe.data.max_skipped_fraction)
+    if line is not None and summed["skipped_undecodable"] > reported:
         run.accelerator.print(f"note: {line}")
-    return skipped
+    for note in notes.lines(summed):
+        run.accelerator.print(f"note: {note}")
+    return summed["skipped_undecodable"]
 
 
 def _append_step_log(output_dir, entries: list[dict]) -> None:
