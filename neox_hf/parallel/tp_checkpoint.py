@@ -26,13 +26,17 @@ _VOCAB_KEYS = ("gpt_neox.embed_in.weight", "lm_head.weight", "embed_out.weight")
 
 
 def gather_full_state_dict(model: GPTNeoXForCausalLM, groups: ParallelGroups | None) -> dict:
-    """The full state dict of a TP model, on every TP rank, with exactly the keys (and
-    shapes) of a stock `GPTNeoXForCausalLM.state_dict()`. Collective over the TP group."""
+    """The full state dict of a TP model, in every TP rank's CPU memory, with exactly the keys (and
+    shapes) of a stock `GPTNeoXForCausalLM.state_dict()`. Collective over the TP group.
+
+    Each merged tensor leaves the device as soon as it is gathered: only one full tensor at a
+    time is on a GPU, never the whole model (which on a 20B would not fit beside its shards)."""
     tp_group = groups.tp_group if groups is not None else None
     merged = {}
     for key, tensor in model.state_dict().items():
         dim = partition_dim(key)
-        merged[key] = tensor.clone() if dim is None else gather_along_dim(tensor, dim, tp_group)
+        full = tensor if dim is None else gather_along_dim(tensor, dim, tp_group)
+        merged[key] = full.detach().to("cpu", copy=True)
     return merged
 
 
