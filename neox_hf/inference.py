@@ -104,9 +104,14 @@ def adapter_base_path(adapter_path) -> str:
 
 
 def folder_tokenizer(folder):
+    """The tokenizer saved in `folder`, None when it has no tokenizer files; never runs code the folder ships."""
     if not (Path(folder) / "tokenizer.json").is_file() and not (Path(folder) / "tokenizer_config.json").is_file():
         return None
-    return AutoTokenizer.from_pretrained(str(folder))
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)  # None would ask on stdin
+    except Exception as err:  # OSError, ValueError (custom code refused), or the tokenizers library's own error
+        raise CheckpointError(f"cannot load the tokenizer in {folder}: {_first_line(err)}; pass --tokenizer PATH "
+                              "(a tokenizers JSON or HF folder)") from err
 
 
 def load_for_inference(model_path, tokenizer_path: str | None = None):

@@ -342,23 +342,67 @@ def test_adapter_folder_with_a_pickled_weights_file_is_refused(base_model, tmp_p
     assert not (tmp_path / "marker").exists()
 
 
-def test_tokenizer_folder_naming_remote_code_is_refused(tmp_path):
+def with_remote_code_tokenizer(folder: Path, marker: Path) -> Path:
+    """Tokenizer files in `folder` whose config maps AutoTokenizer to a module of the folder that creates `marker`."""
     import json
 
-    from neox_hf.interop.tokenizer import load_tokenizer
     from tests.conftest import BUNDLED_TOKENIZER
 
-    folder = tmp_path / "tokenizer"
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)
     shutil.copy(BUNDLED_TOKENIZER, folder / "tokenizer.json")
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "EvilTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}}))
     (folder / "tokenization_evil.py").write_text(
-        f"import pathlib\npathlib.Path({str(tmp_path / 'marker')!r}).touch()\n"
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
         "from transformers import PreTrainedTokenizerFast\nclass EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    return folder
+
+
+def test_tokenizer_folder_naming_remote_code_is_refused(tmp_path):
+    from neox_hf.interop.tokenizer import load_tokenizer
+
+    folder = with_remote_code_tokenizer(tmp_path / "tokenizer", tmp_path / "marker")
     with pytest.raises(RecipeError, match="custom code"):
         load_tokenizer(str(folder))
     assert not (tmp_path / "marker").exists()
+
+
+def lora_adapter(base: Path, folder: Path) -> Path:
+    """A LoRA adapter folder of `base` as peft saves it (recording `base` as its base model)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPTNeoXForCausalLM
+
+    model = get_peft_model(GPTNeoXForCausalLM.from_pretrained(base), LoraConfig(r=2, lora_alpha=4,
+                                                                                target_modules=["query_key_value"]))
+    model.save_pretrained(folder)
+    return folder
+
+
+def neox_hf_answering(answer: str, *args: str) -> subprocess.CompletedProcess:
+    """`neox_hf ARGS` with `answer` waiting on its stdin, as a user at a terminal who types it at any prompt."""
+    from tests.conftest import launch_env
+
+    return subprocess.run([sys.executable, "-m", "neox_hf.cli", *args], input=answer, capture_output=True, text=True,
+                          cwd=REPO, env=launch_env(), timeout=120)
+
+
+@pytest.mark.parametrize("command", ["preprocess", "generate"])
+def test_remote_code_tokenizer_is_refused_without_asking(base_model, tmp_path, command):
+    """transformers asks on stdin whether to run a folder's tokenizer code (`trust_remote_code` unset) and runs it on
+    "y": neox_hf never asks, so a "y" typed (or piped) in is never read and nothing runs."""
+    marker = tmp_path / "marker"
+    if command == "preprocess":
+        folder = with_remote_code_tokenizer(tmp_path / "tokenizer", marker)
+        (tmp_path / "docs.jsonl").write_text('{"text": "hello"}\n')
+        args = ["preprocess", str(tmp_path / "docs.jsonl"), "--tokenizer", str(folder), "--output-prefix",
+                str(tmp_path / "corpus")]
+    else:  # an adapter folder: no config.json whose model type would name a stock tokenizer class
+        folder = with_remote_code_tokenizer(lora_adapter(base_model, tmp_path / "adapter"), marker)
+        args = ["generate", str(folder), "--prompt", "hello", "--max-new-tokens", "1"]
+    done = neox_hf_answering("y\n" * 5, *args)
+    assert not marker.exists(), "the tokenizer's code ran"
+    assert "Do you wish to run the custom code" not in done.stdout + done.stderr
+    assert_refused(done.returncode, done.stderr, str(folder), "custom code")
 
 
 def test_recipe_and_gpt_neox_config_with_python_tags_are_refused(tmp_path):

@@ -34,7 +34,9 @@ def load_tokenizer(path: str, *, eos_token: str = "<|endoftext|>", pad_token: st
         )
     else:
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            # False, not the default None: with None transformers asks on stdin whether to run a folder's tokenizer
+            # code (and runs it on "y"); a training node or a pipe must never be asked.
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         except Exception as err:  # OSError, ValueError, or the tokenizers library's own error for a corrupt file
             raise RecipeError(f"cannot load tokenizer from {path!r}: {_first_line(err)}. Set `tokenizer.path` to a "
                               "tokenizers JSON file or an HF folder") from err
