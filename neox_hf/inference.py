@@ -9,6 +9,7 @@ skipped), we refuse; and the model's embedding is checked to cover every id the 
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from transformers import AutoTokenizer, GPTNeoXForCausalLM
 
 from neox_hf.errors import CheckpointError
 from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, load_tokenizer
+from neox_hf.io import folder_refusal_message, is_weights_only_refusal
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -49,6 +51,8 @@ def load_base_model(path) -> GPTNeoXForCausalLM:
     try:
         return GPTNeoXForCausalLM.from_pretrained(folder, dtype=torch.float32)
     except Exception as err:  # OSError, ValueError, RuntimeError, or safetensors' own error for a truncated file
+        if is_weights_only_refusal(err):  # a pickled weights file naming code: say which, not torch's advice page
+            raise CheckpointError(folder_refusal_message(folder, err)) from err
         raise CheckpointError(f"cannot load the model in {folder}: {_first_line(err)}; save or download it again") from err
 
 
@@ -60,6 +64,10 @@ def load_adapter_model(base_path, adapter_path) -> PeftModel:
     base = load_base_model(base_path)
     try:
         model = PeftModel.from_pretrained(base, adapter)
+    except pickle.UnpicklingError as err:  # peft loads adapter_model.bin with weights_only=True
+        raise CheckpointError(folder_refusal_message(adapter, err) if is_weights_only_refusal(err) else
+                              f"cannot read the adapter weights in {adapter} ({_first_line(err)}): the file is "
+                              "truncated or corrupt; save the adapter again") from err
     except (OSError, ValueError, RuntimeError) as err:  # size mismatch when the adapter was trained on another base
         raise CheckpointError(f"adapter {adapter} does not fit base model {base_path}: {err}") from err
     _check_adapter_fits(model, adapter, base_path)
