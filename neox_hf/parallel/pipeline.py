@@ -451,7 +451,8 @@ class StageLoss:
         self.records.append(torch.stack([loss_sum.detach().double(), tokens.double()]))
         if self.normalization == "micro_batch":
             return loss_sum / tokens.clamp(min=1)
-        return loss_sum * self.scale
+        scale = self.scale.to(loss_sum.dtype) if torch.is_tensor(self.scale) else self.scale
+        return loss_sum * scale
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -472,9 +473,13 @@ def pipe_micro_batch(batch: dict) -> tuple[tuple[torch.Tensor, torch.Tensor, tor
 
 
 def _token_and_sample_counts(micro_batches, device) -> torch.Tensor:
-    tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
-    samples = sum(int(mb["input_ids"].shape[0]) for mb in micro_batches)
-    return torch.tensor([tokens, samples], dtype=torch.float64, device=device)
+    """[labelled tokens, samples] of the step's micro-batches, float64 on `device`, counted there: reading each
+    micro-batch's count on the host would make it wait for the device once per micro-batch."""
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
+    for mb in micro_batches:
+        counts[0] += (mb["labels"].to(device, non_blocking=True) != IGNORE_INDEX).sum()
+    counts[1] = float(sum(mb["input_ids"].shape[0] for mb in micro_batches))  # shapes are host values
+    return counts
 
 
 def _last_stage_rank(layout: Layout) -> int:
@@ -499,14 +504,14 @@ def pipeline_train_step(engine, micro_batches: list[dict] | None, layout: Layout
     counts = _token_and_sample_counts(micro_batches or [], engine.device)
     if layout.is_last_stage:
         counts = dp_sum(layout, counts)  # N before any backward: every micro-batch weighs by it
-        loss_fn.scale = gas * layout.dp / max(float(counts[0]), 1.0)
+        loss_fn.scale = gas * layout.dp / counts[0].clamp(min=1.0)  # a device tensor: no wait for the host
         loss_fn.records = []
     data = iter([pipe_micro_batch(mb) for mb in micro_batches]) if holds_data else None
     loss = engine.train_batch(data)
     counts = _from_last_stage(counts, layout)
     norm = engine.get_global_grad_norm()
     return StepResult(loss=loss.detach().reshape(()).float(), tokens=counts[0].clone(), samples=counts[1].clone(),
-                      grad_norm=torch.as_tensor(float(norm)) if norm is not None else None,
+                      grad_norm=(norm if torch.is_tensor(norm) else torch.tensor(float(norm))) if norm is not None else None,
                       skipped=not engine.was_step_applied())
 
 
