@@ -3,6 +3,10 @@
 #
 #     bash benchmarks/gpu_check.sh
 #
+# A GPU machine that reaches no package index takes wheels made where PyPI is reachable (see --download-wheels below):
+#     bash benchmarks/gpu_check.sh --download-wheels .whl      # here; then, on the GPU machine, with .whl carried:
+#     WHEELS=.whl bash benchmarks/gpu_check.sh
+#
 # 1. keeps the torch that is installed if it sees the GPU (else says what to install, and stops);
 # 2. installs this package with its test extras (`pip install -e ".[test]"`, torch held at the installed version);
 # 3. runs the GPU tier, `python -m pytest tests -q -m cuda -n 0`, with the GPU visible (tests/test_cuda.py: tiny and
@@ -22,9 +26,37 @@
 # gloo with the GPU hidden from their ranks (tests/conftest.py `launch_env`), exactly as on CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+# `bash benchmarks/gpu_check.sh --download-wheels DIR`, run where PyPI is reachable, fills DIR with wheels for a GPU
+# machine that reaches no index (this workplace's device machines: Python 3.12, torch, transformers 5.17, no
+# DeepSpeed, no datasets), at the versions installed here, so the GPU run uses what the CPU suite ran:
+# `WHEELS=DIR bash benchmarks/gpu_check.sh` there. DeepSpeed publishes no wheel: one is built here (pure Python; its
+# ops compile on first use, and none is used). torch, numpy, pyarrow, pandas and the like stay the machine's own.
+if [ "${1:-}" = "--download-wheels" ]; then
+    DEST="${2:?usage: bash benchmarks/gpu_check.sh --download-wheels DIR}"
+    TARGET_PYTHON="${WHEELS_PYTHON_VERSION:-3.12}"
+    HERE="${PYTHON:-$(command -v python3 || command -v python)}"
+    mkdir -p "$DEST"
+    PACKAGES="transformers huggingface_hub tokenizers safetensors accelerate peft datasets dill multiprocess evaluate
+              hjson pydantic pydantic_core annotated_types typing_inspection typing_extensions zstandard kernels
+              tomlkit httpx2 httpcore2 truststore h11 hf_xet click idna anyio fsspec"
+    PINS=$("$HERE" -c "import importlib.metadata as m, sys
+print(' '.join(f'{p}=={m.version(p)}' for p in sys.argv[1:]))" $PACKAGES) || exit 2
+    PLATFORMS=""
+    for n in 17 24 27 28 31 34 35; do PLATFORMS="$PLATFORMS --platform manylinux_2_${n}_x86_64"; done
+    # shellcheck disable=SC2086
+    "$HERE" -m pip download -q --no-deps --only-binary=:all: --python-version "$TARGET_PYTHON" --implementation cp \
+        $PLATFORMS --platform manylinux2014_x86_64 -d "$DEST" $PINS || exit 2
+    DEEPSPEED=$("$HERE" -c "import importlib.metadata as m; print(m.version('deepspeed'))") || exit 2
+    "$HERE" -m pip wheel -q --no-deps --no-build-isolation -w "$DEST" "deepspeed==$DEEPSPEED" || exit 2
+    ls "$DEST"
+    du -sh "$DEST"
+    exit 0
+fi
 OUT_DIR="${OUT:-benchmarks/out}"
 mkdir -p "$OUT_DIR"
-PYTHON="${PYTHON:-python}"
+# The Python that holds torch: `python3` on machines whose `python` is another one.
+PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"
 # Nothing here needs the Hub: fail fast instead of waiting on a network the machine may not have.
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
 START=$SECONDS
@@ -55,21 +87,41 @@ fi
     + str(torch.version.cuda))" | tee "$OUT_DIR/device.txt"
 
 # Hold torch where it is: the test extras must not replace the CUDA build with another one.
-CONSTRAINTS="$OUT_DIR/constraints.txt"
+WORK="$(mktemp -d)"  # what need not come back: $OUT_DIR holds the logs and the table only
+CONSTRAINTS="$WORK/constraints.txt"
 "$PYTHON" -c "import torch; print('torch==' + torch.__version__)" > "$CONSTRAINTS"
-echo "[$((SECONDS - START)) s] pip install -e .[test]"
-if ! timeout 120 "$PYTHON" -m pip install -q --progress-bar off --retries 1 --timeout 15 -c "$CONSTRAINTS" \
-        -e ".[test]" > "$OUT_DIR/pip.log" 2>&1; then
-    # Without PyPI (an offline machine) the checkout still runs where the dependencies are installed: the tests and
-    # benchmarks start from the repository root, which puts neox_hf on the path.
-    if "$PYTHON" -c "import transformers, accelerate, deepspeed, datasets, safetensors, psutil, pytest, xdist" \
-            2>/dev/null; then
-        echo "gpu_check: pip install -e .[test] failed (no PyPI?); the dependencies are installed: running from" \
-            "the checkout ($OUT_DIR/pip.log)"
-    else
-        echo "gpu_check: pip install -e .[test] failed or ran over 120 s ($OUT_DIR/pip.log):" >&2
+DEPENDENCIES="import transformers, accelerate, deepspeed, datasets, evaluate, peft, safetensors, psutil, pytest, xdist"
+if [ -n "${WHEELS:-}" ]; then
+    # A machine that reaches no package index (as this workplace's device machines): WHEELS names a folder of wheels
+    # for what its Python lacks, installed without an index into a folder of their own put first on PYTHONPATH; the
+    # package runs from the checkout (tests and benchmarks start at the repository root).
+    SITE="$WORK/site"
+    echo "[$((SECONDS - START)) s] wheels from $WHEELS into $SITE"
+    if ! timeout 120 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$SITE" "$WHEELS"/*.whl > "$OUT_DIR/pip.log" 2>&1; then
+        echo "gpu_check: installing the wheels in $WHEELS failed ($OUT_DIR/pip.log):" >&2
         tail -n 20 "$OUT_DIR/pip.log" >&2
         exit 2
+    fi
+    export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    if ! "$PYTHON" -c "$DEPENDENCIES" > "$WORK/imports.log" 2>&1; then
+        echo "gpu_check: still missing with the wheels of $WHEELS: $(tail -n 1 "$WORK/imports.log")" >&2
+        exit 2
+    fi
+else
+    echo "[$((SECONDS - START)) s] pip install -e .[test]"
+    if ! timeout 120 "$PYTHON" -m pip install -q --progress-bar off --retries 1 --timeout 15 -c "$CONSTRAINTS" \
+            -e ".[test]" > "$OUT_DIR/pip.log" 2>&1; then
+        # Without PyPI the checkout still runs where the dependencies are installed (from the repository root).
+        if "$PYTHON" -c "$DEPENDENCIES" 2>/dev/null; then
+            echo "gpu_check: pip install -e .[test] failed (no PyPI?); the dependencies are installed: running from" \
+                "the checkout ($OUT_DIR/pip.log)"
+        else
+            echo "gpu_check: pip install -e .[test] failed or ran over 120 s ($OUT_DIR/pip.log); without PyPI, give" \
+                "WHEELS=folder of wheels for the missing packages:" >&2
+            tail -n 20 "$OUT_DIR/pip.log" >&2
+            exit 2
+        fi
     fi
 fi
 
