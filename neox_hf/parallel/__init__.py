@@ -80,7 +80,9 @@ def parallelize(model, layout: Layout, recipe, accelerator):
     if layout.tp > 1 and not getattr(model.get_output_embeddings(), "loss_sum", None):
         model = apply_tensor_parallel(model, layout.tp_group, sequence_parallel=recipe.parallel.sequence_parallel)
     if recipe.parallel.activation_checkpointing:
-        model.activation_checkpointing_enable()
+        # transformers renamed gradient_checkpointing_enable after 5.17; setup.py admits every 5.x.
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
     if recipe.train.compile:
         # Only the decoder, in place (nn.Module.compile keeps the state-dict keys): the fused loss runs eagerly.
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
