@@ -6,6 +6,8 @@ Each reads one format, builds our model, and writes through `save_hf_folder` (at
 
 from __future__ import annotations
 
+import re
+import tempfile
 from pathlib import Path
 
 import torch
@@ -95,11 +97,9 @@ def training_checkpoint_state_dict(checkpoint_dir: Path, config=None) -> dict[st
         if is_pipeline_checkpoint(deepspeed_tag):
             # The module weights of every stage (in the training dtype; the fp32 masters are ZeRO optimizer state).
             return pipeline_checkpoint_state_dict(deepspeed_tag, config or NeoXConfig.from_pretrained(checkpoint_dir))
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
         try:
             with weights_only_loads(deepspeed=True):  # zero_to_fp32 loads its files with weights_only=False
-                return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag="pytorch_model")
+                return zero_checkpoint_state_dict(deepspeed_tag)
         except Exception as err:
             if is_weights_only_refusal(err):
                 raise CheckpointError(folder_refusal_message(checkpoint_dir, err, deepspeed=True)) from err
@@ -113,8 +113,49 @@ def training_checkpoint_state_dict(checkpoint_dir: Path, config=None) -> dict[st
                           "give a checkpoints/step_* folder written by neox_hf")
 
 
+_MP_RANK = re.compile(r"mp_rank_(\d+)_")
+
+
+def zero_checkpoint_state_dict(engine_dir: Path) -> dict[str, torch.Tensor]:
+    """Weights of a DeepSpeed engine folder (not a pipeline), each tensor-parallel rank's shards concatenated along
+    the TP plan's dimensions: the fp32 masters DeepSpeed's zero_to_fp32 gathers from the ZeRO partitions, or under
+    ZeRO stage 0 (no partitions) the module weights of the model-states files, in the training dtype.
+
+    Gaps filled: zero_to_fp32 reads one model-parallel rank (given a TP checkpoint it counts every rank's optimizer
+    files as data-parallel partitions and refuses) and no stage-0 checkpoint. It reads a folder, so each TP rank is
+    shown a folder of links holding only that rank's files, under rank 0's names. Call inside `weights_only_loads`."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ranks = sorted({int(m[1]) for p in engine_dir.glob("*model_states.pt") if (m := _MP_RANK.search(p.name))})
+    if not any(engine_dir.glob("*optim_states.pt")):
+        return _merge_tp_shards([torch.load(engine_dir / f"mp_rank_{rank:02d}_model_states.pt", map_location="cpu",
+                                            weights_only=True)["module"] for rank in ranks])
+    if len(ranks) <= 1:
+        return get_fp32_state_dict_from_zero_checkpoint(str(engine_dir.parent), tag=engine_dir.name)
+    shards = []
+    for rank in ranks:
+        with tempfile.TemporaryDirectory() as view:
+            (Path(view) / engine_dir.name).mkdir()
+            for path in engine_dir.glob(f"*mp_rank_{rank:02d}_*"):
+                (Path(view) / engine_dir.name / path.name.replace(f"mp_rank_{rank:02d}_", "mp_rank_00_")).symlink_to(
+                    path.resolve())
+            shards.append(get_fp32_state_dict_from_zero_checkpoint(view, tag=engine_dir.name))
+    return _merge_tp_shards(shards)
+
+
+def _merge_tp_shards(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    from neox_hf.parallel.tp_plan import partition_dim
+
+    if len(shards) == 1:
+        return shards[0]
+    return {key: value if (dim := partition_dim(key)) is None else torch.cat([s[key] for s in shards], dim=dim)
+            for key, value in shards[0].items()}
+
+
 def export_training_checkpoint(checkpoint_dir, out_dir) -> Path:
     """`neox_hf export`: a resumable checkpoint (any ZeRO stage) → consolidated HF folder with tokenizer."""
+    from neox_hf.train.checkpoint import checkpoint_to_read
+
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise CheckpointError(f"checkpoint folder not found: {checkpoint_dir}; give a checkpoints/step_* folder or "
@@ -122,8 +163,7 @@ def export_training_checkpoint(checkpoint_dir, out_dir) -> Path:
     if (checkpoint_dir / "checkpoints").is_dir():
         raise CheckpointError(f"{checkpoint_dir} is a run's output folder (already a Hugging Face model folder when the "
                               f"run finished); to export a checkpoint give `neox_hf export {checkpoint_dir / 'checkpoints'} OUT`")
-    if (checkpoint_dir / "latest").is_file():
-        checkpoint_dir = checkpoint_dir / (checkpoint_dir / "latest").read_text().strip()
+    checkpoint_dir = checkpoint_to_read(checkpoint_dir)
     if (checkpoint_dir / "config.json").is_file() and not list(checkpoint_dir.glob("trainer_state_rank*.pt")):
         raise CheckpointError(f"{checkpoint_dir} is a Hugging Face model folder, not a training checkpoint: load it "
                               "with from_pretrained as it is (nothing to export)")

@@ -72,6 +72,7 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
         "scheduler": scheduler.state_dict(),
         "data": data_loader.state_dict() if hasattr(data_loader, "state_dict") else None,
         "precision": precision,
+        "writer": run_description(accelerator),
     }
     atomic_torch_save(trainer_state, staging / f"trainer_state_rank{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()
@@ -150,6 +151,23 @@ def find_resume_checkpoint(resume: str | None, output_dir, notify=None) -> Path 
     return folder
 
 
+def checkpoint_to_read(folder: Path) -> Path:
+    """The step folder a reader (`neox_hf export`) means by `folder`: a step folder itself (DeepSpeed writes a `latest`
+    of its own inside, naming its engine folder, which is not a checkpoint), or for a checkpoints/ root the one its
+    `latest` names, else its most recently written complete one. Reads only: a dangling pointer is left for the
+    resume to repair. Anything else is returned as given, for the caller to say what it lacks."""
+    if checkpoint_step(folder) is not None or (folder / "trainer_state_rank0.pt").is_file():
+        return folder
+    pointer = folder / LATEST
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    if named and is_complete_checkpoint(folder / named):
+        return folder / named
+    candidates = complete_checkpoints(folder)
+    if not candidates:
+        return folder / named if named else folder
+    return max(candidates, key=lambda p: ((p / "trainer_state_rank0.pt").stat().st_mtime, checkpoint_step(p)))
+
+
 def _latest_or_newest(root: Path, notify) -> Path | None:
     pointer = root / LATEST
     named = pointer.read_text().strip() if pointer.is_file() else None
@@ -186,13 +204,12 @@ def load_checkpoint(accelerator, folder: Path, *, scheduler, data_loader) -> Tra
     """Restore everything `save_checkpoint` wrote; return the training position.
 
     A truncated or corrupt file, or a model whose shape no longer matches the checkpoint, raises CheckpointError
-    naming the file and the previous checkpoint to resume from instead."""
+    naming the file and the previous checkpoint to resume from instead; a checkpoint another launch wrote (DeepSpeed
+    or not, ZeRO stage, data / tensor / pipeline sizes) raises CheckpointError saying which, before anything is read."""
+    check_same_writer(folder, run_description(accelerator))
     state_file = folder / f"trainer_state_rank{accelerator.process_index}.pt"
     if not state_file.is_file():
-        raise CheckpointError(
-            f"{state_file} is missing: the checkpoint was written by a different number of processes or is incomplete; "
-            "resume with the same launch layout"
-        )
+        raise CheckpointError(f"{state_file} is missing: the checkpoint is incomplete; {_resume_hint(folder)}")
     trainer_state = _read_torch_file(state_file, folder)
     # accelerate skips an unreadable (or refused) RNG file with an info log and resumes with other randomness
     _read_torch_file(folder / f"random_states_{accelerator.process_index}.pkl", folder, required=False)
@@ -216,6 +233,93 @@ def checkpoint_precision(folder: Path) -> str | None:
     except Exception:  # noqa: BLE001 — corrupt or missing: load_checkpoint names the file and the fix
         return None
     return state.get("precision") if isinstance(state, dict) else None
+
+
+# What wrote a checkpoint. DeepSpeed's files hold each rank's ZeRO partitions and TP / pipeline slices under names of
+# that layout, accelerate's plain files the whole model of one process: only a run of the same description reads them.
+_LAYOUT_KEYS = ("deepspeed", "zero_stage", "processes", "data_parallel", "tensor_parallel", "pipeline_parallel")
+
+
+def run_description(accelerator) -> dict:
+    """DeepSpeed or not, its ZeRO stage, and the process / data / tensor / pipeline sizes of a prepared run (what
+    `save_checkpoint` records as the trainer state's `writer`); None where unknown."""
+    processes = accelerator.num_processes
+    if not _uses_deepspeed(accelerator):  # plain Accelerate: one process (several always run through DeepSpeed)
+        return {"deepspeed": False, "zero_stage": None, "processes": processes, "data_parallel": processes,
+                "tensor_parallel": 1, "pipeline_parallel": 1}
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    engine = getattr(wrapped, "engine", None)
+    if engine is None:  # not prepared yet: what the plugin says
+        return {"deepspeed": True, "zero_stage": accelerator.state.deepspeed_plugin.zero_stage, "processes": processes,
+                "data_parallel": None, "tensor_parallel": None, "pipeline_parallel": None}
+    # DeepSpeed's "model parallel" size counts pipeline stages too; processes = data × tensor × pipeline.
+    dp, pp = int(engine.dp_world_size), int(getattr(engine, "num_stages", 1))  # only a PipelineEngine has stages
+    return {"deepspeed": True, "zero_stage": int(engine.zero_optimization_stage()), "processes": processes,
+            "data_parallel": dp, "tensor_parallel": processes // (dp * pp), "pipeline_parallel": pp}
+
+
+def checkpoint_writer(folder: Path) -> dict | None:
+    """What wrote `folder` (`run_description` of that run); for a checkpoint written before it was recorded, what its
+    files show (DeepSpeed or not, the number of processes). None when rank 0's trainer state is unreadable
+    (`load_checkpoint` reports that)."""
+    try:
+        state = load_torch_safely(folder / "trainer_state_rank0.pt")
+    except Exception:  # noqa: BLE001 — corrupt or missing: reported by the load, naming the file
+        return None
+    if isinstance(state, dict) and isinstance(state.get("writer"), dict):
+        return state["writer"]
+    return {"deepspeed": (folder / "pytorch_model").is_dir(),
+            "processes": len(list(folder.glob("trainer_state_rank*.pt")))}
+
+
+def check_same_writer(folder: Path, current: dict) -> None:
+    """Refuse, before loading, a checkpoint written by another kind of launch, naming both: its files are intact but
+    this run cannot read them (the loaders then fail on a missing or misshapen file, which looks like damage)."""
+    writer = checkpoint_writer(folder)
+    if writer is None:
+        return
+    differ = [k for k in _LAYOUT_KEYS if writer.get(k) is not None and current.get(k) is not None
+              and _comparable(k, writer[k]) != _comparable(k, current[k])]
+    if not differ:
+        return
+    raise CheckpointError(
+        f"{folder} was written by {describe_run(writer)}; this run is {describe_run(current)}, which cannot read it "
+        f"(the checkpoint is intact): resume with the launch that wrote it, {launch_command(writer)}, or "
+        f"export its weights with `neox_hf export {folder} OUT` and start a new run from them with "
+        "`--model.from_pretrained OUT`")
+
+
+def _comparable(key: str, value):
+    # ZeRO-1 and ZeRO-2 write one optimizer-state format (DeepSpeed's stage_1_and_2.py): either resumes the other.
+    return "1-2" if key == "zero_stage" and value in (1, 2) else value
+
+
+def describe_run(run: dict) -> str:
+    """E.g. 'DeepSpeed ZeRO-1 on 2 processes', '1 process without DeepSpeed', 'DeepSpeed ZeRO-1 on 4 processes
+    (2 data-parallel × tensor parallel 2)'."""
+    count = run.get("processes")
+    processes = f"{count} process{'es' if count != 1 else ''}" if count else "an unknown number of processes"
+    if not run.get("deepspeed"):
+        return f"{processes} without DeepSpeed"
+    stage = f"DeepSpeed ZeRO-{run['zero_stage']}" if run.get("zero_stage") is not None else "DeepSpeed"
+    tp, pp = run.get("tensor_parallel") or 1, run.get("pipeline_parallel") or 1
+    if tp == 1 and pp == 1:
+        return f"{stage} on {processes}"
+    sizes = [f"{run.get('data_parallel')} data-parallel"] + ([f"tensor parallel {tp}"] if tp > 1 else []) + (
+        [f"{pp} pipeline stages"] if pp > 1 else [])
+    return f"{stage} on {processes} ({' × '.join(sizes)})"
+
+
+def launch_command(run: dict) -> str:
+    """The command that resumes a run of this description."""
+    if not run.get("deepspeed"):
+        return "`python run_clm_neox.py RECIPE --parallel.zero_stage 0 --resume`"
+    options = "".join(f" --parallel.{key} {run[key]}" for key in ("zero_stage", "tensor_parallel", "pipeline_parallel")
+                      if run.get(key) is not None and (key == "zero_stage" or run[key] > 1))
+    count = run.get("processes")
+    if count == 1:
+        return f"`python run_clm_neox.py RECIPE{options} --resume`"
+    return f"`accelerate launch --use_deepspeed --num_processes {count or 'N'} run_clm_neox.py RECIPE{options} --resume`"
 
 
 def _uses_deepspeed(accelerator) -> bool:
@@ -248,12 +352,16 @@ def _load_error(folder: Path, err: Exception, *, deepspeed: bool = False) -> Che
             f"checkpoint was written with ({folder.parent.parent / 'recipe.yaml'} if the run finished), or start a new "
             "run in another output.dir"
         )
-    bad = _first_unreadable_file(folder)
-    where = f"{bad} is truncated or corrupt" if bad else f"a file of {folder} is truncated or corrupt"
-    return CheckpointError(f"cannot load checkpoint {folder}: {where} ({text}); {_resume_hint(folder)}")
+    bad = first_unreadable_file(folder)
+    if bad is None:  # nothing is damaged: no advice that would delete it
+        return CheckpointError(f"cannot load checkpoint {folder} ({text}); its files are intact as far as neox_hf can "
+                               f"check: resume with the launch and recipe that wrote it, or export its weights with "
+                               f"`neox_hf export {folder} OUT`")
+    return CheckpointError(f"cannot load checkpoint {folder}: {bad} is truncated or corrupt ({text}); "
+                           f"{_resume_hint(folder)}")
 
 
-def _first_unreadable_file(folder: Path) -> Path | None:
+def first_unreadable_file(folder: Path) -> Path | None:
     """The first weight / state file whose container is damaged (cheap checks: safetensors header and size,
     torch's zip directory), else None."""
     import zipfile

@@ -1,0 +1,87 @@
+"""Checkpoints meeting the faults of real machines, through the real entry points: DeepSpeed step folders exported
+one by one (not only the latest), a checkpoint resumed by another kind of launch (told apart from a damaged one,
+whose advice would delete it), a truncated checkpoint exported, a disk that fills during a save, a run killed
+between a save's staging and its rename."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from neox_hf.train.checkpoint import checkpoint_name
+from tests.conftest import REPO, accelerate_launch_command, launch_env, reset_accelerate_state
+from tests.test_checkpoint_lifecycle import assert_refused, tiny_args
+
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "small.txt"
+    path.write_text((REPO / "examples" / "data" / "tinyshakespeare.txt").read_text()[:20000])
+    return path
+
+
+@pytest.fixture(scope="module")
+def zero2_run(tmp_path_factory, small_text) -> Path:
+    """A real 2-process DeepSpeed ZeRO-2 run (fp32) with checkpoints at steps 1 and 2 (the latest); its final folder
+    holds the step-2 weights. One launch (~15 s on 2 cores) serves every test of this module that needs DeepSpeed."""
+    out = tmp_path_factory.mktemp("zero2") / "run"
+    command = accelerate_launch_command(REPO / "run_clm_neox.py", *tiny_args(
+        out, small_text, "--parallel.zero_stage", "2", "--train.precision", "fp32", steps=2, save=1), zero_stage=2)
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=launch_env(), timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return out
+
+
+def export(checkpoint: Path, out: Path, capsys) -> tuple[int, str]:
+    from neox_hf.cli import main
+
+    code = main(["export", str(checkpoint), str(out)])
+    return code, capsys.readouterr().err
+
+
+def assert_every_checkpoint_exports(run: Path, tmp_path: Path, capsys) -> None:
+    """`neox_hf export` of each step folder (DeepSpeed writes a `latest` of its own inside each) and of checkpoints/,
+    which means the latest: the run's final weights. For tests/test_resume.py's runs too (TP2, ZeRO-2)."""
+    folders = sorted((run / "checkpoints").glob("step_*"))
+    assert len(folders) >= 2, folders
+    exported = {}
+    for folder in folders:
+        code, err = export(folder, tmp_path / folder.name, capsys)
+        assert code == 0, err
+        exported[folder.name] = load_file(tmp_path / folder.name / "model.safetensors")
+    code, err = export(run / "checkpoints", tmp_path / "latest", capsys)
+    assert code == 0, err
+    latest, final = load_file(tmp_path / "latest" / "model.safetensors"), load_file(run / "model.safetensors")
+    assert set(latest) == set(final) and all(torch.equal(latest[k].to(final[k].dtype), final[k]) for k in final)
+    assert all(torch.equal(exported[folders[-1].name][k], latest[k]) for k in latest)
+    earlier = exported[folders[0].name]  # an earlier step: other weights, the same names and shapes
+    assert {k: v.shape for k, v in earlier.items()} == {k: v.shape for k, v in latest.items()}
+    assert any(not torch.equal(earlier[k], latest[k]) for k in latest)
+
+
+def test_every_zero2_step_folder_exports_not_only_the_latest(zero2_run, tmp_path, capsys):
+    assert (zero2_run / "checkpoints" / checkpoint_name(1) / "latest").is_file()  # DeepSpeed's, naming its tag
+    assert_every_checkpoint_exports(zero2_run, tmp_path, capsys)
+
+
+def test_a_zero_checkpoint_resumed_by_one_plain_process_is_refused_naming_both_launches(
+        zero2_run, small_text, tmp_path, capsys, fresh_accelerate_state):
+    """It was called truncated or corrupt, with advice (start again with --overwrite) that deletes a good checkpoint."""
+    from neox_hf.train import main
+
+    out = tmp_path / "run"
+    shutil.copytree(zero2_run, out)
+    before = {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()}
+    code = main(tiny_args(out, small_text, "--parallel.zero_stage", "0", "--train.precision", "fp32", "--resume",
+                          steps=3, save=3))
+    err = capsys.readouterr().err
+    assert_refused(code, err, f"{out / 'checkpoints' / checkpoint_name(2)} was written by DeepSpeed ZeRO-2 on 2 "
+                   "processes; this run is 1 process without DeepSpeed", "--num_processes 2",
+                   "--parallel.zero_stage 2", f"neox_hf export {out / 'checkpoints' / checkpoint_name(2)} OUT")
+    assert "corrupt" not in err and "--overwrite" not in err
+    assert {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()} == before
