@@ -299,12 +299,18 @@ def _tiny_model_folder(folder: Path, layers: int) -> Path:
     return folder
 
 
-def test_an_adapter_is_refused_on_a_base_it_does_not_fit(tmp_path):
+def test_an_adapter_is_refused_on_a_base_it_does_not_fit(tmp_path, capsys):
+    """peft only warns when adapter weights find no module of the base (another layer count) and merges the rest:
+    `neox_hf merge` refuses. Since merge also refuses a base other than the one the adapter records, the shape check
+    is reached by a base folder replaced after training (same path, other model) and by --force onto another base."""
+    import shutil
+
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import GPTNeoXForCausalLM
 
-    from neox_hf.finetune import merge_adapter
+    from neox_hf.cli import main
+    from tests.test_checkpoint_lifecycle import assert_refused
 
     torch.manual_seed(0)
     base3 = _tiny_model_folder(tmp_path / "base3", layers=3)
@@ -312,7 +318,14 @@ def test_an_adapter_is_refused_on_a_base_it_does_not_fit(tmp_path):
     lora = get_peft_model(GPTNeoXForCausalLM.from_pretrained(base3),
                           LoraConfig(r=2, lora_alpha=4, target_modules=["query_key_value"]))
     lora.save_pretrained(tmp_path / "adapter")
-    merge_adapter(base3, tmp_path / "adapter", tmp_path / "merged")  # the right base merges
-    with pytest.raises(CheckpointError, match="does not fit base model"):
-        merge_adapter(base1, tmp_path / "adapter", tmp_path / "merged-wrong")
-    assert not (tmp_path / "merged-wrong" / "config.json").exists()
+    assert main(["merge", str(base3), str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 0  # the right base
+    capsys.readouterr()
+
+    assert main(["merge", str(base1), str(tmp_path / "adapter"), str(tmp_path / "other-base"), "--force"]) == 2
+    assert_refused(2, capsys.readouterr().err, "does not fit base model", str(base1))
+
+    shutil.rmtree(base3)
+    _tiny_model_folder(base3, layers=1)  # the recorded base, replaced by another model
+    assert main(["merge", str(base3), str(tmp_path / "adapter"), str(tmp_path / "replaced-base")]) == 2
+    assert_refused(2, capsys.readouterr().err, "does not fit base model", str(base3))
+    assert not (tmp_path / "other-base").exists() and not (tmp_path / "replaced-base").exists()
