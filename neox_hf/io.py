@@ -43,6 +43,17 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
+def give_umask_modes(path: Path) -> None:
+    """Give `path` (every file under it, for a folder) the mode a plain `open()` would: 0666 minus the umask, and the
+    execute bits minus the umask where the owner's is set. `tempfile.mkstemp` and safetensors create files 0600, and a
+    run's folder is often shared."""
+    mask = _umask()
+    for entry in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        if entry.is_file() and not entry.is_symlink():
+            executable = 0o111 if entry.stat().st_mode & 0o100 else 0
+            os.chmod(entry, (0o666 | executable) & ~mask)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `path` to write a file to; on success it is fsynced and renamed onto `path`,
@@ -56,7 +67,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
+        give_umask_modes(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -94,6 +105,7 @@ def atomic_folder(path: str | os.PathLike, *, replace: bool = True) -> Iterator[
     os.chmod(staging, 0o777 & ~_umask())
     try:
         yield staging
+        give_umask_modes(staging)
         if path.exists():
             if not replace:
                 raise FileExistsError(path)
@@ -108,6 +120,7 @@ def atomic_folder(path: str | os.PathLike, *, replace: bool = True) -> Iterator[
 def move_files_into(staging: Path, out_dir: Path, *, last: str | None = None) -> None:
     """Rename every file of `staging` into `out_dir` (`last` moved last: a reader takes its presence to mean the rest
     is complete), then remove `staging`. For folders that hold more than the written files (a run's output.dir)."""
+    give_umask_modes(staging)
     for entry in sorted(staging.iterdir(), key=lambda p: p.name == last):
         target = out_dir / entry.name
         if entry.is_dir() and target.is_dir():

@@ -8,11 +8,10 @@ the model card shows for it (the picture and the last lm-eval scores).
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 from neox_hf.eval_tasks import eval_tasks_card_section
+from neox_hf.io import atomic_path
 from neox_hf.train.run_log import RunLog, read_run_log
 
 PLOT_NAME = "run.png"
@@ -38,15 +37,11 @@ def write_run_plot(output_dir) -> Path:
     axes[-1].set_xlabel("step")
     figure.suptitle(f"{output_dir.resolve().name}: {len(log.steps)} steps")
     path = output_dir / PLOT_NAME
-    descriptor, temporary = tempfile.mkstemp(prefix=".tmp-run-", suffix=".png", dir=output_dir)
-    os.close(descriptor)
     try:
-        figure.savefig(temporary, dpi=100)
-        os.replace(temporary, path)
+        with atomic_path(path) as temporary:
+            figure.savefig(temporary, dpi=100, format="png")  # the temporary name does not end in .png
     finally:
         plt.close(figure)
-        if os.path.exists(temporary):
-            os.remove(temporary)
     return path
 
 

@@ -85,3 +85,24 @@ def test_a_zero_checkpoint_resumed_by_one_plain_process_is_refused_naming_both_l
                    "--parallel.zero_stage 2", f"neox_hf export {out / 'checkpoints' / checkpoint_name(2)} OUT")
     assert "corrupt" not in err and "--overwrite" not in err
     assert {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()} == before
+
+
+def test_a_runs_files_get_the_umasks_mode(small_text, tmp_path, capsys, fresh_accelerate_state):
+    """neox_hf.io promises what a plain open() gives (0666 minus the umask): safetensors and tempfile write 0600, so the
+    model, the checkpoint's weights and run.png were unreadable to the group that shares the run."""
+    import os
+    import stat
+
+    from neox_hf.train import main
+
+    out = tmp_path / "run"
+    umask = os.umask(0o022)
+    try:
+        assert main(tiny_args(out, small_text, "--train.precision", "fp32", steps=1, save=1)) == 0
+    finally:
+        os.umask(umask)
+    written = [out / "model.safetensors", out / "run.png", out / "config.json",
+               out / "checkpoints" / checkpoint_name(1) / "model.safetensors",
+               out / "checkpoints" / checkpoint_name(1) / "trainer_state_rank0.pt"]
+    modes = {path.relative_to(out).as_posix(): oct(stat.S_IMODE(path.stat().st_mode)) for path in written}
+    assert set(modes.values()) == {"0o644"}, modes

@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from neox_hf.errors import CheckpointError
-from neox_hf.io import (TMP_PREFIX, atomic_torch_save, atomic_write_text, folder_refusal_message, is_weights_only_refusal,
-                        load_torch_safely, weights_only_loads)
+from neox_hf.io import (TMP_PREFIX, atomic_torch_save, atomic_write_text, folder_refusal_message, give_umask_modes,
+                        is_weights_only_refusal, load_torch_safely, weights_only_loads)
 
 LATEST = "latest"
 _STEP_NAME = re.compile(r"step_(\d+)")
@@ -83,6 +83,7 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         # Not neox_hf.io.atomic_folder: every rank writes into the staging folder, so its name must be known to all.
+        give_umask_modes(staging)  # safetensors writes the weights 0600
         shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an abandoned timeline
         os.replace(staging, final)
         atomic_write_text(root / LATEST, final.name)
