@@ -37,6 +37,19 @@ def zero2_run(tmp_path_factory, small_text) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory, small_text) -> Path:
+    """A 1-process run without DeepSpeed, checkpoints at steps 1 and 2."""
+    from neox_hf.train import main
+
+    out = tmp_path_factory.mktemp("plain") / "run"
+    try:
+        assert main(tiny_args(out, small_text, "--train.precision", "fp32", steps=2, save=1)) == 0
+    finally:
+        reset_accelerate_state()
+    return out
+
+
 def export(checkpoint: Path, out: Path, capsys) -> tuple[int, str]:
     from neox_hf.cli import main
 
@@ -106,3 +119,17 @@ def test_a_runs_files_get_the_umasks_mode(small_text, tmp_path, capsys, fresh_ac
                out / "checkpoints" / checkpoint_name(1) / "trainer_state_rank0.pt"]
     modes = {path.relative_to(out).as_posix(): oct(stat.S_IMODE(path.stat().st_mode)) for path in written}
     assert set(modes.values()) == {"0o644"}, modes
+
+
+@pytest.mark.parametrize("kind", ["plain", "zero2"])
+def test_export_of_a_truncated_checkpoint_names_the_file(kind, request, tmp_path, capsys):
+    run = request.getfixturevalue(f"{kind}_run")
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    step = out / "checkpoints" / checkpoint_name(2)
+    (damaged,) = step.glob("model.safetensors") if kind == "plain" else (step / "pytorch_model").glob(
+        "zero_pp_rank_1_*optim_states.pt")
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    code, err = export(out / "checkpoints", tmp_path / "hf", capsys)
+    assert_refused(code, err, f"{damaged} is truncated or corrupt", checkpoint_name(1))
+    assert not (tmp_path / "hf").exists()

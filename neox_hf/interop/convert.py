@@ -154,7 +154,7 @@ def _merge_tp_shards(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.T
 
 def export_training_checkpoint(checkpoint_dir, out_dir) -> Path:
     """`neox_hf export`: a resumable checkpoint (any ZeRO stage) → consolidated HF folder with tokenizer."""
-    from neox_hf.train.checkpoint import checkpoint_to_read
+    from neox_hf.train.checkpoint import checkpoint_to_read, first_unreadable_file, previous_checkpoint
 
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
@@ -171,10 +171,26 @@ def export_training_checkpoint(checkpoint_dir, out_dir) -> Path:
         raise CheckpointError(f"{checkpoint_dir / 'config.json'} is missing: not a neox_hf training checkpoint")
     config = NeoXConfig.from_pretrained(checkpoint_dir)
     model = NeoXForCausalLM(config)
-    state = training_checkpoint_state_dict(checkpoint_dir, config)
+    try:
+        state = training_checkpoint_state_dict(checkpoint_dir, config)
+    except CheckpointError:
+        raise
+    except Exception as err:  # safetensors, torch's zip reader, zero_to_fp32: their own types, no file named
+        damaged = first_unreadable_file(checkpoint_dir)
+        if damaged is None:
+            raise
+        previous = previous_checkpoint(checkpoint_dir)
+        raise CheckpointError(f"cannot export {checkpoint_dir}: {damaged} is truncated or corrupt "
+                              f"({_first_line(err)})" + (f"; export the previous checkpoint, {previous}" if previous
+                                                         else "")) from err
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
         raise CheckpointError(f"{checkpoint_dir}: weights do not match its config (missing {missing[:5]}, unexpected {unexpected[:5]})")
     tokenizer = load_tokenizer(str(checkpoint_dir)) if (checkpoint_dir / "tokenizer.json").is_file() else None
     return save_hf_folder(model, out_dir, tokenizer=tokenizer)
+
+
+def _first_line(err: BaseException) -> str:
+    """The first sentence of the first line (torch's zip reader appends a paragraph of advice)."""
+    return next(iter(str(err).strip().splitlines()), type(err).__name__).split(". ")[0].rstrip(".")
