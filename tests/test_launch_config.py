@@ -167,3 +167,18 @@ def test_the_recipes_collective_timeout_reaches_the_process_group(tmp_path):
                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert done.returncode == 0, done.stderr[-2000:]
     assert "timeout 0:07:00" in done.stdout
+
+
+@pytest.mark.parametrize("zero_stage,accumulation,fp32_accumulation", [(2, 4, True), (1, 2, True), (2, 1, False),
+                                                                       (0, 4, False)])
+def test_bf16_gradients_accumulate_in_fp32_where_deepspeed_supports_it(zero_stage, accumulation, fp32_accumulation,
+                                                                       fresh_accelerate_state, tmp_path):
+    """The Accelerator DeepSpeed is built with carries it (ZeRO-0 refuses bf16 weights with fp32 accumulation)."""
+    from neox_hf.parallel.accelerator import build_accelerator
+    from neox_hf.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict({"parallel": {"zero_stage": zero_stage, "use_deepspeed": True},
+                               "train": {"precision": "bf16", "gradient_accumulation_steps": accumulation},
+                               "output": {"dir": str(tmp_path)}})
+    ds = build_accelerator(recipe).state.deepspeed_plugin.deepspeed_config
+    assert (ds.get("data_types", {}).get("grad_accum_dtype") == "fp32") is fp32_accumulation

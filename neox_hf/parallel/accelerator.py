@@ -59,6 +59,10 @@ def deepspeed_config(parallel: ParallelConfig, train: TrainConfig) -> dict:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if parallel.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if torch.cuda.is_available() and parallel.zero_stage in (1, 2):
+        # Reduce gradients while backward still runs (NCCL on its own stream; gloo gains nothing), as transformers'
+        # DeepSpeed configs do.
+        zero["overlap_comm"] = True
     config = {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
@@ -90,6 +94,12 @@ def deepspeed_config(parallel: ParallelConfig, train: TrainConfig) -> dict:
         # shapes of the first micro-batch: wrong once shapes vary (pad mode, token budgets), and gloo has no
         # all_gather_into_tensor. Every TP rank sends its whole (replicated) activation instead.
         config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
+    if train.precision == "bf16" and train.gradient_accumulation_steps > 1 and parallel.zero_stage in (1, 2) \
+            and parallel.pipeline_parallel == 1:
+        # DeepSpeed sums bf16 gradients in bf16 by default: over 32 micro-batches (GPT-NeoX-20B's accumulation) its
+        # 8-bit mantissa drops the later ones' low bits. fp32 accumulation, as GPT-NeoX's bf16 runs configure; DeepSpeed
+        # supports it for ZeRO-1/2 (ZeRO-0 refuses the mix; the pipeline engine keeps its own).
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
     if parallel.deepspeed_config:
         config = merge_dicts(config, _read_json(parallel.deepspeed_config))
     return config
