@@ -133,3 +133,45 @@ def test_export_of_a_truncated_checkpoint_names_the_file(kind, request, tmp_path
     code, err = export(out / "checkpoints", tmp_path / "hf", capsys)
     assert_refused(code, err, f"{damaged} is truncated or corrupt", checkpoint_name(1))
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """`mount(size_bytes)` → a folder on a tmpfs of that size (root only: skipped where mounting is not permitted)."""
+    mounted = []
+
+    def mount(size_bytes: int) -> Path:
+        folder = tmp_path / f"disk{len(mounted)}"
+        folder.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(folder)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip()}): needs root")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+@pytest.mark.parametrize("room", ["weights", "optimizer"])
+def test_a_disk_that_fills_during_a_checkpoint_save_keeps_the_previous_one_and_no_staging(
+        room, plain_run, small_text, small_disk, capsys, fresh_accelerate_state):
+    """Room for the step-1 checkpoint and part of step 2's: the save fails in safetensors' writer (`weights`) or in
+    torch.save's zip writer (`optimizer`), which raised SafetensorError / `RuntimeError: [enforce fail at
+    inline_container.cc]` and left the staging folder filling the disk. A real full disk: a tmpfs."""
+    from neox_hf.train import main
+
+    step1 = plain_run / "checkpoints" / checkpoint_name(1)
+    sizes = {p.name: p.stat().st_size for p in step1.iterdir()}
+    extra = {"weights": sizes["model.safetensors"] // 2,
+             "optimizer": sizes["model.safetensors"] + sizes["optimizer.bin"] // 2}[room]
+    out = small_disk(sum(sizes.values()) + extra + (1 << 20)) / "run"
+    code = main(tiny_args(out, small_text, "--train.precision", "fp32", steps=2, save=1))
+    assert_refused(code, capsys.readouterr().err, f"no space left on {out}", "step_00000002",
+                   f"the previous checkpoint, {checkpoint_name(1)}, is intact")
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", checkpoint_name(1)]  # no staging left
+    assert (checkpoints / "latest").read_text() == checkpoint_name(1)
+    assert sorted(p.name for p in (checkpoints / checkpoint_name(1)).iterdir()) == sorted(sizes)

@@ -66,22 +66,27 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(staging))
-    trainer_state = {
-        "train_state": asdict(state),
-        "scheduler": scheduler.state_dict(),
-        "data": data_loader.state_dict() if hasattr(data_loader, "state_dict") else None,
-        "precision": precision,
-        "writer": run_description(accelerator),
-    }
-    atomic_torch_save(trainer_state, staging / f"trainer_state_rank{accelerator.process_index}.pt")
+    try:
+        accelerator.save_state(str(staging))
+        trainer_state = {
+            "train_state": asdict(state),
+            "scheduler": scheduler.state_dict(),
+            "data": data_loader.state_dict() if hasattr(data_loader, "state_dict") else None,
+            "precision": precision,
+            "writer": run_description(accelerator),
+        }
+        atomic_torch_save(trainer_state, staging / f"trainer_state_rank{accelerator.process_index}.pt")
+    except Exception as err:
+        raise _save_failed(output_dir, staging, err) from err
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        # config + tokenizer make the checkpoint self-describing for `neox_hf export`.
-        if model_config is not None:
-            model_config.save_pretrained(staging)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
+        try:  # config + tokenizer make the checkpoint self-describing for `neox_hf export`.
+            if model_config is not None:
+                model_config.save_pretrained(staging)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
+        except Exception as err:
+            raise _save_failed(output_dir, staging, err) from err
         # Not neox_hf.io.atomic_folder: every rank writes into the staging folder, so its name must be known to all.
         give_umask_modes(staging)  # safetensors writes the weights 0600
         shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an abandoned timeline
@@ -90,6 +95,43 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
         prune_checkpoints(root, keep_last_n, current_step=state.step)
     accelerator.wait_for_everyone()
     return final
+
+
+def _save_failed(output_dir, staging: Path, err: Exception) -> Exception:
+    """Remove the half-written `staging` (on a full disk it holds the space a retry needs, ~100 MB for a tiny model)
+    and return what to raise: for a full disk one line saying so and which checkpoint is intact (safetensors and
+    torch.save report it in their own words: `SafetensorError ... os error 28`, `[enforce fail at
+    inline_container.cc]`); anything else as it was. A rank that fails while others wait in DeepSpeed's save
+    collectives leaves them to the process group's timeout."""
+    full = _out_of_space(err, staging.parent)
+    shutil.rmtree(staging, ignore_errors=True)
+    if not full:
+        return err
+    root, name = staging.parent, staging.name.removeprefix(TMP_PREFIX)
+    pointer = root / LATEST
+    previous = pointer.read_text().strip() if pointer.is_file() else None
+    kept = (f"the previous checkpoint, {previous}, is intact" if previous and is_complete_checkpoint(root / previous)
+            else "no earlier checkpoint was written")
+    return CheckpointError(f"no space left on {output_dir} while saving checkpoint {name}: {kept}, and the partial "
+                           f"{name} was removed; free space (or lower `train.keep_last_n`), then continue with --resume")
+
+
+def _out_of_space(err: BaseException, folder: Path) -> bool:
+    """Whether a failed write ran out of disk: ENOSPC / EDQUOT anywhere in the chain, a library's text for it, or
+    (torch's zip writer only says `unexpected pos`) next to no space left on the folder's filesystem."""
+    import errno
+
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(cause) for text in ("No space left on device", "os error 28", "Disk quota exceeded")):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    try:
+        return shutil.disk_usage(folder).free < 16 << 20
+    except OSError:
+        return False
 
 
 def checkpoint_step(folder: Path) -> int | None:
