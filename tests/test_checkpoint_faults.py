@@ -175,3 +175,23 @@ def test_a_disk_that_fills_during_a_checkpoint_save_keeps_the_previous_one_and_n
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", checkpoint_name(1)]  # no staging left
     assert (checkpoints / "latest").read_text() == checkpoint_name(1)
     assert sorted(p.name for p in (checkpoints / checkpoint_name(1)).iterdir()) == sorted(sizes)
+
+
+def test_a_run_killed_after_its_final_evaluation_resumes_without_a_second_eval_line(small_text, tmp_path, capsys,
+                                                                                   fresh_accelerate_state):
+    """Killed between the final evaluation (logged after the last checkpoint) and the end of the final save: the
+    resume from that checkpoint evaluates again, and train_log.jsonl held two evaluation lines of the last step."""
+    import json
+
+    from neox_hf.train import main
+
+    out = tmp_path / "run"
+    args = tiny_args(out, small_text, "--train.precision", "fp32", "--train.eval_iters", "1", steps=2, save=2)
+    assert main(args) == 0
+    for name in ("config.json", "model.safetensors"):  # what a kill before the final save leaves
+        (out / name).unlink()
+    reset_accelerate_state()
+    assert main([*args, "--resume"]) == 0
+    assert "at step 2" in capsys.readouterr().out
+    lines = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [(e["step"], "eval" in e) for e in lines] == [(0, True), (1, False), (2, False), (2, True)]

@@ -4,7 +4,8 @@ Two kinds of line, told apart by their keys:
 - a step: `{"step", "loss", "lr", "consumed_samples", "consumed_tokens", "time"[, "skipped", "loss_scale"]}`
   (written by the loop after every optimizer step; `time` is wall-clock seconds, for tokens per second);
 - an evaluation: `{"step", "eval": {"loss": ..., "lambada_openai/acc": ...}}` — held-out loss and lm-eval scores.
-A resumed run appends again from its checkpoint's step; readers keep the last line of each step.
+A resumed run appends again from its checkpoint's step; readers keep the last line of each step. An evaluation line
+replaces one of the same step (a resume from the last checkpoint evaluates that step again).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neox_hf.errors import NeoXHFError
+from neox_hf.io import atomic_write_text
 
 LOG_NAME = "train_log.jsonl"
 
@@ -26,11 +28,27 @@ class RunLog:
 
 
 def append_eval_entry(output_dir, step: int, values: dict[str, float]) -> None:
-    """One evaluation line: held-out loss and/or lm-eval scores at `step`."""
+    """One evaluation line: held-out loss and/or lm-eval scores at `step`, replacing an evaluation line of the same
+    step a killed run left: the final evaluation is logged after the last checkpoint, so a run killed before its end
+    and resumed from that checkpoint evaluates the same step again (a run evaluates a step once)."""
     path = Path(output_dir) / LOG_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as log_file:
-        log_file.write(json.dumps({"step": step, "eval": values}) + "\n")
+    line = json.dumps({"step": step, "eval": values}) + "\n"
+    lines = path.read_text().splitlines(keepends=True) if path.is_file() else []
+    kept = [old for old in lines if not _is_eval_line_of(old, step)]
+    if len(kept) == len(lines):
+        with path.open("a") as log_file:
+            log_file.write(line)
+    else:
+        atomic_write_text(path, "".join(old if old.endswith("\n") else f"{old}\n" for old in kept) + line)
+
+
+def _is_eval_line_of(line: str, step: int) -> bool:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(record, dict) and "eval" in record and record.get("step") == step
 
 
 def read_run_log(output_dir) -> RunLog:
