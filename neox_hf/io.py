@@ -25,6 +25,9 @@ from pathlib import Path
 from neox_hf.errors import CheckpointError, DataError
 
 TMP_PREFIX = ".tmp-"
+# The names this module's writers (and the checkpoint writer) stage under: TMP_PREFIX + a step folder's name, or +
+# [a file's name + "."] + the 8 characters tempfile adds (and run.png's former `.tmp-run-XXXXXXXX.png`).
+_STAGING_NAME = re.compile(re.escape(TMP_PREFIX) + r"(step_\d+|(.+\.)?[a-z0-9_]{8}|run-[a-z0-9_]{8}\.png)")
 
 
 def _umask() -> int:
@@ -142,6 +145,28 @@ def staging_folder(out_dir: str | os.PathLike) -> Iterator[Path]:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
+
+def remove_stale_staging(folder: str | os.PathLike, *, depth: int = 3) -> list[Path]:
+    """Remove the staging folders and temporary files that writers killed mid-write left in `folder` and its
+    subfolders down to `depth` (a run's folder: its own, checkpoints/, hub_steps/stepN/); return what was removed.
+    Only names these writers use (see `_STAGING_NAME`). Call only while no writer can be running there (a run's
+    output folder: while holding its lock), or a live save loses its staging."""
+    removed: list[Path] = []
+    folders = [Path(folder)]
+    for _ in range(depth):
+        subfolders = []
+        for place in folders:
+            for entry in sorted(place.iterdir()) if place.is_dir() and not place.is_symlink() else []:
+                if _STAGING_NAME.fullmatch(entry.name):
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry, ignore_errors=True)
+                    else:
+                        entry.unlink(missing_ok=True)
+                    removed.append(entry)
+                elif entry.is_dir() and not entry.is_symlink():
+                    subfolders.append(entry)
+        folders = subfolders
+    return removed
 
 
 # ----------------------------------------------------------------------------------------------------------------
