@@ -17,6 +17,8 @@ from neox_hf.train.checkpoint import checkpoint_name
 from tests.conftest import REPO, accelerate_launch_command, launch_env, reset_accelerate_state
 from tests.test_checkpoint_lifecycle import assert_refused, tiny_args
 
+pytestmark = pytest.mark.distributed  # slow tier: every test here runs (or resumes) a whole training, ~1 min in all
+
 
 @pytest.fixture(scope="module")
 def small_text(tmp_path_factory) -> Path:
