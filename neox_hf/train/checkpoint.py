@@ -13,7 +13,10 @@ complete checkpoints, and by name, so after a resume from an earlier step it del
 
 Pruning keeps the newest `keep_last_n` checkpoints of the current timeline only (see `prune_checkpoints`); a
 missing or dangling `latest` falls back, with a notice, to the most recently written complete checkpoint; damaged
-files raise `CheckpointError` naming the file and the previous checkpoint.
+files raise `CheckpointError` naming the file and the previous checkpoint. The trainer state records what wrote the
+checkpoint (`writer`: DeepSpeed or not, ZeRO stage, data / tensor / pipeline sizes), read before loading, so a
+checkpoint of another kind of launch is refused as such, never called damaged. A save that fills the disk removes its
+staging folder and says which checkpoint is intact.
 
 Nothing a checkpoint holds runs code when read: the trainer state is plain data, the RNG state tensors and numpy arrays,
 and every file is unpickled with `weights_only` (neox_hf.io), DeepSpeed's own engine files included, whose loader
