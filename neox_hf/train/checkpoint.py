@@ -116,7 +116,8 @@ def _save_failed(output_dir, staging: Path, err: Exception) -> Exception:
     kept = (f"the previous checkpoint, {previous}, is intact" if previous and is_complete_checkpoint(root / previous)
             else "no earlier checkpoint was written")
     return CheckpointError(f"no space left on {output_dir} while saving checkpoint {name}: {kept}, and the partial "
-                           f"{name} was removed; free space (or lower `train.keep_last_n`), then continue with --resume")
+                           f"{name} was removed; free space (or lower `train.keep_last_n`), then continue with "
+                           "--resume")
 
 
 def _out_of_space(err: BaseException, folder: Path) -> bool:
@@ -365,7 +366,8 @@ def launch_command(run: dict) -> str:
     count = run.get("processes")
     if count == 1:
         return f"`python run_clm_neox.py RECIPE{options} --resume`"
-    return f"`accelerate launch --use_deepspeed --num_processes {count or 'N'} run_clm_neox.py RECIPE{options} --resume`"
+    return (f"`accelerate launch --use_deepspeed --num_processes {count or 'N'} run_clm_neox.py RECIPE{options} "
+            "--resume`")
 
 
 def _uses_deepspeed(accelerator) -> bool:
