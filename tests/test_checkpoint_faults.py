@@ -199,8 +199,6 @@ def test_a_run_killed_after_its_final_evaluation_resumes_without_a_second_eval_l
     assert [(e["step"], "eval" in e) for e in lines] == [(0, True), (1, False), (2, False), (2, True)]
 
 
-@pytest.mark.xfail(strict=True, reason="needs neox_hf/train/guards.py claim_output_dir to call "
-                   "neox_hf.io.remove_stale_staging once it holds the lock (patch in the issue 24 report)")
 def test_a_resume_removes_the_staging_a_killed_run_left_and_nothing_else(plain_run, small_text, tmp_path, capsys,
                                                                          fresh_accelerate_state):
     """A kill mid-save leaves `.tmp-*` staging (a checkpoint's, the final folder's, a file's) holding the space of a

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, accelerate_launch_command, launch_env
+from tests.test_checkpoint_faults import assert_every_checkpoint_exports
 from tests.test_train import SMALL, assert_saved_weights_are_full, launch, shakespeare_sources
 
 
@@ -61,7 +62,7 @@ def kill_process_tree(process: subprocess.Popen) -> None:
 
 
 @pytest.mark.parametrize("zero_stage,tensor_parallel", [(2, 1), (1, 2)], ids=["dp2-zero2", "tp2"])
-def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, zero_stage, tensor_parallel):
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, capsys, zero_stage, tensor_parallel):
     common = [str(REPO / "recipes" / "tiny.yaml"), *SMALL, "--train.train_iters", "10", "--train.save_interval", "5",
               "--train.eval_iters", "0", "--data.sources", shakespeare_sources(), "--parallel.zero_stage", str(zero_stage),
               "--parallel.tensor_parallel", str(tensor_parallel)]
@@ -82,6 +83,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, zero_stage, te
             assert_eval_tasks_match_the_saved_folder(straight, task, step=10)
     else:
         assert_saved_weights_are_full(straight)
+    assert_every_checkpoint_exports(straight, tmp_path / "exports", capsys)  # step 5 (not the latest) and step 10
     launch_and_kill_after_checkpoint([*common, "--output.dir", str(resumed)], resumed, zero_stage=zero_stage)
     assert (resumed / "checkpoints" / "latest").read_text() == "step_00000005"
     assert not (resumed / "config.json").exists()  # the killed run never reached its final save

@@ -30,7 +30,7 @@ import socket
 from pathlib import Path
 
 from neox_hf.errors import DataError, RecipeError, TrainingDiverged
-from neox_hf.io import atomic_write_text
+from neox_hf.io import atomic_write_text, remove_stale_staging
 from neox_hf.recipe import Recipe
 
 LOCK_NAME = ".neox_hf.lock"
@@ -139,12 +139,13 @@ def claim_output_dir(recipe: Recipe, *, overwrite: bool = False, is_main_process
     if not is_main_process:
         return None
     lock = RunLock(recipe.output.dir).acquire()
-    if overwrite:
-        try:
+    try:
+        if overwrite:
             clear_previous_run(recipe.output.dir)
-        except BaseException:
-            lock.release()
-            raise
+        remove_stale_staging(recipe.output.dir)  # what a run killed mid-save left; nothing else writes here now
+    except BaseException:
+        lock.release()
+        raise
     return lock
 
 
