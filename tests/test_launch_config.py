@@ -163,8 +163,12 @@ def test_the_recipes_collective_timeout_reaches_the_process_group(tmp_path):
         " 'train': {'precision': 'fp32'}, 'output': {'dir': %r}}))\n"
         "group = dist.distributed_c10d._get_default_group()\n"
         "print('timeout', group._get_backend(torch.device('cpu')).options._timeout)\n" % str(tmp_path / "out"))
+    # Not this process's rendezvous: an in-process test before this one may have set MASTER_PORT to a port its own
+    # group still holds.
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+                          env=dict(env, CUDA_VISIBLE_DEVICES=""))
     assert done.returncode == 0, done.stderr[-2000:]
     assert "timeout 0:07:00" in done.stdout
 
