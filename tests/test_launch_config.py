@@ -4,6 +4,7 @@ started). tests/test_launch_files.py launches the shipped files for real."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -68,15 +69,14 @@ def test_a_launch_config_fills_what_the_recipe_leaves_unset_and_says_so(launched
             "decides") in args.notices
 
 
-def test_every_deepspeed_key_of_a_users_accelerate_config_reaches_the_run(tmp_path, launched, fresh_accelerate_state):
+def test_every_deepspeed_key_of_a_users_accelerate_config_reaches_the_run(tmp_path, launched):
     """zero_stage, both offload devices, accumulation, clipping and mixed precision, with a recipe that leaves them
-    unset; the Accelerator then builds (it was accelerate's 'will be ignored' ValueError)."""
-    from neox_hf.parallel.accelerator import build_accelerator
-
+    unset; the Accelerator then builds (it was accelerate's 'will be ignored' ValueError). The Accelerator is built in
+    a process of its own: a DeepSpeed Accelerator leaves a process group and ACCELERATE_USE_DEEPSPEED behind."""
     config = _user_config(tmp_path, zero_stage=3, offload_optimizer_device="cpu", offload_param_device="cpu",
                           gradient_accumulation_steps=2, gradient_clipping=0.5, zero3_init_flag="false",
                           mixed_precision="bf16")
-    launched("--config_file", config)
+    environment = launched("--config_file", config)
     recipe_file = tmp_path / "recipe.yaml"
     recipe_file.write_text(f"tokenizer: {{path: {REPO / 'examples/data/gpt-neox-20b-tokenizer.json'}}}\n"
                            f"output: {{dir: {tmp_path / 'out'}}}\n")
@@ -85,13 +85,34 @@ def test_every_deepspeed_key_of_a_users_accelerate_config_reaches_the_run(tmp_pa
     assert (p.zero_stage, p.offload_optimizer, p.offload_params) == (3, True, True)
     assert (t.gradient_accumulation_steps, t.clip_grad, t.precision) == (2, 0.5, "bf16")
     assert sum("comes from the accelerate config" in notice for notice in args.notices) == 6
-    accelerator = build_accelerator(args.recipe)
-    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+
+    script = tmp_path / "build.py"
+    script.write_text(
+        "import json, sys\n"
+        "from neox_hf.parallel.accelerator import build_accelerator\n"
+        "from neox_hf.train.args import parse_run_args\n"
+        "accelerator = build_accelerator(parse_run_args([sys.argv[1]]).recipe)\n"
+        "ds = accelerator.state.deepspeed_plugin.deepspeed_config\n"
+        "print(json.dumps({'ds': ds, 'gas': accelerator.gradient_accumulation_steps,"
+        " 'mixed': accelerator.mixed_precision}, default=str))\n")
+    done = subprocess.run([sys.executable, str(script), str(recipe_file)], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env=_fresh_process_env(environment))
+    assert done.returncode == 0, done.stderr[-3000:]
+    built = json.loads(done.stdout.strip().splitlines()[-1])
+    ds = built["ds"]
     assert ds["zero_optimization"]["stage"] == 3 and ds["gradient_accumulation_steps"] == 2
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert ds["gradient_clipping"] == 0.5 and ds["bf16"]["enabled"]
-    assert accelerator.gradient_accumulation_steps == 2 and accelerator.mixed_precision == "bf16"
+    assert (built["gas"], built["mixed"]) == (2, "bf16")
+
+
+def _fresh_process_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment without the rendezvous an in-process test may have left (its MASTER_PORT may still be bound),
+    the GPU hidden, plus `extra`."""
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
+    return {**env, "CUDA_VISIBLE_DEVICES": "", **(extra or {})}
 
 
 def test_an_agreeing_value_is_used_and_a_contradicting_one_refused_naming_both(launched):
@@ -163,26 +184,21 @@ def test_the_recipes_collective_timeout_reaches_the_process_group(tmp_path):
         " 'train': {'precision': 'fp32'}, 'output': {'dir': %r}}))\n"
         "group = dist.distributed_c10d._get_default_group()\n"
         "print('timeout', group._get_backend(torch.device('cpu')).options._timeout)\n" % str(tmp_path / "out"))
-    # Not this process's rendezvous: an in-process test before this one may have set MASTER_PORT to a port its own
-    # group still holds.
-    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
-    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env=dict(env, CUDA_VISIBLE_DEVICES=""))
+                          env=_fresh_process_env())
     assert done.returncode == 0, done.stderr[-2000:]
     assert "timeout 0:07:00" in done.stdout
 
 
 @pytest.mark.parametrize("zero_stage,accumulation,fp32_accumulation", [(2, 4, True), (1, 2, True), (2, 1, False),
                                                                        (0, 4, False)])
-def test_bf16_gradients_accumulate_in_fp32_where_deepspeed_supports_it(zero_stage, accumulation, fp32_accumulation,
-                                                                       fresh_accelerate_state, tmp_path):
-    """The Accelerator DeepSpeed is built with carries it (ZeRO-0 refuses bf16 weights with fp32 accumulation)."""
-    from neox_hf.parallel.accelerator import build_accelerator
+def test_bf16_gradients_accumulate_in_fp32_where_deepspeed_supports_it(zero_stage, accumulation, fp32_accumulation):
+    """In the DeepSpeed JSON the Accelerator is built with (ZeRO-0 refuses bf16 weights with fp32 accumulation; runs
+    of ZeRO-1 and -2 with it were checked to train)."""
+    from neox_hf.parallel.accelerator import deepspeed_config
     from neox_hf.recipe import recipe_from_dict
 
     recipe = recipe_from_dict({"parallel": {"zero_stage": zero_stage, "use_deepspeed": True},
-                               "train": {"precision": "bf16", "gradient_accumulation_steps": accumulation},
-                               "output": {"dir": str(tmp_path)}})
-    ds = build_accelerator(recipe).state.deepspeed_plugin.deepspeed_config
+                               "train": {"precision": "bf16", "gradient_accumulation_steps": accumulation}})
+    ds = deepspeed_config(recipe.parallel, recipe.train)
     assert (ds.get("data_types", {}).get("grad_accum_dtype") == "fp32") is fp32_accumulation
