@@ -63,32 +63,70 @@ def _source(path: str):
     return DataSource(path=path, format="indexed")
 
 
-def step_batches(recipe, data_parallel: int, start_step: int, end_step: int) -> np.ndarray:
-    """int64 [(end − start) × global batch, seq_length + 1]: the samples of steps [start, end) in training order."""
+def step_batches(recipe, data_parallel: int, start_step: int, end_step: int, out: np.ndarray | None = None
+                 ) -> np.ndarray:
+    """int64 [(end − start) × global batch, seq_length + 1]: the samples of steps [start, end) in training order,
+    written into `out` when given (a memory-mapped .npy: the rows need not fit in memory)."""
     from neox_hf.data.neox_order import BatchLayout, split_samples
 
     t, m = recipe.train, recipe.model
-    if data_parallel < 1 or not 0 <= start_step < end_step:
-        raise DataError(f"need --data-parallel ≥ 1 and 0 ≤ --start-step < --end-step, got {data_parallel}, "
-                        f"{start_step}, {end_step}")
+    _check_step_range(data_parallel, start_step, end_step)
     layout = BatchLayout(t.micro_batch_size, t.gradient_accumulation_steps, data_parallel)
     samples = split_samples(recipe.data, "train", seq_length=m.seq_length, train_iters=t.train_iters, layout=layout,
                             eval_interval=t.eval_interval, eval_iters=t.eval_iters, seed=recipe.data.seed)
     ids = layout.step_sample_ids(start_step, end_step, len(samples))
-    out = np.empty((len(ids), m.seq_length + 1), dtype=np.int64)
+    if out is None:
+        out = np.empty((len(ids), m.seq_length + 1), dtype=np.int64)
     for row, i in enumerate(ids):
         out[row] = samples[int(i)][0]
     return out
 
 
+def _check_step_range(data_parallel: int, start_step: int, end_step: int) -> None:
+    if data_parallel < 1 or not 0 <= start_step < end_step:
+        raise DataError(f"need --data-parallel ≥ 1 and 0 ≤ --start-step < --end-step, got {data_parallel}, "
+                        f"{start_step}, {end_step}")
+
+
+def output_shape(recipe, data_parallel: int, start_step: int, end_step: int) -> tuple[int, int]:
+    """(rows, tokens per row) of the steps' array, from the recipe alone: nothing is read or allocated."""
+    t = recipe.train
+    global_batch = t.micro_batch_size * t.gradient_accumulation_steps * data_parallel
+    return (end_step - start_step) * global_batch, recipe.model.seq_length + 1
+
+
+def _check_room(shape: tuple[int, int], folder: Path, start_step: int, end_step: int) -> None:
+    """The array goes straight to disk (a memory-mapped .npy), so the disk, not memory, must hold it: refuse a range
+    that does not fit before any index is built (a far end step was OOM-killed without a word)."""
+    import shutil
+
+    need = shape[0] * shape[1] * 8
+    free = shutil.disk_usage(folder).free
+    if need <= free:
+        return
+    per_step = need // (end_step - start_step)
+    fits = free // per_step
+    advice = f"at most {fits} steps fit: --end-step {start_step + fits}" if fits else "free some space"
+    raise DataError(f"steps [{start_step}, {end_step}) are {shape[0]:,} samples of {shape[1]} tokens, "
+                    f"{need / 2**30:,.1f} GiB as int64, more than the {free / 2**30:,.1f} GiB free in {folder}; "
+                    f"write fewer steps per call ({advice})")
+
+
 def run_batches(args) -> int:
     recipe = recipe_for_batches(args.config, args.data_path, args.vocab_file, args.order)
-    rows = step_batches(recipe, args.data_parallel, args.start_step, args.end_step)
+    _check_step_range(args.data_parallel, args.start_step, args.end_step)
+    shape = output_shape(recipe, args.data_parallel, args.start_step, args.end_step)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
+    _check_room(shape, output.parent, args.start_step, args.end_step)
     tmp = output.with_name(output.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, rows)
+    try:
+        rows = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=shape)
+        step_batches(recipe, args.data_parallel, args.start_step, args.end_step, out=rows)
+        rows.flush()
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, output)
     global_batch = len(rows) // (args.end_step - args.start_step)
     print(f"wrote {output}: steps [{args.start_step}, {args.end_step}), {global_batch} samples per step, "

@@ -433,3 +433,19 @@ def test_index_cache_without_a_record_is_rebuilt_once_to_the_same_arrays(tmp_pat
     assert f"there is no {record.name}" in capsys.readouterr().err
     assert record.is_file() and {p.name: p.read_bytes() for p in tmp_path.glob("*.npy")} == arrays
     assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_batches_for_steps_that_cannot_fit_on_disk_are_refused_before_any_index_is_built(tmp_path, capsys):
+    """A far end step was OOM-killed without a word; the rows now go straight to a memory-mapped .npy, so the disk
+    must hold them: refused in one line saying how many steps fit."""
+    from conftest import shared
+
+    config = shared("neox-configs/pythia/160M.yml")  # 32 × 2049 int64 = 0.5 MiB a step
+    rows = np.arange(96 * 2049, dtype=np.int64).reshape(96, 2049) % 50000
+    prefix = write_corpus(tmp_path / "document", list(rows))
+    out = tmp_path / "far.npy"
+    assert cli_main(["batches", str(config), "--data-path", prefix, "--order", "preshuffled", "--data-parallel", "1",
+                     "--start-step", "0", "--end-step", str(10**12), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "write fewer steps per call (at most" in err and "--end-step" in err
+    assert not out.exists() and not list(tmp_path.glob("far.npy*"))
