@@ -132,3 +132,11 @@ def save_tiny_gpt_neox(folder: Path, seed: int = 0) -> Path:
                            intermediate_size=256, max_position_embeddings=64)
     GPTNeoXForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory) -> Path:
+    """The first 20,000 characters of the bundled Tiny Shakespeare: a corpus tiny runs read in a moment."""
+    path = tmp_path_factory.mktemp("data") / "small.txt"
+    path.write_text((REPO / "examples" / "data" / "tinyshakespeare.txt").read_text()[:20000])
+    return path

@@ -21,13 +21,6 @@ pytestmark = pytest.mark.distributed  # slow tier: every test here runs (or resu
 
 
 @pytest.fixture(scope="module")
-def small_text(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "small.txt"
-    path.write_text((REPO / "examples" / "data" / "tinyshakespeare.txt").read_text()[:20000])
-    return path
-
-
-@pytest.fixture(scope="module")
 def zero2_run(tmp_path_factory, small_text) -> Path:
     """A real 2-process DeepSpeed ZeRO-2 run (fp32) with checkpoints at steps 1 and 2 (the latest); its final folder
     holds the step-2 weights. One launch (~15 s on 2 cores) serves every test of this module that needs DeepSpeed."""

@@ -17,14 +17,6 @@ from neox_hf.train.checkpoint import checkpoint_name, is_complete_checkpoint
 from tests.conftest import BUNDLED_TOKENIZER, REPO, launch_env, reset_accelerate_state
 
 
-@pytest.fixture(scope="module")
-def small_text(tmp_path_factory) -> Path:
-    """A few kB of real text: enough for a dozen tiny steps, cheap to count and tokenize."""
-    path = tmp_path_factory.mktemp("data") / "small.txt"
-    path.write_text((REPO / "examples" / "data" / "tinyshakespeare.txt").read_text()[:20000])
-    return path
-
-
 def tiny_args(out: Path, data: Path, *extra: str, steps: int = 6, save: int = 2, keep: int = 2) -> list[str]:
     return [
         str(REPO / "recipes" / "tiny.yaml"), "--model.num_layers", "1", "--model.hidden_size", "32",

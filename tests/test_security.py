@@ -79,13 +79,6 @@ def test_the_payloads_do_run_when_unpickled_fully(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def small_text(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "small.txt"
-    path.write_text((REPO / "examples" / "data" / "tinyshakespeare.txt").read_text()[:20000])
-    return path
-
-
-@pytest.fixture(scope="module")
 def trained(tmp_path_factory, small_text) -> Path:
     """A 1-process run of 2 steps with a checkpoint at step 2."""
     from neox_hf.train import main
