@@ -37,10 +37,10 @@ def load_perplexity_metric():
 
 def evaluate_model(model_path, data_file, *, tokenizer_path: str | None = None, template: str | None = None,
                    prompt_template: str | None = None, text_key: str = "text", seq_length: int | None = None,
-                   batch_size: int = 8, max_batches: int | None = None) -> dict:
+                   batch_size: int = 8, max_batches: int | None = None, device: str = "auto") -> dict:
     """{"loss", "perplexity", "tokens"} over every token of each document, plus "answer_loss",
     "answer_perplexity", "answer_tokens" (prompt tokens masked) when `prompt_template` is given."""
-    model, tokenizer = load_for_inference(model_path, tokenizer_path)
+    model, tokenizer = load_for_inference(model_path, tokenizer_path, device=device)
     seq_length = seq_length or model.config.max_position_embeddings
     source = DataSource(path=str(data_file), text_key=text_key, template=template)
     scores = _score(model, _eval_batches(source, tokenizer, seq_length, batch_size, max_batches))
@@ -66,9 +66,9 @@ def _eval_batches(source: DataSource, tokenizer, seq_length: int, batch_size: in
 @torch.no_grad()
 def batch_loss_sum(model, batch: dict) -> tuple[float, int]:
     """(Σ cross-entropy over labelled tokens, number of labelled tokens) of one batch, in float64."""
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    inputs = {k: batch[k].to(model.device) for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
     logits = model(**inputs, use_cache=False).logits
-    labels = batch["labels"]
+    labels = batch["labels"].to(model.device)
     losses = F.cross_entropy(logits.double().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
     return float(losses), int((labels != -100).sum())
 
@@ -99,6 +99,8 @@ def add_eval_arguments(parser) -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-batches", type=int, default=None, help="evaluate only the first N batches")
     parser.add_argument("--output", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="auto (default): the GPU where torch sees one, else the CPU")
 
 
 def run_eval(args) -> int:
@@ -108,7 +110,8 @@ def run_eval(args) -> int:
             raise UsageError(f"{flag} must be ≥ 1, got {value}")
     result = evaluate_model(args.model, args.data, tokenizer_path=args.tokenizer, template=_unescape(args.template),
                             prompt_template=_unescape(args.prompt_template), text_key=args.text_key,
-                            seq_length=args.seq_length, batch_size=args.batch_size, max_batches=args.max_batches)
+                            seq_length=args.seq_length, batch_size=args.batch_size, max_batches=args.max_batches,
+                            device=args.device)
     print(format_eval_result(result))
     if args.output:
         atomic_write_text(args.output, json.dumps(result, indent=2) + "\n")

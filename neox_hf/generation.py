@@ -46,9 +46,9 @@ class Completion:
 
 def generate_text(model_path, prompts: list[str], *, max_new_tokens: int = 64, temperature: float = 1.0,
                   top_k: int = 0, top_p: float = 1.0, seed: int = 1234, do_sample: bool = True,
-                  tokenizer_path: str | None = None) -> list[str]:
+                  tokenizer_path: str | None = None, device: str = "auto") -> list[str]:
     """The continuation of every prompt (an empty prompt samples unconditionally)."""
-    model, tokenizer = load_for_inference(model_path, tokenizer_path)
+    model, tokenizer = load_for_inference(model_path, tokenizer_path, device=device)
     sampling = Sampling(max_new_tokens, temperature, top_k, top_p, seed, do_sample)
     return [c.text for c in complete_all(model, tokenizer, prompts, sampling)]
 
@@ -111,12 +111,14 @@ def add_generate_arguments(parser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     parser.add_argument("--seed", type=int, default=1234, help="prompt i is sampled with seed + i")
     parser.add_argument("--greedy", action="store_true", help="greedy decoding (no sampling)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="auto (default): the GPU where torch sees one, else the CPU")
 
 
 def run_generate(args, *, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     check_generate_arguments(args)
-    model, tokenizer = load_for_inference(args.model, args.tokenizer)
+    model, tokenizer = load_for_inference(args.model, args.tokenizer, device=args.device)
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, not args.greedy)
     prompts, output_file = _mode_prompts(args, stdin)
     completions = complete_all(model, tokenizer, prompts, sampling)

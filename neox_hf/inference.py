@@ -16,7 +16,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoTokenizer, GPTNeoXForCausalLM
 
-from neox_hf.errors import CheckpointError
+from neox_hf.errors import CheckpointError, UsageError
 from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, load_tokenizer
 from neox_hf.io import folder_refusal_message, is_weights_only_refusal
 
@@ -122,8 +122,19 @@ def folder_tokenizer(folder):
                               "(a tokenizers JSON or HF folder)") from err
 
 
-def load_for_inference(model_path, tokenizer_path: str | None = None):
-    """(model in eval mode, tokenizer) from a model folder or an adapter folder; checks the vocab covers the tokenizer."""
+def inference_device(requested: str = "auto") -> torch.device:
+    """`auto`: the GPU where torch sees one (eval and generate ran on the CPU whatever the machine), else the CPU."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch sees no CUDA GPU here; use --device cpu (or auto)")
+    return torch.device(requested)
+
+
+def load_for_inference(model_path, tokenizer_path: str | None = None, *, device: str = "auto"):
+    """(model in eval mode on `device`, tokenizer) from a model folder or an adapter folder; checks the vocab covers
+    the tokenizer."""
+    target = inference_device(device)
     folder = Path(model_path)
     if not folder.is_dir():
         raise CheckpointError(f"model folder not found: {folder}")
@@ -133,7 +144,7 @@ def load_for_inference(model_path, tokenizer_path: str | None = None):
         model = load_base_model(folder)
     tokenizer = _inference_tokenizer(folder, tokenizer_path)
     check_vocab_covers_tokenizer(model.config.vocab_size, tokenizer, where=str(folder))
-    model.eval()
+    model.to(target).eval()
     return model, tokenizer
 
 

@@ -194,3 +194,22 @@ def test_lm_eval_harness_runs_a_local_task_on_a_saved_folder(folder, tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = [json.loads(p.read_text()) for p in (tmp_path / "results").rglob("results*.json")]
     assert results and "tiny_qa" in results[0]["results"]
+
+
+def test_eval_and_generate_run_where_the_gpu_is_and_refuse_a_missing_one_by_name(folder, tmp_path, qa_file):
+    """`--device auto` (the default) takes the GPU where torch sees one: eval and generate always ran on the CPU.
+    `--device cuda` without a GPU is refused in one line; `--device cpu` runs anywhere."""
+    from neox_hf.errors import UsageError
+    from neox_hf.inference import inference_device, load_for_inference
+
+    assert inference_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    model, _ = load_for_inference(folder, device="cpu")
+    assert model.device.type == "cpu"
+    on_cpu = evaluation.evaluate_model(folder, qa_file, template=TEMPLATE, max_batches=1, device="cpu")
+    assert math.isfinite(on_cpu["loss"]) and on_cpu["tokens"] > 0
+    if torch.cuda.is_available():
+        on_gpu = evaluation.evaluate_model(folder, qa_file, template=TEMPLATE, max_batches=1, device="cuda")
+        assert on_gpu["loss"] == pytest.approx(on_cpu["loss"], rel=1e-4)
+    else:
+        with pytest.raises(UsageError, match=r"--device cuda: torch sees no CUDA GPU here; use --device cpu"):
+            load_for_inference(folder, device="cuda")
