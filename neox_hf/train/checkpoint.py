@@ -205,30 +205,41 @@ def checkpoint_to_read(folder: Path) -> Path:
     resume to repair. Anything else is returned as given, for the caller to say what it lacks."""
     if checkpoint_step(folder) is not None or (folder / "trainer_state_rank0.pt").is_file():
         return folder
-    pointer = folder / LATEST
-    named = pointer.read_text().strip() if pointer.is_file() else None
+    named = _pointer_name(folder)
     if named and is_complete_checkpoint(folder / named):
         return folder / named
-    candidates = complete_checkpoints(folder)
-    if not candidates:
+    newest = _newest_complete(folder)
+    if newest is None:
         return folder / named if named else folder
+    return newest
+
+
+def _pointer_name(root: Path) -> str | None:
+    """The folder name `latest` holds, or None without one."""
+    pointer = root / LATEST
+    return pointer.read_text().strip() if pointer.is_file() else None
+
+
+def _newest_complete(root: Path) -> Path | None:
+    """The most recently written complete checkpoint, not the highest step: after a resume from an earlier step,
+    higher-step folders of the abandoned run may remain."""
+    candidates = complete_checkpoints(root)
+    if not candidates:
+        return None
     return max(candidates, key=lambda p: ((p / "trainer_state_rank0.pt").stat().st_mtime, checkpoint_step(p)))
 
 
 def _latest_or_newest(root: Path, notify) -> Path | None:
     pointer = root / LATEST
-    named = pointer.read_text().strip() if pointer.is_file() else None
+    named = _pointer_name(root)
     if named and is_complete_checkpoint(root / named):
         return root / named
-    candidates = complete_checkpoints(root)
-    if not candidates:
+    newest = _newest_complete(root)
+    if newest is None:
         if named:
             pointer.unlink(missing_ok=True)  # never leave it dangling
             notify(f"{pointer} named {named}, which is gone, and no other checkpoint is complete: starting at step 0")
         return None
-    # The most recently written, not the highest step: after a resume from an earlier step, higher-step folders of
-    # the abandoned run may remain.
-    newest = max(candidates, key=lambda p: ((p / "trainer_state_rank0.pt").stat().st_mtime, checkpoint_step(p)))
     why = f"names {named}, which is missing or incomplete" if named else "is missing"
     atomic_write_text(pointer, newest.name)  # repaired (every rank writes the same name; each rename is atomic)
     notify(f"{pointer} {why}: resuming from the most recently written complete checkpoint, {newest.name} "
