@@ -84,6 +84,15 @@ class StepResult:
     skipped: bool  # fp16 overflow: no update
 
 
+def deepspeed_grad_norm(engine) -> torch.Tensor | None:
+    """The step's gradient norm as a DeepSpeed engine (plain or pipeline) reports it, as a tensor: DeepSpeed returns
+    a float or a tensor depending on the path; a tensor is kept as it is (no wait for the device)."""
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    return norm if torch.is_tensor(norm) else torch.tensor(float(norm))
+
+
 def dp_sum(layout: Layout, tensor: torch.Tensor) -> torch.Tensor:
     """Sum over the data-parallel group (tensor-parallel ranks of one group hold the same values: counted once)."""
     if layout.dp > 1:

@@ -42,7 +42,7 @@ from torch import nn
 
 from neox_hf.errors import CheckpointError, RecipeError
 from neox_hf.io import load_torch_safely
-from neox_hf.parallel.layout import Layout, StepResult, dp_sum, global_rank
+from neox_hf.parallel.layout import Layout, StepResult, deepspeed_grad_norm, dp_sum, global_rank
 from neox_hf.parallel.mappings import gather_along_dim
 from neox_hf.parallel.tensor_parallel import apply_tensor_parallel_to_part
 from neox_hf.parallel.tp_checkpoint import load_tp_shard_state_dict
@@ -509,9 +509,8 @@ def pipeline_train_step(engine, micro_batches: list[dict] | None, layout: Layout
     data = iter([pipe_micro_batch(mb) for mb in micro_batches]) if holds_data else None
     loss = engine.train_batch(data)
     counts = _from_last_stage(counts, layout)
-    norm = engine.get_global_grad_norm()
     return StepResult(loss=loss.detach().reshape(()).float(), tokens=counts[0].clone(), samples=counts[1].clone(),
-                      grad_norm=(norm if torch.is_tensor(norm) else torch.tensor(float(norm))) if norm is not None else None,
+                      grad_norm=deepspeed_grad_norm(engine),
                       skipped=not engine.was_step_applied())
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from neox_hf.parallel.accelerator import uses_deepspeed
-from neox_hf.parallel.layout import StepResult, dp_sum
+from neox_hf.parallel.layout import StepResult, deepspeed_grad_norm, dp_sum
 from neox_hf.train.loss import causal_lm_loss
 
 
@@ -52,7 +52,7 @@ def train_step(run, micro_batches: list[dict]) -> StepResult:
     logged = dp_sum(run.layout, logged)
     loss = logged / step_tokens if t.loss_normalization == "token" else logged / run.layout.dp
     if uses_deepspeed(accelerator):
-        grad_norm = _deepspeed_grad_norm(model)
+        grad_norm = deepspeed_grad_norm(model)
     return StepResult(loss=loss, tokens=totals[0], samples=totals[1], grad_norm=grad_norm,
                       skipped=step_was_skipped(accelerator, model, scale_before))
 
@@ -86,13 +86,6 @@ def _clip_gradients(accelerator, model, clip_grad: float):
     if uses_deepspeed(accelerator) or clip_grad <= 0:
         return None
     return accelerator.clip_grad_norm_(model.parameters(), clip_grad)
-
-
-def _deepspeed_grad_norm(engine) -> torch.Tensor | None:
-    norm = engine.get_global_grad_norm()
-    if norm is None:
-        return None
-    return norm if torch.is_tensor(norm) else torch.tensor(float(norm))
 
 
 def step_was_skipped(accelerator, model, scale_before: float | None = None) -> bool:
