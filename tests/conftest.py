@@ -37,8 +37,12 @@ def launch_env(*, gpu: bool = False, **extra: str) -> dict[str, str]:
     on two cores, and launches of several ranks each), no tokenizer threads, and no visible GPU unless `gpu`. The
     multi-process tests run on gloo with the GPU hidden: on a GPU machine Accelerate would map every rank of a
     one-node launch to cuda:0 and NCCL refuses two ranks on one device; hidden, the CPU tiers run there as on CPU.
-    `gpu=True` (the cuda tier's single-process runs) leaves CUDA_VISIBLE_DEVICES as this process has it."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    `gpu=True` (the cuda tier's single-process runs) leaves CUDA_VISIBLE_DEVICES as this process has it.
+    Without this process's rendezvous variables: an in-process DeepSpeed test sets MASTER_PORT to a port its own
+    group may still hold, and a child process inheriting it fails to create its store."""
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+    env = {key: value for key, value in os.environ.items() if key not in rendezvous}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     env.update(extra)

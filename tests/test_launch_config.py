@@ -5,7 +5,6 @@ started). tests/test_launch_files.py launches the shipped files for real."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ import pytest
 
 from neox_hf.errors import RecipeError
 from neox_hf.train.args import parse_run_args
-from tests.conftest import REPO
+from tests.conftest import REPO, launch_env
 
 TINY = str(REPO / "recipes" / "tiny.yaml")
 
@@ -96,7 +95,7 @@ def test_every_deepspeed_key_of_a_users_accelerate_config_reaches_the_run(tmp_pa
         "print(json.dumps({'ds': ds, 'gas': accelerator.gradient_accumulation_steps,"
         " 'mixed': accelerator.mixed_precision}, default=str))\n")
     done = subprocess.run([sys.executable, str(script), str(recipe_file)], capture_output=True, text=True,
-                          timeout=300, cwd=REPO, env=_fresh_process_env(environment))
+                          timeout=300, cwd=REPO, env=launch_env(**environment))
     assert done.returncode == 0, done.stderr[-3000:]
     built = json.loads(done.stdout.strip().splitlines()[-1])
     ds = built["ds"]
@@ -105,14 +104,6 @@ def test_every_deepspeed_key_of_a_users_accelerate_config_reaches_the_run(tmp_pa
     assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert ds["gradient_clipping"] == 0.5 and ds["bf16"]["enabled"]
     assert (built["gas"], built["mixed"]) == (2, "bf16")
-
-
-def _fresh_process_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This environment without the rendezvous an in-process test may have left (its MASTER_PORT may still be bound),
-    the GPU hidden, plus `extra`."""
-    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
-    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
-    return {**env, "CUDA_VISIBLE_DEVICES": "", **(extra or {})}
 
 
 def test_an_agreeing_value_is_used_and_a_contradicting_one_refused_naming_both(launched):
@@ -185,7 +176,7 @@ def test_the_recipes_collective_timeout_reaches_the_process_group(tmp_path):
         "group = dist.distributed_c10d._get_default_group()\n"
         "print('timeout', group._get_backend(torch.device('cpu')).options._timeout)\n" % str(tmp_path / "out"))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env=_fresh_process_env())
+                          env=launch_env())
     assert done.returncode == 0, done.stderr[-2000:]
     assert "timeout 0:07:00" in done.stdout
 
