@@ -78,6 +78,10 @@ class DataSource:
     format: Optional[Literal["json", "parquet", "text", "indexed", "hub"]] = None  # default: from the suffix
     split: str = "train"
     label_path: Optional[str] = None  # order gpt-neox: a .bin/.idx of labels aligned with `path` (GPT-NeoX train_label_data_paths; -100 = no loss)
+    # train.objective dpo / rm: the columns of a preference pair (TRL's standard preference format)
+    prompt_key: str = "prompt"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
 
 
 @dataclass
@@ -190,6 +194,14 @@ class TrainConfig:
     z_loss: float = 0.0  # PaLM's z-loss weight on log(Z)^2 (0 = off)
     compile: bool = False  # torch.compile of the model
     eval_tasks: list[str] = field(default_factory=list)  # lm-evaluation-harness tasks at each eval interval
+    # lm: next-token prediction; dpo: direct preference optimisation; rm: a reward model (GPT-NeoX `train_impl`)
+    objective: Literal["lm", "dpo", "rm"] = "lm"
+    dpo_beta: float = 0.1  # DPO's KL weight β (GPT-NeoX `dpo_beta`, TRL `beta`)
+    dpo_loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    # precompute: the reference model's log-probabilities in one pass over the pairs before training (the starting
+    # model; no second model in memory); frozen: a frozen copy of the reference beside the trained model
+    dpo_reference: Literal["precompute", "frozen"] = "precompute"
+    dpo_reference_model: Optional[str] = None  # default: model.from_pretrained (the starting model)
 
 
 @dataclass
@@ -338,6 +350,25 @@ def _require(condition: bool, message: str) -> None:
         raise RecipeError(message)
 
 
+def _validate_objective(recipe: Recipe) -> None:
+    """Preference objectives read pairs, which only the streamed, padded data path batches (a pair never split)."""
+    t, d = recipe.train, recipe.data
+    if t.objective == "lm":
+        return
+    _require(t.dpo_beta > 0, f"`train.dpo_beta` must be > 0, got {t.dpo_beta}")
+    _require(d.mode == "pad", f"`train.objective: {t.objective}` trains on preference pairs, batched with padding; "
+                              f"set `data.mode: pad` (got {d.mode})")
+    _require(d.order == "stream", f"`train.objective: {t.objective}` reads preference pairs from jsonl/parquet/Hub "
+                                  f"sources; `data.order: {d.order}` is for pretraining token streams (use stream)")
+    _require(recipe.parallel.pipeline_parallel == 1,
+             f"`train.objective: {t.objective}` with `parallel.pipeline_parallel > 1` is refused: a pair's two "
+             "sequences are compared on the last stage, which DeepSpeed's pipeline schedule does not give one "
+             "scalar per sequence; use tensor parallelism and ZeRO instead")
+    if t.objective == "dpo" and not (t.dpo_reference_model or recipe.model.from_pretrained):
+        raise RecipeError("`train.objective: dpo` needs a reference model: set `model.from_pretrained` (the "
+                          "reference defaults to the starting model) or `train.dpo_reference_model`")
+
+
 def validate(recipe: Recipe) -> None:
     m, t, p, d = recipe.model, recipe.train, recipe.parallel, recipe.data
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
@@ -417,6 +448,7 @@ def validate(recipe: Recipe) -> None:
     for i, s in enumerate(d.sources + d.validation):
         _require(bool(s.path), f"`data.sources[{i}].path` is empty: give a file glob, a .bin/.idx prefix or a dataset name")
         _require(s.weight > 0, f"data source `{s.path}`: `weight` must be > 0, got {s.weight}")
+    _validate_objective(recipe)
     _validate_trackers(recipe.output)
     _validate_eval_tasks(t)
     _require(bool(_SHARD_SIZE.fullmatch(str(recipe.output.max_shard_size))),
