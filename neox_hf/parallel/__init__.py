@@ -13,11 +13,11 @@ The loop never learns what a vocab-parallel head, a TP group or a pipeline stage
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import torch
 
 from neox_hf.parallel.accelerator import build_accelerator
+from neox_hf.parallel.build import build_model
 from neox_hf.parallel.layout import Layout, build_layout, check_launch
 
 __all__ = ["Layout", "init_distributed", "build_model", "parallelize", "full_state_dict", "parameter_count"]
@@ -28,45 +28,6 @@ def init_distributed(recipe, *, log_with=None):
     check_launch(recipe)
     accelerator = build_accelerator(recipe, log_with=log_with)
     return accelerator, build_layout(recipe.parallel)
-
-
-def build_model(recipe, tokenizer, layout: Layout):
-    """From a pretrained folder, or from scratch with GPT-NeoX init and the padded vocabulary.
-
-    With tensor parallelism a local safetensors folder is loaded slice by slice, already split (and its vocabulary
-    zero-padded GPT-NeoX style if TP does not divide it); otherwise the model is built whole and split by
-    `parallelize`.
-    """
-    from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, padded_vocab_size
-    from neox_hf.model import NeoXConfig, NeoXForCausalLM, config_from_recipe
-    from neox_hf.parallel.tensor_parallel import from_pretrained_tensor_parallel
-
-    if layout.pp > 1:  # each rank builds only its pipeline stage
-        from neox_hf.parallel.pipeline import build_pipeline_model
-
-        return build_pipeline_model(recipe, tokenizer, layout)
-    m = recipe.model
-    if m.from_pretrained and layout.tp > 1 and _has_safetensors(m.from_pretrained):
-        stored_vocab = NeoXConfig.from_pretrained(m.from_pretrained).vocab_size
-        model = from_pretrained_tensor_parallel(NeoXForCausalLM, m.from_pretrained, layout,
-                                                padded_vocab=_tp_vocab_size(stored_vocab, recipe),
-                                                sequence_parallel=recipe.parallel.sequence_parallel,
-                                                attn_implementation=m.attn_implementation)
-        check_vocab_covers_tokenizer(stored_vocab, tokenizer, where=m.from_pretrained)
-    elif m.from_pretrained:
-        model = NeoXForCausalLM.from_pretrained(m.from_pretrained, dtype=torch.float32, attn_implementation=m.attn_implementation)
-        check_vocab_covers_tokenizer(model.config.vocab_size, tokenizer, where=m.from_pretrained)
-        model = _pad_vocab_for_tp(model, recipe)
-    else:
-        vocab = m.vocab_size or padded_vocab_size(len(tokenizer), m.make_vocab_size_divisible_by, recipe.parallel.tensor_parallel)
-        check_vocab_covers_tokenizer(vocab, tokenizer, where="`model.vocab_size`")
-        config = config_from_recipe(m, vocab_size=vocab, bos_token_id=tokenizer.bos_token_id,
-                                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        config._attn_implementation = m.attn_implementation
-        # _from_config builds under deepspeed.zero.Init when ZeRO-3 is active, so a 20B never sits whole on one rank.
-        model = NeoXForCausalLM._from_config(config, dtype=torch.float32)
-    model.config.use_cache = False
-    return model
 
 
 def parallelize(model, layout: Layout, recipe, accelerator):
@@ -146,37 +107,3 @@ def parameter_count(model, layout: Layout) -> int:
     if is_pipeline_module(model):  # a rank holds one stage: count the whole model from its config
         return full_parameter_count(model.config)
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) * layout.tp
-
-
-def _has_safetensors(folder: str) -> bool:
-    path = Path(folder)
-    return (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
-
-
-def _tp_vocab_size(vocab: int, recipe) -> int:
-    """GPT-NeoX pads the vocabulary to make_vocab_size_divisible_by × TP; a checkpoint that does not divide gets zero
-    rows (real-token logits unchanged) and its config records the new size."""
-    from accelerate import PartialState
-
-    from neox_hf.interop.tokenizer import padded_vocab_size
-
-    tp = recipe.parallel.tensor_parallel
-    if tp == 1 or vocab % tp == 0:
-        return vocab
-    padded = padded_vocab_size(vocab, recipe.model.make_vocab_size_divisible_by, tp)
-    PartialState().print(f"note: vocabulary {vocab} padded to {padded} rows for tensor parallel {tp} "
-                         "(zero rows, real-token logits unchanged)")
-    return padded
-
-
-def _pad_vocab_for_tp(model, recipe):
-    """The whole-model path of `_tp_vocab_size` (a .bin folder or a Hub name)."""
-    from neox_hf.parallel.tensor_parallel import pad_vocab
-
-    vocab = model.config.vocab_size
-    padded = _tp_vocab_size(vocab, recipe)
-    if padded == vocab:
-        return model
-    model = pad_vocab(model, padded)
-    model.config.vocab_size = padded
-    return model
