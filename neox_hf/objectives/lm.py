@@ -1,0 +1,20 @@
+"""`train.objective: lm`: next-token prediction, the loss of `neox_hf.train.loss.causal_lm_loss` per labelled token."""
+
+from __future__ import annotations
+
+import torch
+
+from neox_hf.data.padding import IGNORE_INDEX
+from neox_hf.objectives import Objective, ObjectiveLoss
+from neox_hf.train.loss import causal_lm_loss
+
+
+class LMObjective(Objective):
+    name, unit, metric_names = "lm", "token", ()
+
+    def units(self, batch: dict) -> torch.Tensor:
+        return (batch["labels"] != IGNORE_INDEX).sum()
+
+    def loss(self, model, batch: dict, *, fused: bool = True, z_loss: float = 0.0) -> ObjectiveLoss:
+        loss_sum, tokens = causal_lm_loss(model, batch, fused=fused, z_loss=z_loss)
+        return ObjectiveLoss(loss_sum=loss_sum, units=tokens, metric_sums={})
