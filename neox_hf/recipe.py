@@ -31,13 +31,19 @@ from neox_hf.errors import RecipeError
 
 @dataclass
 class ModelConfig:
-    """Architecture (GPTNeoX) or a pretrained folder to start from."""
+    """Architecture (GPTNeoX, or the Llama family) or a pretrained folder to start from."""
 
     from_pretrained: Optional[str] = None  # HF folder / Hub id; architecture keys below are then ignored
+    # gpt_neox: transformers' GPTNeoXForCausalLM. llama: LlamaForCausalLM (RMSNorm, gated MLP, grouped-query
+    # attention), MistralForCausalLM where sliding_window is set; its defaults: rotary_pct 1, hidden_act silu
+    # (SwiGLU), use_parallel_residual false, no biases. A from_pretrained folder's config.json decides instead.
+    family: Literal["gpt_neox", "llama"] = "gpt_neox"
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
-    intermediate_size: Optional[int] = None  # default 4 × hidden_size, as GPT-NeoX
+    # gpt_neox: the MLP width, default 4 × hidden_size, as GPT-NeoX. llama: the gated MLP's inner width (HF's
+    # intermediate_size; GPT-NeoX configs are translated with its 2/3 arithmetic), default that of 4 × hidden_size
+    intermediate_size: Optional[int] = None
     seq_length: int = 128  # training sequence length (GPT-NeoX `seq_length`)
     max_position_embeddings: Optional[int] = None  # default seq_length
     rotary_pct: float = 0.25
@@ -54,6 +60,15 @@ class ModelConfig:
     output_layer_init_method: Literal["normal", "small_init", "wang_init", "scaled_normal"] = "wang_init"
     init_method_std: float = 0.02
     attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2"] = "sdpa"
+    # llama family only (GPT-NeoX num_kv_heads, sliding_window_width, use_bias_in_attn_linear, use_bias_in_mlp)
+    num_kv_heads: Optional[int] = None  # key/value heads (grouped-query attention); default num_attention_heads
+    sliding_window: Optional[int] = None  # attention window in tokens → MistralForCausalLM
+    attention_bias: Optional[bool] = None  # biases on q/k/v/o; default: the family's (gpt_neox yes, llama no)
+    mlp_bias: Optional[bool] = None  # biases on the MLP's linears; default: the family's (gpt_neox yes, llama no)
+
+
+# What `model.family: llama` changes in ModelConfig's defaults (a key the recipe sets stands).
+LLAMA_DEFAULTS = {"rotary_pct": 1.0, "hidden_act": "silu", "use_parallel_residual": False}
 
 
 @dataclass
@@ -250,9 +265,18 @@ class Recipe:
 
 def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:
     """Typed, validated Recipe from a nested dict (keys may use '-' for '_', as GPT-NeoX users write them)."""
-    recipe = _build(Recipe, raw, path="", source=source)
+    recipe = _build(Recipe, _with_family_defaults(raw), path="", source=source)
     validate(recipe)
     return recipe
+
+
+def _with_family_defaults(raw: dict) -> dict:
+    """`raw` with the Llama family's defaults under `model` where it names `family: llama`."""
+    model = raw.get("model") if isinstance(raw, dict) else None
+    if not isinstance(model, dict) or model.get("family") != "llama":
+        return raw
+    keys = {str(k).replace("-", "_") for k in model}
+    return {**raw, "model": {**{k: v for k, v in LLAMA_DEFAULTS.items() if k not in keys}, **model}}
 
 
 def _build(cls, raw: Any, path: str, source: str):
@@ -350,6 +374,39 @@ def _require(condition: bool, message: str) -> None:
         raise RecipeError(message)
 
 
+def _validate_family(recipe: Recipe) -> None:
+    """What each family's transformers model can express (the keys of the other family are refused by name)."""
+    m, tp = recipe.model, recipe.parallel.tensor_parallel
+    if m.from_pretrained is not None:
+        return  # the folder's config.json decides the architecture
+    if m.family == "gpt_neox":
+        for name in ("num_kv_heads", "sliding_window"):
+            _require(getattr(m, name) is None, f"`model.{name}` is a Llama-family option; set `model.family: llama` "
+                                               "(GPTNeoX has neither grouped-query nor sliding-window attention)")
+        for name in ("attention_bias", "mlp_bias"):
+            _require(getattr(m, name) in (None, True), f"`model.{name}: false` is not expressible in GPTNeoX, whose "
+                                                       "linears always have biases; use `model.family: llama`")
+        return
+    _require(m.rotary_pct == 1.0, f"`model.rotary_pct` must be 1 with `model.family: llama` (Llama rotates every "
+                                  f"head dimension), got {m.rotary_pct}")
+    _require(not m.use_parallel_residual, "`model.use_parallel_residual: true` is not expressible in Llama (sequential "
+                                          "attention then MLP, GPT-NeoX gpt_j_residual: false); set it false")
+    _require(m.hidden_dropout == 0.0, f"`model.hidden_dropout` ({m.hidden_dropout}) is not expressible in Llama (no "
+                                      "dropout on the residual stream); set it 0")
+    kv = m.num_kv_heads or m.num_attention_heads
+    _require(kv > 0 and m.num_attention_heads % kv == 0,
+             f"`model.num_kv_heads` ({kv}) must divide `model.num_attention_heads` ({m.num_attention_heads}): each "
+             "key/value head serves a whole group of query heads")
+    _require(kv % tp == 0,
+             f"`parallel.tensor_parallel` ({tp}) must divide `model.num_kv_heads` ({kv}): each rank holds whole "
+             f"key/value heads (GPT-NeoX does not replicate them either); choose a TP size ≤ {kv} that divides it")
+    if m.sliding_window is not None:
+        _require(m.sliding_window > 0, f"`model.sliding_window` must be > 0, got {m.sliding_window}")
+        _require(not m.attention_bias and not m.mlp_bias,
+                 "`model.sliding_window` with `model.attention_bias` / `model.mlp_bias` is not expressible: the "
+                 "sliding window builds MistralForCausalLM, whose linears have no biases")
+
+
 def _validate_objective(recipe: Recipe) -> None:
     """Preference objectives read pairs, which only the streamed, padded data path batches (a pair never split)."""
     t, d = recipe.train, recipe.data
@@ -385,6 +442,7 @@ def validate(recipe: Recipe) -> None:
     _require(m.hidden_act in HIDDEN_ACTIVATIONS,
              f"`model.hidden_act` = {m.hidden_act!r} is not an activation transformers knows; use one of "
              f"{', '.join(HIDDEN_ACTIVATIONS)} (GPT-NeoX's bias_gelu_fusion is gelu_new)")
+    _validate_family(recipe)
     if m.vocab_size is not None:
         _require(m.vocab_size > 0, f"`model.vocab_size` must be > 0, got {m.vocab_size}")
     if m.intermediate_size is not None:

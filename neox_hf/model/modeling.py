@@ -69,12 +69,15 @@ class _NeoXInitMixin:
     """Replaces transformers' single-std init by GPT-NeoX's per-role init.
 
     Roles are tagged by module path before transformers runs its init, because `_init_weights` only sees the module.
+    A family's row-parallel output projections are `_neox_output_layers` (module-path suffixes).
     """
+
+    _neox_output_layers: tuple[str, ...] = _OUTPUT_LAYER_SUFFIXES
 
     def post_init(self):
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                module._neox_output_layer = name.endswith(_OUTPUT_LAYER_SUFFIXES)
+                module._neox_output_layer = name.endswith(self._neox_output_layers)
         super().post_init()
 
     def _init_weights(self, module):
