@@ -108,7 +108,9 @@ def assert_same_training(out_dir, reference, mode: str):
     for step in log:
         assert abs(log[step]["loss"] - losses[step]) <= LOSS_TOL, (step, log[step]["loss"], losses[step])
         assert abs(log[step]["grad_norm"] - norms[step]) <= 1e-4, (step, log[step]["grad_norm"], norms[step])
-        assert log[step]["tokens"] == tokens[step] and log[step]["samples"] == samples[step] and not log[step]["skipped"]
+        step_tokens = log[step]["consumed_tokens"] - (log[step - 1]["consumed_tokens"] if step > 1 else 0)
+        step_samples = log[step]["consumed_samples"] - (log[step - 1]["consumed_samples"] if step > 1 else 0)
+        assert step_tokens == tokens[step] and step_samples == samples[step] and not log[step].get("skipped", False)
     got_evals = json.loads((out_dir / "eval.json").read_text())
     for when in ("before", "after"):
         assert abs(got_evals[when] - evals[when]) <= LOSS_TOL, (when, got_evals, evals)

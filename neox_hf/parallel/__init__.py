@@ -20,7 +20,8 @@ from neox_hf.parallel.accelerator import build_accelerator
 from neox_hf.parallel.build import build_model
 from neox_hf.parallel.layout import Layout, build_layout, check_launch
 
-__all__ = ["Layout", "init_distributed", "build_model", "parallelize", "full_state_dict", "parameter_count"]
+__all__ = ["Layout", "init_distributed", "build_model", "parallelize", "parallelize_plain", "full_state_dict",
+           "full_state_dict_plain", "parameter_count"]
 
 
 def init_distributed(recipe, *, log_with=None):
@@ -31,13 +32,18 @@ def init_distributed(recipe, *, log_with=None):
 
 
 def parallelize(model, layout: Layout, recipe, accelerator):
+    """(model, optimizer) as the layout's engine wraps them (`neox_hf.train.engine`)."""
+    from neox_hf.train.engine import build_engine
+
+    return build_engine(recipe, accelerator, layout).parallelize(model)
+
+
+def parallelize_plain(model, layout: Layout, recipe, accelerator):
     """Apply TP (+ sequence parallelism) and activation checkpointing, build AdamW, let Accelerate/DeepSpeed wrap
     both; DeepSpeed is handed the layout so ZeRO reduces over the data-parallel group only."""
     from neox_hf.parallel.tensor_parallel import apply_tensor_parallel
     from neox_hf.parallel.tp_groups import DeepSpeedMPU, deepspeed_initialize_with_mpu
 
-    if layout.pp > 1:
-        return _parallelize_pipeline(model, layout, recipe, accelerator)
     if layout.tp > 1 and not getattr(model.get_output_embeddings(), "loss_sum", None):
         model = apply_tensor_parallel(model, layout.tp_group, sequence_parallel=recipe.parallel.sequence_parallel)
     if recipe.parallel.activation_checkpointing:
@@ -52,16 +58,6 @@ def parallelize(model, layout: Layout, recipe, accelerator):
     distributed = layout.world_size > 1
     with deepspeed_initialize_with_mpu(DeepSpeedMPU(layout)) if distributed else contextlib.nullcontext():
         return accelerator.prepare(model, optimizer)
-
-
-def _parallelize_pipeline(model, layout: Layout, recipe, accelerator):
-    """A PipelineModule (TP and activation checkpointing applied when its stage was built) → DeepSpeed's
-    PipelineEngine. No mpu wrapper: the module's pipe × data × model grid is DeepSpeed's mpu."""
-    from neox_hf.parallel.pipeline import stage_report
-
-    engine, optimizer = accelerator.prepare(model, build_optimizer(model, recipe.train))
-    accelerator.print("\n".join(stage_report(model, layout, recipe.train.gradient_accumulation_steps)))
-    return engine, optimizer
 
 
 def build_optimizer(model, train) -> torch.optim.Optimizer:
@@ -85,25 +81,32 @@ def _has_fused_adamw(params) -> bool:
     return bool(params) and all(p.device.type in devices and p.is_floating_point() for p in params)
 
 
-def full_state_dict(model, layout: Layout, accelerator) -> dict:
+def full_state_dict(model, layout: Layout, accelerator, recipe=None) -> dict | None:
+    """The whole model's state dict, complete on the main process, as the layout's engine merges it. Collective."""
+    from neox_hf.train.engine import build_engine
+
+    return build_engine(recipe or _default_recipe(), accelerator, layout, model=model).full_state_dict()
+
+
+def full_state_dict_plain(model, layout: Layout, accelerator) -> dict:
     """The whole model's state dict (TP shards merged, ZeRO-3 partitions gathered). Collective: every rank calls it;
     the result is complete on the main process."""
     from neox_hf.parallel.tensor_parallel import gather_full_state_dict
 
-    if layout.pp > 1:  # stages × TP shards merged on the main process (None elsewhere)
-        from neox_hf.parallel.pipeline import gather_pipeline_state_dict
-
-        return gather_pipeline_state_dict(model, layout)
     if layout.tp > 1:
         return gather_full_state_dict(accelerator.unwrap_model(model), layout)
     return accelerator.get_state_dict(model)
 
 
-def parameter_count(model, layout: Layout) -> int:
-    """Full-model parameter count whatever the layout (ZeRO-3 partitions, TP shards; replicated norms are counted
-    once per TP rank, which is why this is approximate under TP)."""
-    from neox_hf.parallel.pipeline import full_parameter_count, is_pipeline_module
+def parameter_count(model, layout: Layout, accelerator=None, recipe=None) -> int:
+    """Full-model parameter count whatever the layout (ZeRO-3 partitions, TP shards, pipeline stages)."""
+    from neox_hf.train.engine import build_engine
 
-    if is_pipeline_module(model):  # a rank holds one stage: count the whole model from its config
-        return full_parameter_count(model.config)
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) * layout.tp
+    return build_engine(recipe or _default_recipe(), accelerator, layout, model=model).parameter_count()
+
+
+def _default_recipe():
+    """The layout-only helpers above need an engine, not a recipe's values."""
+    from neox_hf.recipe import Recipe
+
+    return Recipe()

@@ -11,6 +11,13 @@ from neox_hf.parallel.layout import Layout
 
 
 def build_model(recipe, tokenizer, layout: Layout):
+    """This rank's model as the layout's engine builds it (a pipeline rank: only its stage)."""
+    from neox_hf.train.engine import build_engine
+
+    return build_engine(recipe, None, layout).build_model(tokenizer)
+
+
+def build_model_plain(recipe, tokenizer, layout: Layout):
     """From a pretrained folder, or from scratch with GPT-NeoX init and the padded vocabulary.
 
     With tensor parallelism a local safetensors folder is loaded slice by slice, already split (and its vocabulary
@@ -18,23 +25,23 @@ def build_model(recipe, tokenizer, layout: Layout):
     `parallelize`.
     """
     from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, padded_vocab_size
-    from neox_hf.model import NeoXConfig, NeoXForCausalLM, config_from_recipe
+    from neox_hf.model.spec import config_class_for_folder, config_from_recipe, model_class_for_config
     from neox_hf.parallel.tensor_parallel import from_pretrained_tensor_parallel
 
-    if layout.pp > 1:  # each rank builds only its pipeline stage
-        from neox_hf.parallel.pipeline import build_pipeline_model
-
-        return build_pipeline_model(recipe, tokenizer, layout)
     m = recipe.model
+    # The family comes from the folder's config.json (model_type) or the recipe's `model.family`.
     if m.from_pretrained and layout.tp > 1 and _has_safetensors(m.from_pretrained):
-        stored_vocab = NeoXConfig.from_pretrained(m.from_pretrained).vocab_size
-        model = from_pretrained_tensor_parallel(NeoXForCausalLM, m.from_pretrained, layout,
+        config_class = config_class_for_folder(m.from_pretrained)
+        stored = config_class.from_pretrained(m.from_pretrained)
+        stored_vocab = stored.vocab_size
+        model = from_pretrained_tensor_parallel(model_class_for_config(stored), m.from_pretrained, layout,
                                                 padded_vocab=_tp_vocab_size(stored_vocab, recipe),
                                                 sequence_parallel=recipe.parallel.sequence_parallel,
                                                 attn_implementation=m.attn_implementation)
         check_vocab_covers_tokenizer(stored_vocab, tokenizer, where=m.from_pretrained)
     elif m.from_pretrained:
-        model = NeoXForCausalLM.from_pretrained(m.from_pretrained, dtype=torch.float32, attn_implementation=m.attn_implementation)
+        model_class = model_class_for_config(config_class_for_folder(m.from_pretrained).from_pretrained(m.from_pretrained))
+        model = model_class.from_pretrained(m.from_pretrained, dtype=torch.float32, attn_implementation=m.attn_implementation)
         check_vocab_covers_tokenizer(model.config.vocab_size, tokenizer, where=m.from_pretrained)
         model = _pad_vocab_for_tp(model, recipe)
     else:
@@ -44,7 +51,7 @@ def build_model(recipe, tokenizer, layout: Layout):
                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         config._attn_implementation = m.attn_implementation
         # _from_config builds under deepspeed.zero.Init when ZeRO-3 is active, so a 20B never sits whole on one rank.
-        model = NeoXForCausalLM._from_config(config, dtype=torch.float32)
+        model = model_class_for_config(config)._from_config(config, dtype=torch.float32)
     model.config.use_cache = False
     return model
 

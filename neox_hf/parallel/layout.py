@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -82,6 +82,7 @@ class StepResult:
     samples: torch.Tensor  # 0-dim: sequences of the step over every data-parallel rank
     grad_norm: torch.Tensor | None  # before clipping, when the optimizer path reports it
     skipped: bool  # fp16 overflow: no update
+    metrics: dict = field(default_factory=dict)  # the objective's metrics (name → 0-dim mean over the step's units)
 
 
 def deepspeed_grad_norm(engine) -> torch.Tensor | None:

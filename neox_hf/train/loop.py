@@ -19,7 +19,7 @@ from neox_hf.data import DataNotes, build_eval_loader, build_train_loader, gpt_n
 from neox_hf.finetune import check_peft_recipe, save_finetuned, trainable_parameters_report, wrap_with_peft
 from neox_hf.interop.hf_folder import save_hf_folder
 from neox_hf.interop.tokenizer import load_tokenizer
-from neox_hf.parallel import build_model, full_state_dict, init_distributed, parallelize, parameter_count
+from neox_hf.parallel import init_distributed
 from neox_hf.plot import model_card_section, write_run_plot
 from neox_hf.recipe import Recipe
 from neox_hf.trackers import init_tracker_kwargs, tracker_names
@@ -39,7 +39,8 @@ from neox_hf.train.mfu import Peak, device_peak, flops_per_token, mfu
 from neox_hf.train.prefetch import Prefetcher
 from neox_hf.train.run_log import record_evaluation
 from neox_hf.train.schedule import build_lr_scheduler
-from neox_hf.train.step import StepResult, dp_sum, eval_loss_sums, loss_scale, loss_scale_floor, train_step
+from neox_hf.train.engine import build_engine
+from neox_hf.train.step import StepResult, dp_sum
 
 
 @dataclass
@@ -75,11 +76,12 @@ def _train(recipe: Recipe, notices: list[str] | None) -> RunResult:
     _set_seed(recipe.train.seed)
     check_peft_recipe(recipe)
     tokenizer = load_tokenizer(recipe.tokenizer.path, eos_token=recipe.tokenizer.eos_token, pad_token=recipe.tokenizer.pad_token)
-    model = build_model(recipe, tokenizer, layout)
+    engine = build_engine(recipe, accelerator, layout)
+    model = engine.build_model(tokenizer)
     if recipe.peft.method is not None:
         model = wrap_with_peft(model, recipe.peft)  # before prepare: only adapter weights reach the optimizer
         accelerator.print(trainable_parameters_report(model))
-    model, optimizer = parallelize(model, layout, recipe, accelerator)
+    model, optimizer = engine.parallelize(model)
     t = recipe.train
     data_args = dict(seq_length=recipe.model.seq_length, micro_batch_size=t.micro_batch_size, dp_rank=layout.dp_rank,
                      dp_size=layout.dp, gradient_accumulation_steps=t.gradient_accumulation_steps,
@@ -97,7 +99,7 @@ def _train(recipe: Recipe, notices: list[str] | None) -> RunResult:
     if recipe.train.resume is not None and accelerator.is_main_process:
         truncate_train_log(recipe.output.dir, state.step)  # steps after the resume point are redone
     run = TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, tokenizer, layout,
-                      _hub_pusher(recipe) if accelerator.is_main_process else None)
+                      _hub_pusher(recipe) if accelerator.is_main_process else None, engine=engine)
     if accelerator.is_main_process:
         accelerator.print(startup_report(run, notices))
     if tracker_names(recipe):
@@ -145,6 +147,7 @@ class TrainingRun:
     tokenizer: object = None
     layout: object = None  # neox_hf.parallel.Layout; None means one process
     pusher: object = None  # HubPusher on the main process when train.push_to_hub is set
+    engine: object = None  # neox_hf.train.engine.Engine; None: the layout's engine around model and optimizer
     loader_position: object = None  # set by run_steps: the prefetcher, whose state is the last consumed batch's
     has_eval: bool = field(init=False, default=False)  # any data-parallel rank has eval batches
     flops_per_token: float | None = field(init=False, default=None)  # model FLOPs (None: not a GPTNeoX config)
@@ -155,6 +158,9 @@ class TrainingRun:
             from neox_hf.parallel import Layout
 
             self.layout = Layout()
+        if self.engine is None:
+            self.engine = build_engine(self.recipe, self.accelerator, self.layout, model=self.model,
+                                       optimizer=self.optimizer)
         # Evaluation is collective: a rank whose share of a small validation set is empty must still take part,
         # so whether to evaluate is decided over every data-parallel rank, not from this rank's batches.
         count = torch.tensor(len(self.eval_batches or []), device=self.accelerator.device)
@@ -191,15 +197,15 @@ def run_steps(run: TrainingRun, state: TrainState, history: History | None = Non
     batches = Prefetcher(run.loader)
     run.loader_position = batches  # what a checkpoint records: the position of the last batch consumed
     step_log = StepLogger(run, state, history)
-    overflows = OverflowGuard(t.max_skipped_steps_in_a_row, loss_scale_floor(run.accelerator, run.model),
+    overflows = OverflowGuard(t.max_skipped_steps_in_a_row, run.engine.loss_scale_floor(),
                               output_dir=run.recipe.output.dir)
     progress = tqdm(total=t.train_iters, initial=state.step, disable=not run.accelerator.is_main_process, desc="train")
     run.model.train()
     try:
         while state.step < t.train_iters:
             micro_batches = [_to_device(next(batches), run.accelerator.device) for _ in range(t.gradient_accumulation_steps)]
-            result = train_step(run, micro_batches)
-            scale = loss_scale(run.accelerator, run.model)
+            result = run.engine.train_step(micro_batches)
+            scale = run.engine.loss_scale()
             lr = _advance_schedule(run, state, result)
             step_log.record(result, lr, scale, data_wait=batches.take_wait(),
                             seq_length=micro_batches[0].get("curriculum_seq_length"))
@@ -358,7 +364,7 @@ def eval_task_scores(run: TrainingRun) -> dict[str, float]:
 def evaluate(run: TrainingRun) -> float:
     """Token-weighted mean loss over every data-parallel rank's eval batches."""
     run.model.eval()
-    loss_sum, tokens = eval_loss_sums(run, [_to_device(b, run.accelerator.device) for b in run.eval_batches]).tolist()
+    loss_sum, tokens = run.engine.eval_sums([_to_device(b, run.accelerator.device) for b in run.eval_batches])[:2].tolist()
     run.model.train()
     return loss_sum / tokens if tokens > 0 else float("nan")
 
@@ -385,7 +391,7 @@ def _save_checkpoint_and_push(run: TrainingRun, state: TrainState) -> None:
 def save_final_model(run: TrainingRun, out_dir=None) -> Path:
     """Consolidated HF folder (ZeRO-3 partitions gathered, TP shards merged) written by the main process, atomically."""
     accelerator, recipe = run.accelerator, run.recipe
-    state_dict = full_state_dict(run.model, run.layout, accelerator)  # collective: every rank calls it
+    state_dict = run.engine.full_state_dict()  # collective: every rank calls it
     out = Path(out_dir or recipe.output.dir)
     if accelerator.is_main_process:
         save_hf_folder(accelerator.unwrap_model(run.model), out, state_dict=state_dict, tokenizer=run.tokenizer,
@@ -428,7 +434,7 @@ def _write_card(run: TrainingRun, state: TrainState, eval_loss: float | None, fo
     config = unwrapped.get_base_model().config if hasattr(unwrapped, "get_base_model") else unwrapped.config
     write_model_card(
         folder, recipe_yaml=recipe.to_yaml(), model_config=config.to_dict(),
-        num_parameters=parameter_count(unwrapped, run.layout), tokens_trained=state.consumed_tokens,
+        num_parameters=run.engine.parameter_count(), tokens_trained=state.consumed_tokens,
         data_sources=[{"path": s.path, "weight": s.weight} for s in recipe.data.sources], eval_loss=eval_loss,
         extra_markdown=model_card_section(folder),
     )
@@ -441,7 +447,7 @@ def startup_report(run: TrainingRun, notices: list[str]) -> str:
     config = unwrapped.get_base_model().config if hasattr(unwrapped, "get_base_model") else unwrapped.config
     global_batch = t.micro_batch_size * t.gradient_accumulation_steps * layout.dp
     lines = [
-        f"neox_hf: {config.num_hidden_layers} layers, {parameter_count(unwrapped, layout) / 1e6:.2f}M parameters, "
+        f"neox_hf: {config.num_hidden_layers} layers, {run.engine.parameter_count() / 1e6:.2f}M parameters, "
         f"vocab {config.vocab_size} (tokenizer {len(run.tokenizer)})",
         f"layout: {layout.describe()}{' with sequence parallelism' if recipe.parallel.sequence_parallel else ''}, "
         f"ZeRO stage {recipe.parallel.zero_stage if accelerator.state.deepspeed_plugin else 'off'}, precision {t.precision}",
@@ -466,6 +472,7 @@ def startup_report(run: TrainingRun, notices: list[str]) -> str:
     if run.peak is not None:
         lines.append(f"mfu: {run.flops_per_token / 1e9:.3g} GFLOP per token (6 × matmul parameters + 12 × layers × "
                      f"hidden × seq_length {m.seq_length}) against {run.peak.source} per device × {layout.world_size}")
+    lines += run.engine.startup_lines()
     lines += [f"note: {n}" for n in notices]
     return "\n".join(lines)
 

@@ -1,15 +1,14 @@
-"""`train_step`: the only place with forward, backward and optimizer step (torchtitan's `train_step` shape).
+"""The plain engine's step: the only place with forward, backward and optimizer step outside DeepSpeed's pipeline
+schedule (torchtitan's `train_step` shape), for any objective (`neox_hf.objectives`).
 
-One optimizer step over `gradient_accumulation_steps` micro-batches. With `train.loss_normalization: token` (the
-default) every labelled token of the step weighs the same, whatever micro-batch or data-parallel rank it fell in:
-the step's labelled tokens N are counted over all micro-batches and all-reduced over the data-parallel group before
-the first backward, and each micro-batch backpropagates its loss *sum* scaled so that, after Accelerate/DeepSpeed
-divide by the accumulation steps and DeepSpeed averages over data-parallel ranks, the gradient is that of
-Σ token losses / N. `micro_batch` reproduces GPT-NeoX / Megatron: the mean of per-micro-batch means (packed data
-without masks gives the same numbers either way).
+One optimizer step over `gradient_accumulation_steps` micro-batches. The objective's units (labelled tokens, or
+pairs) are counted over all micro-batches and all-reduced over the data-parallel group before the first backward;
+each micro-batch backpropagates its loss *sum* weighted by `neox_hf.train.weighting` (token: every unit of the step
+weighs the same; micro_batch: GPT-NeoX's mean of micro-batch means). The objective's metrics are summed the same way
+and divided by the step's units (TRL's per-batch means).
 
-Nothing here calls `.item()`: the step's loss and token count stay on the device until a log interval reads them.
-A pipeline engine replaces this function (`parallel.pipeline.pipeline_train_step`) when the layout has stages.
+Nothing here calls `.item()`: the step's loss, counts and metrics stay on the device until a log interval reads them.
+The pipeline engine's step is `neox_hf.parallel.pipeline.pipeline_train_step`; `neox_hf.train.engine` chooses.
 """
 
 from __future__ import annotations
@@ -18,67 +17,105 @@ import torch
 
 from neox_hf.parallel.accelerator import uses_deepspeed
 from neox_hf.parallel.layout import StepResult, deepspeed_grad_norm, dp_sum
-from neox_hf.train.loss import causal_lm_loss
+from neox_hf.train.weighting import backward_scale, step_loss
 
 
-def train_step(run, micro_batches: list[dict]) -> StepResult:
-    if run.layout.pp > 1:
-        from neox_hf.parallel.pipeline import pipeline_train_step
-
-        return pipeline_train_step(run.model, micro_batches, run.layout, run.recipe)
-    accelerator, model, optimizer, t = run.accelerator, run.model, run.optimizer, run.recipe.train
-    counts = [labelled_tokens(mb) for mb in micro_batches]
-    totals = dp_sum(run.layout, torch.stack([sum(counts), _samples(micro_batches, accelerator.device)]).double())
-    step_tokens = totals[0].clamp(min=1)
-    logged = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+def train_step_plain(engine, micro_batches: list[dict]) -> StepResult:
+    """One optimizer step of the plain engine for the run's objective, over `gradient_accumulation_steps`
+    micro-batches (collective over the data-parallel group)."""
+    accelerator, model, optimizer, layout = engine.accelerator, engine.model, engine.optimizer, engine.layout
+    t, objective = engine.recipe.train, engine.objective
+    units = [objective.units(mb) for mb in micro_batches]
+    device = accelerator.device
+    counts = torch.stack([sum(units), _samples(micro_batches, objective, device), _tokens(micro_batches, device)])
+    totals = dp_sum(layout, counts.double())
+    weighted = torch.zeros((), dtype=torch.float64, device=device)
+    metric_sums = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=device)
     grad_norm = None
     scale_before = loss_scale(accelerator, model)
-    for batch, count in zip(micro_batches, counts):
+    for batch, count in zip(micro_batches, units):
         with accelerator.accumulate(model):
             with accelerator.autocast():
-                loss_sum, _ = causal_lm_loss(model, batch, fused=t.fused_cross_entropy, z_loss=t.z_loss)
-            if t.loss_normalization == "token":
-                # Accelerate/DeepSpeed divide by the accumulation steps and DeepSpeed averages over DP ranks.
-                scale = len(micro_batches) * run.layout.dp / step_tokens
-                logged += loss_sum.detach().double()
-            else:
-                scale = 1.0 / count.clamp(min=1)
-                logged += loss_sum.detach().double() * scale / len(micro_batches)
-            accelerator.backward(loss_sum * scale.to(loss_sum.dtype))
+                out = objective.loss(model, batch, fused=t.fused_cross_entropy, z_loss=t.z_loss)
+            scale = backward_scale(t.loss_normalization, count.double(), totals[0], gas=len(micro_batches),
+                                   dp=layout.dp)
+            weighted += out.loss_sum.detach().double() * scale
+            metric_sums += _metric_vector(out, objective.metric_names, device)
+            accelerator.backward(out.loss_sum * scale.to(out.loss_sum.dtype))
             if accelerator.sync_gradients:
                 grad_norm = _clip_gradients(accelerator, model, t.clip_grad)
             optimizer.step()
             optimizer.zero_grad()
-    logged = dp_sum(run.layout, logged)
-    loss = logged / step_tokens if t.loss_normalization == "token" else logged / run.layout.dp
+    reduced = dp_sum(layout, torch.cat([weighted.reshape(1), metric_sums]))
     if uses_deepspeed(accelerator):
         grad_norm = deepspeed_grad_norm(model)
-    return StepResult(loss=loss, tokens=totals[0], samples=totals[1], grad_norm=grad_norm,
-                      skipped=step_was_skipped(accelerator, model, scale_before))
+    metrics = dict(zip(objective.metric_names, reduced[1:] / totals[0].clamp(min=1)))
+    return StepResult(loss=step_loss(reduced[0], gas=len(micro_batches), dp=layout.dp), tokens=totals[2],
+                      samples=totals[1], grad_norm=grad_norm, skipped=step_was_skipped(accelerator, model, scale_before),
+                      metrics=metrics)
 
 
 @torch.no_grad()
-def eval_loss_sums(run, batches: list[dict]) -> torch.Tensor:
-    """[Σ token losses, labelled tokens] over this data-parallel group's eval batches, in float64, on device."""
-    if run.layout.pp > 1:
-        from neox_hf.parallel.pipeline import pipeline_eval_loss_sums
-
-        return pipeline_eval_loss_sums(run.model, batches, run.layout, run.recipe)
-    t = run.recipe.train
-    total = torch.zeros(2, dtype=torch.float64, device=run.accelerator.device)
+def eval_sums_plain(engine, batches: list[dict]) -> torch.Tensor:
+    """[Σ loss, units, Σ of each metric] of the objective over this data-parallel group's eval batches, float64, on
+    device."""
+    objective, t, device = engine.objective, engine.recipe.train, engine.accelerator.device
+    total = torch.zeros(2 + len(objective.metric_names), dtype=torch.float64, device=device)
     for batch in batches:
-        with run.accelerator.autocast():
-            loss_sum, count = causal_lm_loss(run.model, batch, fused=t.fused_cross_entropy)
-        total += torch.stack([loss_sum.double(), count.double()])
-    return dp_sum(run.layout, total)
+        with engine.accelerator.autocast():
+            out = objective.loss(engine.model, batch, fused=t.fused_cross_entropy)
+        total += torch.cat([torch.stack([out.loss_sum.double(), out.units.double()]),
+                            _metric_vector(out, objective.metric_names, device)])
+    return dp_sum(engine.layout, total)
+
+
+def train_step(run, micro_batches: list[dict]) -> StepResult:
+    """One optimizer step of `run` (a TrainingRun, or any object with accelerator, recipe, model, optimizer and
+    layout) through its layout's engine."""
+    return _engine_of(run).train_step(micro_batches)
+
+
+def eval_loss_sums(run, batches: list[dict]) -> torch.Tensor:
+    """[Σ loss, units] over every data-parallel rank's eval batches, through the run's engine."""
+    return _engine_of(run).eval_sums(batches)[:2]
+
+
+def _engine_of(run):
+    engine = getattr(run, "engine", None)
+    if engine is None:
+        from neox_hf.train.engine import build_engine
+
+        engine = build_engine(run.recipe, run.accelerator, run.layout, model=run.model, optimizer=run.optimizer)
+    return engine
+
+
+def _metric_vector(out, names: tuple[str, ...], device) -> torch.Tensor:
+    return torch.stack([out.metric_sums[n].double() for n in names]) if names else torch.zeros(0, dtype=torch.float64,
+                                                                                                 device=device)
+
+
+def _tokens(micro_batches: list[dict], device) -> torch.Tensor:
+    """Tokens the step trained on, for throughput and `consumed_tokens`: labelled tokens where the batch has labels
+    (what GPT-NeoX and earlier neox_hf runs count), else the unpadded ones."""
+    total = torch.zeros((), dtype=torch.long, device=device)
+    for mb in micro_batches:
+        if "labels" in mb:
+            total = total + labelled_tokens(mb)
+        elif "attention_mask" in mb:
+            total = total + mb["attention_mask"].sum()
+        else:
+            total = total + mb["input_ids"].numel()
+    return total
 
 
 def labelled_tokens(batch: dict) -> torch.Tensor:
     return (batch["labels"] != -100).sum()
 
 
-def _samples(micro_batches: list[dict], device) -> torch.Tensor:
-    return torch.tensor(sum(mb["input_ids"].shape[0] for mb in micro_batches), device=device)
+def _samples(micro_batches: list[dict], objective, device) -> torch.Tensor:
+    """Samples of the step: sequences, or pairs for a pair objective (a micro-batch of P pairs has 2P rows)."""
+    rows = sum(mb["input_ids"].shape[0] for mb in micro_batches)
+    return torch.tensor(rows // 2 if objective.unit == "pair" else rows, device=device)
 
 
 def _clip_gradients(accelerator, model, clip_grad: float):

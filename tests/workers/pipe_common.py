@@ -69,3 +69,26 @@ def rank_micro_batches(step: int, mode: str, dp_rank: int, dp: int) -> list[dict
 
 def eval_batches(mode: str, dp_rank: int, dp: int) -> list[dict]:
     return rank_micro_batches(10_000, mode, dp_rank, dp)[:2 + dp_rank]  # ranks hold different counts
+
+
+class FixedBatches:
+    """The training loop's loader for these batches: step s's GAS micro-batches in order (this rank's rows), endless,
+    with the position a checkpoint records."""
+
+    def __init__(self, mode: str, dp_rank: int, dp: int):
+        self.mode, self.dp_rank, self.dp = mode, dp_rank, dp
+        self.position = 0  # micro-batches handed out
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        step, index = divmod(self.position, GAS)
+        self.position += 1
+        return rank_micro_batches(step + 1, self.mode, self.dp_rank, self.dp)[index]
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]

@@ -2,7 +2,8 @@
 
     accelerate launch --use_deepspeed --num_processes N pipe_train.py MODEL_DIR OUT_DIR --pp P [--tp T] [options]
 
-Writes, from global rank 0: OUT_DIR/train_log.jsonl (step, loss, tokens, samples, grad_norm per step),
+The steps are the training loop's own (`neox_hf.train.loop.run_steps` through the pipeline engine), on a loader of
+fixed batches. Writes, from global rank 0: OUT_DIR/train_log.jsonl (the loop's per-step log),
 OUT_DIR/eval.json (token-weighted eval loss before and after training), OUT_DIR/final/ (the merged HF folder),
 OUT_DIR/report.txt (the start-up pipeline report). Options: --mode pack|pad|isolate, --activation-checkpointing,
 --kill-at-step K (SIGKILL rank 0 after step K's update, before its checkpoint), --resume (from OUT_DIR's latest checkpoint),
@@ -20,19 +21,13 @@ import torch
 from neox_hf.model import NeoXConfig
 from neox_hf.parallel.accelerator import build_accelerator
 from neox_hf.parallel.layout import build_layout
-from neox_hf.parallel.pipeline import (
-    build_pipeline_module,
-    partition_stages,
-    pipeline_eval_loss,
-    pipeline_report,
-    pipeline_train_step,
-    save_pipeline_hf_folder,
-)
+from neox_hf.parallel.pipeline import build_pipeline_module
 from neox_hf.recipe import recipe_from_dict
-from neox_hf.train.checkpoint import TrainState, find_resume_checkpoint, load_checkpoint, save_checkpoint
-from neox_hf.parallel import build_optimizer
+from neox_hf.train.checkpoint import TrainState, find_resume_checkpoint, load_checkpoint
+from neox_hf.train.engine import build_engine
+from neox_hf.train.loop import TrainingRun, evaluate, run_steps, save_final_model
 from neox_hf.train.schedule import build_lr_scheduler
-from pipe_common import GAS, eval_batches, rank_micro_batches, recipe_dict
+from pipe_common import FixedBatches, eval_batches, recipe_dict
 
 
 def parse_args():
@@ -66,41 +61,43 @@ def main(args) -> None:
                                    partition_method=recipe.parallel.pipe_partition_method,
                                    activation_checkpointing=recipe.parallel.activation_checkpointing,
                                    loss_normalization=recipe.train.loss_normalization)
-    optimizer = build_optimizer(module, recipe.train)
-    engine, optimizer = accelerator.prepare(module, optimizer)
+    engine = build_engine(recipe, accelerator, layout)
+    model, optimizer = engine.parallelize(module)
     scheduler = build_lr_scheduler(optimizer, recipe.train)
+    loader = FixedBatches(args.mode, layout.dp_rank, dp)
     state = TrainState()
     checkpoint = find_resume_checkpoint("auto", out) if args.resume else None
     if checkpoint is not None:
-        state = load_checkpoint(accelerator, checkpoint, scheduler=scheduler, data_loader=None)
+        state = load_checkpoint(accelerator, checkpoint, scheduler=scheduler, data_loader=loader)
+    run = TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader,
+                      eval_batches(args.mode, layout.dp_rank, dp), layout=layout, engine=engine)
     if accelerator.is_main_process:
-        parts = partition_stages(config, layout.pp, recipe.parallel.pipe_partition_method)
-        (out / "report.txt").write_text("\n".join(pipeline_report(config, parts, GAS, tp=layout.tp)))
-    evals = {"before": pipeline_eval_loss(engine, eval_batches(args.mode, layout.dp_rank, dp), layout)}
-    while state.step < recipe.train.train_iters:
-        step = state.step + 1
-        holds_data = layout.is_first_stage or layout.is_last_stage
-        batches = rank_micro_batches(step, args.mode, layout.dp_rank, dp) if holds_data else None
-        result = pipeline_train_step(engine, batches, layout, recipe)
-        scheduler.step()
-        state.step = step
-        if accelerator.is_main_process:
-            with (out / "train_log.jsonl").open("a") as log:
-                log.write(json.dumps({"step": step, "loss": result.loss.item(), "tokens": result.tokens.item(),
-                                      "samples": int(result.samples), "skipped": result.skipped,
-                                      "grad_norm": None if result.grad_norm is None else result.grad_norm.item()}) + "\n")
-        if args.kill_at_step == step:
-            accelerator.wait_for_everyone()
-            if accelerator.is_main_process:
-                os.kill(os.getpid(), signal.SIGKILL)  # dies after the update, before this step's checkpoint
-            accelerator.wait_for_everyone()
-        save_checkpoint(accelerator, output_dir=out, state=state, scheduler=scheduler, data_loader=None, keep_last_n=2,
-                        model_config=config)
-    evals["after"] = pipeline_eval_loss(engine, eval_batches(args.mode, layout.dp_rank, dp), layout)
-    save_pipeline_hf_folder(engine, layout, config, out / "final")
+        (out / "report.txt").write_text("\n".join(engine.startup_lines()))
+    if args.kill_at_step:
+        _kill_rank0_after_step(run, args.kill_at_step, state)
+    evals = {"before": evaluate(run)}
+    run_steps(run, state)
+    evals["after"] = evaluate(run)
+    save_final_model(run, out_dir=out / "final")
     if accelerator.is_main_process:
         (out / "eval.json").write_text(json.dumps(evals))
     accelerator.end_training()
+
+
+def _kill_rank0_after_step(run, kill_step: int, state) -> None:
+    """SIGKILL global rank 0 right after step `kill_step`'s update, before the loop logs or checkpoints it."""
+    step = run.engine.train_step
+
+    def train_step_then_die(micro_batches):
+        result = step(micro_batches)
+        if state.step + 1 == kill_step:
+            run.accelerator.wait_for_everyone()
+            if run.accelerator.is_main_process:
+                os.kill(os.getpid(), signal.SIGKILL)
+            run.accelerator.wait_for_everyone()
+        return result
+
+    run.engine.train_step = train_step_then_die
 
 
 if __name__ == "__main__":
