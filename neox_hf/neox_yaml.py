@@ -169,10 +169,11 @@ def _closest_key(key: str) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 _SUPPORTED_VALUES = {
-    "norm": ({"layernorm"}, "GPTNeoX uses LayerNorm"),
-    "pos_emb": ({"rotary"}, "GPTNeoX uses rotary position embeddings"),
-    "activation": ({"gelu"}, "GPTNeoX's MLP is dense → GELU → dense"),
-    "tokenizer_type": ({"HFTokenizer"}, "give a tokenizers JSON file as `vocab_file` (HFTokenizer)"),
+    "norm": ({"layernorm", "rmsnorm"}, "GPTNeoX uses LayerNorm, the Llama family RMSNorm"),
+    "pos_emb": ({"rotary"}, "GPTNeoX and Llama use rotary position embeddings"),
+    "activation": ({"gelu", "swiglu"}, "GPTNeoX's MLP is dense → GELU → dense, Llama's is SwiGLU"),
+    "tokenizer_type": ({"HFTokenizer", "SPMTokenizer"}, "give a tokenizers JSON file as `vocab_file` (HFTokenizer) "
+                       "or an HF tokenizer folder as `--tokenizer.path`"),
     "output_layer_parallelism": ({"column", "row"}, "column or row"),
     "lr_decay_style": ({"cosine", "linear", "constant"}, "cosine, linear or constant"),
 }
@@ -181,11 +182,8 @@ _MUST_BE_FALSY = {
     "use_bnb_optimizer": "8-bit optimizers are not wired",
     "gmlp_attn_dim": "gMLP blocks are not GPTNeoX",
     "use_qk_layernorm": "QK layer norm is not part of GPTNeoX",
-    "mlp_multiple_of": None,  # only a rounding hint for swiglu; harmless when falsy
-    "num_kv_heads": "grouped-query attention is not part of GPTNeoX",
     "moe_num_experts": "mixture of experts is not part of GPTNeoX",
-    "sliding_window_width": "sliding-window attention is not part of GPTNeoX",
-    "rotary_interleaved": "GPTNeoX rotates halves, not interleaved pairs",
+    "rotary_interleaved": "GPTNeoX and Llama rotate halves, not interleaved pairs",
     "use_mup": "muP parametrisation is not supported",
 }
 
@@ -261,8 +259,9 @@ _NO_EFFECT = {
     "log_dir", "num_workers", "data_impl", "extra_save_iters", "keep_last_n_checkpoints", "launcher",
     "hostfile", "include", "exclude", "master_port", "wandb_team", "wandb_host", "wandb_init_all_ranks",
     "comet_workspace", "comet_tags", "comet_others", "memory_profiling", "profile", "log_grad_norm", "log_param_norm", "log_optimizer_states",
-    "log_gradient_noise_scale", "sparsity_config", "gpt_j_tied", "use_bias_in_norms", "use_bias_in_attn_linear",
-    "mlp_multiple_of", "checkpoint_validation_with_forward_pass", "amp", "zero_allow_untested_optimizer",
+    "log_gradient_noise_scale", "sparsity_config", "gpt_j_tied",
+    # GPT-NeoX builds its LayerNorm / RMSNorm without reading use_bias_in_norms (megatron/model/transformer.py)
+    "use_bias_in_norms", "use_flashattn_swiglu", "checkpoint_validation_with_forward_pass", "amp", "zero_allow_untested_optimizer",
     "zero_allgather_partitions", "gas", "prescale_gradients", "gradient_predivide_factor", "merge_file",
 }
 
@@ -288,6 +287,8 @@ def translate_neox_args(args: dict) -> NeoXTranslation:
     handled |= {"bias_gelu_fusion", "expansion_factor"}
     if args.get("intermediate_size") is None and args.get("expansion_factor") and "hidden_size" in args:
         _put(recipe, "model.intermediate_size", int(float(args["expansion_factor"]) * int(args["hidden_size"])))
+    handled |= _translate_family(args, recipe, notices)
+    handled |= _translate_objective(args, recipe, notices)
     handled |= _translate_batch(args, recipe, notices)
     handled |= _translate_optimizer(args, recipe, notices)
     handled |= _translate_zero(args, recipe)
@@ -305,6 +306,146 @@ def translate_neox_args(args: dict) -> NeoXTranslation:
         notices.append("GPT-NeoX options not translated (no counterpart in neox_hf; check they are not needed): "
                        + ", ".join(ignored))
     return NeoXTranslation(recipe=recipe, notices=notices)
+
+
+_FAMILY_KEYS = {"norm", "activation", "num_kv_heads", "sliding_window_width", "mlp_multiple_of", "rms_norm_epsilon",
+                "use_bias_in_attn_linear", "use_bias_in_mlp", "layernorm_epsilon", "intermediate_size",
+                "expansion_factor", "tokenizer_type"}
+
+
+def _translate_family(args: dict, recipe: dict, notices: list[str]) -> set[str]:
+    """`norm: rmsnorm` + `activation: swiglu` is GPT-NeoX's Llama family (transformers' LlamaForCausalLM, Mistral with
+    a sliding window); LayerNorm + GELU is GPTNeoX. A mix neither model expresses is refused naming the key."""
+    norm, activation = args.get("norm") or "layernorm", args.get("activation") or "gelu"
+    llama = norm == "rmsnorm" or activation == "swiglu"
+    if llama and norm != "rmsnorm":
+        raise _refuse("norm", norm, "`activation: swiglu` builds transformers' Llama, whose norm is RMSNorm; set "
+                                    "norm: rmsnorm")
+    if llama and activation != "swiglu":
+        raise _refuse("activation", activation, "`norm: rmsnorm` builds transformers' Llama, whose MLP is SwiGLU; set "
+                                                "activation: swiglu")
+    if args.get("tokenizer_type") == "SPMTokenizer":
+        if str(args.get("vocab_file") or "").endswith(".model"):
+            raise _refuse("vocab_file", args["vocab_file"], "a SentencePiece .model file is not read here; give the "
+                          "model's HF tokenizer folder or tokenizer.json as vocab_file or --tokenizer.path")
+        notices.append("tokenizer_type: SPMTokenizer → give the model's HF tokenizer folder (or tokenizer.json) as "
+                       "--tokenizer.path, with --tokenizer.eos_token / --tokenizer.pad_token of that vocabulary")
+    kv = args.get("num_kv_heads")
+    heads = args.get("num_attention_heads")
+    gqa = kv not in (None, 0) and kv != heads
+    if not llama:
+        for key, value, why in (("num_kv_heads", kv if gqa else None, "grouped-query attention"),
+                                ("sliding_window_width", args.get("sliding_window_width"), "sliding-window attention"),
+                                ("use_bias_in_attn_linear", args.get("use_bias_in_attn_linear") is False,
+                                 "attention without biases"),
+                                ("use_bias_in_mlp", args.get("use_bias_in_mlp") is False, "an MLP without biases")):
+            if value:
+                raise _refuse(key, args[key], f"{why} is not part of GPTNeoX; the Llama family (norm: rmsnorm, "
+                                              "activation: swiglu) has it")
+        multiple = int(args.get("mlp_multiple_of") or 1)
+        if multiple > 1 and args.get("intermediate_size"):
+            width = multiple * ((int(args["intermediate_size"]) + multiple - 1) // multiple)
+            if width != int(args["intermediate_size"]):
+                _put(recipe, "model.intermediate_size", width)
+                notices.append(f"intermediate_size {args['intermediate_size']} rounded up to mlp_multiple_of "
+                               f"{multiple}: {width}, as GPT-NeoX's ParallelMLP builds it")
+        return {"norm", "activation", "num_kv_heads", "mlp_multiple_of", "use_bias_in_attn_linear", "use_bias_in_mlp"}
+    _put(recipe, "model.family", "llama")
+    for key, refused, why in (("rotary_pct", float(args.get("rotary_pct", 1.0)) != 1.0,
+                               "Llama rotates every head dimension; set rotary_pct: 1"),
+                              ("gpt_j_residual", bool(args.get("gpt_j_residual")),
+                               "Llama adds attention then MLP in sequence; set gpt_j_residual: false"),
+                              ("hidden_dropout", bool(args.get("hidden_dropout")),
+                               "Llama has no dropout on the residual stream; set hidden_dropout: 0")):
+        if refused:
+            raise _refuse(key, args[key], why)
+    _put(recipe, "model.use_parallel_residual", False)
+    _put(recipe, "model.hidden_act", "silu")
+    if gqa:
+        _put(recipe, "model.num_kv_heads", _convert("num_kv_heads", kv, int))
+    if args.get("sliding_window_width"):
+        _put(recipe, "model.sliding_window", _convert("sliding_window_width", args["sliding_window_width"], int))
+        notices.append(f"sliding_window_width {args['sliding_window_width']} → MistralForCausalLM (Llama with a "
+                       "sliding attention window)")
+    # GPT-NeoX's RMSNorm default epsilon is 1e-8; layernorm_epsilon is not read for rmsnorm.
+    _put(recipe, "model.layer_norm_eps", _convert("rms_norm_epsilon", args.get("rms_norm_epsilon", 1e-8), float))
+    notices.append("rmsnorm: transformers' LlamaRMSNorm computes x / sqrt(mean(x²) + eps); GPT-NeoX's RMSNorm "
+                   "x / (sqrt(mean(x²)) + eps): equal to ~eps relative")
+    biases = []
+    for key, field in (("use_bias_in_attn_linear", "attention_bias"), ("use_bias_in_mlp", "mlp_bias")):
+        on = _convert(key, args.get(key, True), bool)  # GPT-NeoX's default is True
+        if on and args.get("sliding_window_width"):
+            if key in args:
+                raise _refuse(key, args[key], "the sliding window builds MistralForCausalLM, whose linears have no "
+                                              "biases; set it false")
+            # Only GPT-NeoX's default asks for them, in a config GPT-NeoX's own MLP arithmetic may not run (below).
+            notices.append(f"{key} absent: GPT-NeoX's default (true) would add biases, which MistralForCausalLM "
+                           f"(the sliding window's model) lacks; built without them (set {key}: false to agree)")
+            on = False
+        _put(recipe, f"model.{field}", on)
+        if on:
+            biases.append(f"{key} {'true' if key in args else 'absent (GPT-NeoX default true)'} → model.{field}: true")
+    if biases:
+        notices.append("GPT-NeoX builds these biases, so this model has them too (Llama's own checkpoints have "
+                       "none): " + "; ".join(biases))
+    ffn = args.get("intermediate_size")
+    source = f"intermediate_size {ffn}"
+    if not ffn and args.get("expansion_factor"):
+        ffn = int(float(args["expansion_factor"]) * int(args["hidden_size"]))
+        source = f"expansion_factor {args['expansion_factor']} × hidden_size = {ffn}"
+    elif not ffn:
+        ffn = 4 * int(args.get("hidden_size") or 0)
+        source = f"4 × hidden_size = {ffn} (no intermediate_size)"
+    multiple = _convert("mlp_multiple_of", args.get("mlp_multiple_of") or 1, int)
+    if ffn:
+        from neox_hf.model.llama import gated_mlp_widths
+
+        linear1, inner = gated_mlp_widths(int(ffn), multiple)
+        _put(recipe, "model.intermediate_size", inner)
+        notices.append(f"MLP inner width {inner}: GPT-NeoX's ParallelMLP takes {source}, × 2/3 = "
+                       f"{int(int(ffn) * 2 / 3)} for the gated activation, halves it and rounds up to mlp_multiple_of "
+                       f"{multiple} (the width GPT-NeoX builds, whatever the file's number suggests)")
+        if linear1 != 2 * inner:
+            notices.append(f"warning: GPT-NeoX itself cannot run this config: its linear1 rounds to {linear1} rows "
+                           f"(a multiple of 2 × mlp_multiple_of), not 2 × {inner}, and its SwiGLU halves would not "
+                           f"fit linear2; built here with inner width {inner} (linear2's); set mlp_multiple_of, or "
+                           "--model.intermediate_size for the width you mean")
+    return _FAMILY_KEYS
+
+
+# GPT-NeoX `train_impl` → train.objective
+_OBJECTIVES = {"normal": "lm", "dpo": "dpo", "rm": "rm"}
+
+
+def _translate_objective(args: dict, recipe: dict, notices: list[str]) -> set[str]:
+    """GPT-NeoX's `train_impl` and its DPO keys; KTO / REINFORCE and GPT-NeoX's tokenized pair files are refused."""
+    impl = args.get("train_impl") or "normal"
+    if impl not in _OBJECTIVES:
+        raise _refuse("train_impl", impl, "train.objective is lm (normal), dpo or rm; KTO and REINFORCE are not "
+                                          "implemented")
+    _put(recipe, "train.objective", _OBJECTIVES[impl])
+    if args.get("dpo_beta") is not None:
+        _put(recipe, "train.dpo_beta", _convert("dpo_beta", args["dpo_beta"], float))
+    if args.get("dpo_reference_free"):
+        raise _refuse("dpo_reference_free", True, "DPO here always compares with a reference model "
+                                                   "(train.dpo_reference: precompute or frozen)")
+    if args.get("precompute_model_name"):
+        raise _refuse("precompute_model_name", args["precompute_model_name"], "reference log-probabilities stored "
+                      "beside GPT-NeoX's tokenized pairs are not read; `train.dpo_reference: precompute` computes them "
+                      "from the reference model (model.from_pretrained or train.dpo_reference_model) at start-up")
+    if args.get("dpo_fp32") is False:
+        notices.append("dpo_fp32: false has no effect: DPO log-probabilities are computed in fp32 here")
+    pairs = sorted(k for k in args if k.startswith(("pos_train", "pos_valid", "pos_test", "neg_train", "neg_valid", "neg_test")) and args[k])
+    if pairs:
+        raise _refuse(pairs[0], args[pairs[0]], "GPT-NeoX's tokenized chosen/rejected .bin/.idx files are not read; "
+                      "give preference pairs as jsonl/parquet/Hub sources with prompt/chosen/rejected columns "
+                      "(data.sources, data.mode: pad, data.order: stream)")
+    kto = sorted(k for k in args if k.startswith("kto_") or k in ("kl_div_beta", "kl_impl", "fp32_reinforce",
+                                                                  "reinforce_leave_one_out"))
+    if kto:
+        notices.append("no effect without train_impl kto / reinforce: " + ", ".join(kto))
+    return {"train_impl", "dpo_beta", "dpo_reference_free", "precompute_model_name", "dpo_fp32", *kto,
+            *pairs}
 
 
 def _convert(key: str, value: Any, convert: Callable[[Any], Any]) -> Any:
