@@ -10,6 +10,7 @@
     neox_hf eval MODEL --data FILE                   loss / perplexity
     neox_hf generate MODEL --prompt ...              text generation
     neox_hf plot OUT                                 OUT/run.png from OUT/train_log.jsonl
+    neox_hf plan RECIPE [--gpus N] [--gpu-memory GB] memory and step time per rank, every layout on N GPUs
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ _COMMANDS = {
     "generate": ("neox_hf.generation", "add_generate_arguments", "run_generate", "generate text with a model"),
     "batches": ("neox_hf.batches", "add_batches_arguments", "run_batches", "the batches of steps S..E in GPT-NeoX's order"),
     "plot": ("neox_hf.plot", "add_plot_arguments", "run_plot", "draw OUT/run.png: losses, LR, tokens/s, lm-eval scores"),
+    "plan": ("neox_hf.plan", "add_plan_arguments", "run_plan", "memory and step time per rank of a recipe's layouts, before launch"),
 }
 
 

@@ -1,0 +1,706 @@
+"""`neox_hf plan`: memory and step time per rank of a recipe on N GPUs, by arithmetic, before anything is launched.
+
+    neox_hf plan RECIPE [MORE.yml ...] [--section.key value ...] [--gpus N] [--gpu-memory GB] [--json]
+
+Gap filled: `accelerate estimate-memory` counts weights and Adam only; DeepSpeed's
+`estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs` know ZeRO but not tensor or
+pipeline parallelism, activations or the loss. This module knows every part of our layout (the pipeline partition of
+`neox_hf.parallel.pipeline`, the tensor-parallel split table of `neox_hf.parallel.tp_plan`, the DeepSpeed config
+`neox_hf.parallel.accelerator` generates, the fused loss's chunking) and counts, per rank and per pipeline stage:
+
+- params / grads / optimizer: what the engine keeps. Without DeepSpeed (one process) fp32 weights, grads and two
+  Adam moments (16 bytes per parameter; bf16 is autocast over fp32 weights). Under DeepSpeed the parameters in the
+  run's precision, an fp32 master copy (also when the weights are fp32 already) and two fp32 moments; ZeRO-1 and 2
+  hold the data-parallel partition of the reduced gradients at the step (in 16-bit precisions also its fp32 copy,
+  as DeepSpeed's estimator counts); ZeRO-1 partitions optimizer states, 2 also gradients, 3 also parameters, over the
+  data-parallel group; offload moves the optimizer (and ZeRO-3's parameters) to CPU memory;
+- buffers: DeepSpeed's reduce bucket (`reduce_bucket_size: auto` = hidden²), ZeRO-3's gathered layer;
+- activations: what autograd saves per transformer layer for one micro-batch (measured layer by layer against
+  transformers' GPTNeoXLayer: 3 hidden-sized tensors replicated over tensor-parallel ranks — split by sequence
+  parallelism — and 14 split by them), × layers of the stage × micro-batches in flight (1F1B: stage i holds up to
+  p − i); with activation checkpointing one input per layer plus one layer recomputed;
+- loss: the last stage's head + cross-entropy peak: the fused loss's logits chunk (`default_chunk_rows`) and the head's
+  weight gradient it computes in the forward (or whole [tokens, vocab] logits unfused).
+
+The peak of a step is params + optimizer + buffers + the larger of (activations + loss), the moment the loss runs,
+and the gradients at the end of backward. tests/test_plan.py holds these numbers against steps measured on CPU.
+Step time: model FLOPs (`neox_hf.train.mfu.flops_per_token`, × 4/3 with activation checkpointing's recomputation)
+at an assumed MFU of the GPU's datasheet peak, stretched by the pipeline bubble (p − 1)/(m + p − 1), plus
+data-parallel (ring all-reduce / reduce-scatter volume of the gradients) and tensor-parallel (four all-reduces of
+the layer's activations per layer and micro-batch) communication at stated bandwidths. Every assumption is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+GIB = 2**30
+RESERVED_BYTES = 1 * GIB  # CUDA context, NCCL buffers and allocator slack: not available to tensors
+DEFAULT_MFU = 0.4
+DEFAULT_GPU = "A100"
+DP_BANDWIDTH = 25e9  # bytes/s per GPU between nodes (200 Gb/s InfiniBand per GPU)
+TP_BANDWIDTH = 150e9  # bytes/s per GPU inside a node (NVLink, one direction, effective)
+# Tensors autograd keeps per transformer layer and micro-batch, in units of tokens × hidden (transformers'
+# GPTNeoXLayer, parallel residual, sdpa; measured by saved-tensor hooks): replicated over TP ranks — the layer input
+# and both layer norms' outputs — and split by TP — q, k, v, the attention output and its transposed copy, the
+# dense input, the MLP's 4h input of GELU and its output.
+ZERO3_SUB_GROUP_SIZE = 10**9  # DeepSpeed's default `sub_group_size` (elements), which our config leaves as it is
+REPLICATED_PER_LAYER = 3
+SPLIT_PER_LAYER = 14
+
+
+@dataclass(frozen=True)
+class Layout:
+    pipeline: int
+    tensor: int
+    data: int
+    zero_stage: int
+    micro_batch: int
+    gradient_accumulation_steps: int
+    activation_checkpointing: bool
+    sequence_parallel: bool
+
+    @property
+    def gpus(self) -> int:
+        return self.pipeline * self.tensor * self.data
+
+
+@dataclass
+class StageBytes:
+    """Bytes per rank of one pipeline stage (the whole model when pipeline = 1)."""
+
+    stage: int
+    params: int
+    grads: int
+    optimizer: int
+    buffers: int
+    activations: int
+    loss: int
+    total: int
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+@dataclass
+class LayoutPlan:
+    layout: Layout
+    stages: list[StageBytes]
+    step_seconds: float
+    bubble: float
+    fits: bool | None = None  # None: no GPU memory given
+
+    @property
+    def largest_stage(self) -> StageBytes:
+        return max(self.stages, key=lambda s: s.total)
+
+    def to_dict(self) -> dict:
+        largest = self.largest_stage
+        return {**asdict(self.layout),
+                "bytes_per_rank": {key: getattr(largest, key)
+                                   for key in ("params", "grads", "optimizer", "buffers", "activations", "loss", "total")},
+                "stages": [asdict(s) for s in self.stages], "fits": self.fits,
+                "step_seconds": self.step_seconds, "bubble": self.bubble}
+
+
+@dataclass
+class Assumptions:
+    gpu: str = DEFAULT_GPU
+    peak_flops: float = 312e12
+    mfu: float = DEFAULT_MFU
+    dp_bandwidth: float = DP_BANDWIDTH
+    tp_bandwidth: float = TP_BANDWIDTH
+    reserved_bytes: int = RESERVED_BYTES
+
+    def describe(self) -> str:
+        return (f"step time: model FLOPs at MFU {self.mfu:.0%} of {self.gpu} {self.peak_flops / 1e12:.0f} TFLOP/s, "
+                f"data-parallel traffic at {self.dp_bandwidth / 1e9:.0f} GB/s, tensor-parallel at "
+                f"{self.tp_bandwidth / 1e9:.0f} GB/s per GPU; fits: total ≤ GPU memory − "
+                f"{self.reserved_bytes / GIB:.0f} GiB (CUDA context, NCCL)")
+
+
+@dataclass
+class Plan:
+    """The recipe's own layout first, then (with `gpus`) the layouts that fit, fastest first."""
+
+    recipe_layout: LayoutPlan
+    ranked: list[LayoutPlan] = field(default_factory=list)
+    considered: int = 0
+    fitting: int = 0
+    gpus: int | None = None
+    gpu_memory_bytes: int | None = None
+    assumptions: Assumptions = field(default_factory=Assumptions)
+    precision: str = "fp32"
+    deepspeed: bool = True
+
+    def to_dict(self) -> dict:
+        return {"gpus": self.gpus, "gpu_memory_bytes": self.gpu_memory_bytes, "precision": self.precision,
+                "assumptions": asdict(self.assumptions), "layouts_considered": self.considered,
+                "layouts_fitting": self.fitting,
+                "layouts": [p.to_dict() for p in [self.recipe_layout, *self.ranked]]}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model's shape and parameters per rank
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    config: object  # NeoXConfig at tensor parallel 1
+    tokenizer_size: int
+    vocab_divisible_by: int
+    fixed_vocab: int | None  # model.vocab_size or a pretrained folder's: not padded per TP
+    seq_length: int
+    cache: dict = field(default_factory=dict, compare=False, repr=False)  # per-(pp, tp) counts: thousands of layouts
+
+    def cached(self, key, compute):
+        if key not in self.cache:
+            self.cache[key] = compute()
+        return self.cache[key]
+
+    def __post_init__(self):
+        # plain numbers: a transformers config's attribute access is slow, and thousands of layouts read them
+        c = self.config
+        self.cache.update(hidden=c.hidden_size, layers=c.num_hidden_layers, heads=c.num_attention_heads,
+                          tied=c.tie_word_embeddings, eager=c._attn_implementation == "eager")
+
+    @property
+    def hidden(self) -> int:
+        return self.cache["hidden"]
+
+    @property
+    def layers(self) -> int:
+        return self.cache["layers"]
+
+    @property
+    def heads(self) -> int:
+        return self.cache["heads"]
+
+    def vocab_rows(self, tp: int) -> int:
+        """Rows of the embedding / head on one tensor-parallel rank (GPT-NeoX pads to divisible_by × TP)."""
+        return self.cached(("vocab", tp), lambda: self._vocab_rows(tp))
+
+    def _vocab_rows(self, tp: int) -> int:
+        from neox_hf.interop.tokenizer import padded_vocab_size
+
+        base = self.fixed_vocab or self.tokenizer_size
+        vocab = base if self.fixed_vocab and base % tp == 0 else padded_vocab_size(base, self.vocab_divisible_by, tp)
+        return vocab // tp
+
+
+def model_shape(recipe) -> ModelShape:
+    """The shape the run will build (config from the recipe or the pretrained folder, the tokenizer's size)."""
+    from neox_hf.interop.tokenizer import load_tokenizer, padded_vocab_size
+    from neox_hf.model import NeoXConfig, config_from_recipe
+
+    m = recipe.model
+    tokenizer_size = len(load_tokenizer(recipe.tokenizer.path, eos_token=recipe.tokenizer.eos_token,
+                                        pad_token=recipe.tokenizer.pad_token))
+    if m.from_pretrained:
+        config = NeoXConfig.from_pretrained(m.from_pretrained)
+        fixed = config.vocab_size
+    else:
+        fixed = m.vocab_size
+        config = config_from_recipe(m, vocab_size=fixed or padded_vocab_size(tokenizer_size, m.make_vocab_size_divisible_by))
+    config._attn_implementation = m.attn_implementation
+    return ModelShape(config, tokenizer_size, m.make_vocab_size_divisible_by, fixed, m.seq_length)
+
+
+@functools.lru_cache(maxsize=8)
+def _pipeline_layer_tensors(config_json: str) -> tuple[tuple[tuple[str, int, bool], ...], ...]:
+    """Per pipeline layer: (parameter name, elements at TP 1, split over TP ranks) of each tensor, from a model
+    described on the meta device (nothing allocated)."""
+    import torch
+
+    from neox_hf.model import NeoXConfig, NeoXForCausalLM
+    from neox_hf.parallel.pipeline import pipeline_layer_infos
+    from neox_hf.parallel.tp_plan import partition_dim
+
+    config = NeoXConfig.from_dict(json.loads(config_json))
+    with torch.device("meta"):
+        model = NeoXForCausalLM(config)
+    layers = []
+    for info in pipeline_layer_infos(config):
+        tensors = []
+        for path in info.paths:
+            for name, p in model.get_submodule(path).named_parameters():
+                key = f"{path}.{name}"
+                tensors.append((key, p.numel(), partition_dim(key) is not None))
+        layers.append(tuple(tensors))
+    return tuple(layers)
+
+
+def layer_parameters_per_rank(shape: ModelShape, tp: int) -> list[int]:
+    """Parameters of each pipeline layer on one tensor-parallel rank (the split table's rule per tensor)."""
+    return shape.cached(("layers", tp), lambda: _layer_parameters_per_rank(shape, tp))
+
+
+def _layer_parameters_per_rank(shape: ModelShape, tp: int) -> list[int]:
+    counts = []
+    for tensors in shape.cached("tensors", lambda: _pipeline_layer_tensors(shape.config.to_json_string())):
+        total = 0
+        for key, numel, split in tensors:
+            if key in ("gpt_neox.embed_in.weight", "lm_head.weight"):
+                total += shape.vocab_rows(tp) * shape.hidden
+            else:
+                total += numel // tp if split else numel
+        counts.append(total)
+    return counts
+
+
+def stage_bounds(shape: ModelShape, pp: int, method: str) -> list[int]:
+    from neox_hf.parallel.pipeline import partition_stages
+
+    if pp == 1:
+        return [0, len(layer_parameters_per_rank(shape, 1))]
+    return shape.cached(("parts", pp, method), lambda: partition_stages(shape.config, pp, method))
+
+
+def stage_parameters(shape: ModelShape, pp: int, tp: int, method: str) -> list[int]:
+    """Parameters per rank of each stage; a tied embedding counts on both end stages (DeepSpeed's TiedLayerSpec),
+    once without stages."""
+    return shape.cached(("stages", pp, tp, method), lambda: _stage_parameters(shape, pp, tp, method))
+
+
+def _stage_parameters(shape: ModelShape, pp: int, tp: int, method: str) -> list[int]:
+    counts, parts = layer_parameters_per_rank(shape, tp), stage_bounds(shape, pp, method)
+    per_stage = [sum(counts[parts[s]:parts[s + 1]]) for s in range(len(parts) - 1)]
+    if pp == 1 and shape.cache["tied"]:
+        per_stage[0] -= counts[-1]
+    return per_stage
+
+
+def stage_transformer_layers(shape: ModelShape, pp: int, method: str) -> list[int]:
+    return shape.cached(("stage layers", pp, method), lambda: _stage_transformer_layers(shape, pp, method))
+
+
+def _stage_transformer_layers(shape: ModelShape, pp: int, method: str) -> list[int]:
+    from neox_hf.parallel.pipeline import pipeline_layer_infos
+
+    infos, parts = shape.cached("infos", lambda: pipeline_layer_infos(shape.config)), stage_bounds(shape, pp, method)
+    return [sum(i.name == "TransformerLayerPipe" for i in infos[parts[s]:parts[s + 1]]) for s in range(len(parts) - 1)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bytes
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What keeps the model states: DeepSpeed or not, its precision, ZeRO stage and offload."""
+
+    precision: str  # fp32 / bf16 / fp16
+    deepspeed: bool
+    zero_stage: int
+    data: int
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes per parameter as the engine holds it: 16-bit only under DeepSpeed (autocast keeps fp32 weights)."""
+        return 2 if self.deepspeed and self.precision in ("bf16", "fp16") else 4
+
+    @property
+    def activation_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+
+def model_state_bytes(params: int, engine: Engine) -> dict[str, int]:
+    """params / grads (at the optimizer step) / optimizer bytes per rank for `params` parameters on this rank."""
+    w, d, stage = engine.weight_bytes, engine.data, engine.zero_stage
+    if not engine.deepspeed:
+        return {"params": 4 * params, "grads": 4 * params, "optimizer": 8 * params}
+    sixteen_bit = w == 2
+    master = 4 * params if sixteen_bit else 0  # ZeRO-0: fp32 master only when the weights are 16-bit
+    if stage == 0:
+        return {"params": w * params, "grads": w * params + (4 * params if sixteen_bit else 0),
+                "optimizer": master + 8 * params}
+    partition = math.ceil(params / d)
+    # The reduced gradients' partition, and in 16-bit precisions its fp32 copy the optimizer step reads (ZeRO-3
+    # makes it one optimizer sub-group at a time).
+    fp32_copy = min(partition, ZERO3_SUB_GROUP_SIZE) if stage == 3 else partition
+    grads = w * partition + (4 * fp32_copy if sixteen_bit else 0)
+    optimizer = 12 * partition  # fp32 master + two Adam moments, whatever the weights' dtype
+    weights = w * partition if stage == 3 else w * params
+    if engine.offload_optimizer:
+        optimizer, grads = 0, w * partition
+    if engine.offload_params and stage == 3:
+        weights = 0
+    return {"params": weights, "grads": grads, "optimizer": optimizer}
+
+
+def backward_gradient_bytes(params: int, engine: Engine) -> int:
+    """Gradient bytes alive at the end of a backward: whole gradients until the reduction at the accumulation
+    boundary (no DeepSpeed, ZeRO-0 and ZeRO-1), the partition for ZeRO-2/3 (reduced while backward runs)."""
+    if not engine.deepspeed or engine.zero_stage <= 1:
+        return engine.weight_bytes * params
+    return engine.weight_bytes * math.ceil(params / engine.data)
+
+
+def deepspeed_buffer_bytes(shape: ModelShape, engine: Engine, largest_layer: int) -> int:
+    """DeepSpeed's reduce bucket (`reduce_bucket_size: auto` = hidden² elements, as accelerate fills it) and, for
+    ZeRO-3, one transformer layer gathered whole plus the prefetch bucket (0.9 × hidden²)."""
+    if not engine.deepspeed or engine.zero_stage == 0 or engine.data == 1:
+        return 0
+    bucket = engine.weight_bytes * shape.hidden ** 2
+    if engine.zero_stage == 3:
+        return bucket + engine.weight_bytes * (largest_layer + int(0.9 * shape.hidden ** 2))
+    return bucket
+
+
+def pipeline_buffer_bytes(shape: ModelShape, layout: Layout, stage: int, element: int) -> int:
+    """Hidden-state buffers DeepSpeed's PipelineEngine keeps between steps (measured): the first stage the received
+    gradient; the others the receive buffer and, per pipe buffer (max(2, min(p − i, m)), its TrainSchedule), the
+    input, that input's gradient and the tensor sent on."""
+    if layout.pipeline == 1:
+        return 0
+    hidden = layout.micro_batch * shape.seq_length * shape.hidden * element
+    if stage == 0:
+        return hidden
+    buffers = max(2, min(layout.pipeline - stage, layout.gradient_accumulation_steps))
+    return hidden * (1 + 3 * buffers)
+
+
+def layer_activation_bytes(shape: ModelShape, layout: Layout, element: int) -> int:
+    """Bytes autograd keeps for one transformer layer and one micro-batch, per tensor-parallel rank."""
+    t = layout.tensor
+    tokens_hidden = layout.micro_batch * shape.seq_length * shape.hidden
+    replicated = REPLICATED_PER_LAYER * tokens_hidden / (t if layout.sequence_parallel else 1)
+    split = SPLIT_PER_LAYER * tokens_hidden / t
+    if shape.cache["eager"]:  # scores and probabilities, [batch, heads, seq, seq]
+        split += 2 * layout.micro_batch * shape.heads * shape.seq_length ** 2 / t
+    return int((replicated + split) * element)
+
+
+def stage_activation_bytes(shape: ModelShape, layout: Layout, layers: int, stage: int, element: int) -> int:
+    """Activations of a stage's layers for the micro-batches it holds (1F1B: stage i holds up to p − i), plus the
+    hidden states entering the final norm and the head."""
+    in_flight = min(layout.pipeline - stage, layout.gradient_accumulation_steps) if layout.pipeline > 1 else 1
+    per_layer = layer_activation_bytes(shape, layout, element)
+    layer_input = layout.micro_batch * shape.seq_length * shape.hidden * element
+    if layout.sequence_parallel:
+        layer_input //= layout.tensor
+    if layout.activation_checkpointing:
+        # each layer keeps its input; backward recomputes one layer (of one micro-batch) at a time
+        kept = in_flight * layers * layer_input + per_layer
+    else:
+        kept = in_flight * layers * per_layer
+    return kept + 2 * layer_input
+
+
+def loss_bytes(shape: ModelShape, layout: Layout, fused: bool, engine: Engine) -> int:
+    """Peak of the head + cross-entropy on the last stage, beyond the activations: the fused loss's fp32 logits
+    chunk (plus its 16-bit copy), the head's weight gradient it computes in the forward, the hidden states'
+    gradient; unfused, whole [tokens, vocab/TP] logits, their log-softmax and gradient."""
+    from neox_hf.ops.linear_cross_entropy import default_chunk_rows
+
+    vocab, hidden = shape.vocab_rows(layout.tensor), shape.hidden
+    tokens = layout.micro_batch * shape.seq_length
+    sixteen_bit = engine.activation_bytes == 2
+    if not fused:  # logits, their fp32 log-softmax and its gradient (+ the 16-bit logits)
+        return tokens * vocab * (4 * 3 + (2 if sixteen_bit else 0))
+    rows = min(tokens, default_chunk_rows(vocab, hidden))
+    logits = rows * vocab * (4 + (2 if sixteen_bit else 0))
+    weight_grad = vocab * hidden * (4 + (engine.weight_bytes if engine.weight_bytes == 2 else 0))
+    return logits + weight_grad + tokens * hidden * 4
+
+
+def stage_bytes(shape: ModelShape, layout: Layout, engine: Engine, fused_loss: bool, method: str) -> list[StageBytes]:
+    params = stage_parameters(shape, layout.pipeline, layout.tensor, method)
+    layers = stage_transformer_layers(shape, layout.pipeline, method)
+    largest_layer = max(layer_parameters_per_rank(shape, layout.tensor)[1:-2] or [0])
+    stages = []
+    for s, (n, n_layers) in enumerate(zip(params, layers)):
+        states = model_state_bytes(n, engine)
+        activations = stage_activation_bytes(shape, layout, n_layers, s, engine.activation_bytes)
+        # Under ZeRO-3 the head's weight is gathered only inside its own forward: the loss runs unfused (ops.head_loss)
+        fused = fused_loss and not (engine.deepspeed and engine.zero_stage == 3)
+        loss = loss_bytes(shape, layout, fused, engine) if s == layout.pipeline - 1 else 0
+        buffers = (deepspeed_buffer_bytes(shape, engine, largest_layer)
+                   + pipeline_buffer_bytes(shape, layout, s, engine.activation_bytes))
+        # ZeRO-3 keeps its gradient partition in one flat buffer from step to step
+        held_grads = engine.weight_bytes * math.ceil(n / engine.data) if engine.deepspeed and engine.zero_stage == 3 else 0
+        persistent = states["params"] + states["optimizer"] + buffers + held_grads
+        grads_at_backward = backward_gradient_bytes(n, engine) - held_grads
+        # Over several micro-batches (accumulation, a pipeline's) the gradients of the earlier ones are held while
+        # the next runs its forward and loss; with one, the loss's moment precedes every gradient but the head's.
+        accumulated = grads_at_backward if layout.gradient_accumulation_steps > 1 else 0
+        one_layer = layer_activation_bytes(shape, layout, engine.activation_bytes)
+        peak = max(accumulated + activations + max(loss, one_layer),  # a backward's transients: about one layer's
+                   grads_at_backward + 2 * one_layer, states["grads"] - held_grads)
+        stages.append(StageBytes(s, states["params"], states["grads"], states["optimizer"], buffers, activations, loss,
+                                 persistent + peak))
+    return stages
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Time
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def step_seconds(shape: ModelShape, layout: Layout, engine: Engine, params_per_rank: int, assumptions: Assumptions,
+                 ) -> float:
+    """Compute at the assumed MFU stretched by the pipeline bubble, plus data- and tensor-parallel traffic."""
+    from neox_hf.train.mfu import flops_per_token
+
+    micro = layout.gradient_accumulation_steps
+    tokens = layout.micro_batch * micro * layout.data * shape.seq_length
+    per_token = shape.cached("flops", lambda: flops_per_token(shape.config, shape.seq_length))
+    flops = per_token * tokens * (4 / 3 if layout.activation_checkpointing else 1)
+    compute = flops / layout.gpus / (assumptions.peak_flops * assumptions.mfu)
+    compute /= 1 - bubble(layout)
+    d = layout.data
+    ring = 2 * (d - 1) / d * engine.weight_bytes * params_per_rank * (1.5 if engine.zero_stage == 3 else 1)
+    t = layout.tensor
+    tp_volume = (4 * 2 * (t - 1) / t * layout.micro_batch * shape.seq_length * shape.hidden * engine.activation_bytes
+                 * shape.layers / layout.pipeline * micro)
+    return compute + ring / assumptions.dp_bandwidth + tp_volume / assumptions.tp_bandwidth
+
+
+def bubble(layout: Layout) -> float:
+    from neox_hf.parallel.pipeline import bubble_fraction
+
+    return bubble_fraction(layout.pipeline, layout.gradient_accumulation_steps) if layout.pipeline > 1 else 0.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plans
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def recipe_precision(recipe) -> str:
+    from neox_hf.parallel.accelerator import resolve_precision
+
+    return resolve_precision(recipe.train)
+
+
+def recipe_layout(recipe, gpus: int | None = None) -> Layout:
+    p, t = recipe.parallel, recipe.train
+    model_parallel = p.pipeline_parallel * p.tensor_parallel
+    return Layout(p.pipeline_parallel, p.tensor_parallel, max(1, (gpus or model_parallel) // model_parallel),
+                  p.zero_stage, t.micro_batch_size, t.gradient_accumulation_steps, p.activation_checkpointing,
+                  p.sequence_parallel)
+
+
+def engine_for(recipe, layout: Layout, precision: str) -> Engine:
+    p = recipe.parallel
+    deepspeed = layout.gpus > 1 or layout.zero_stage > 0 or bool(p.use_deepspeed) or p.deepspeed_config is not None
+    return Engine(precision, deepspeed, layout.zero_stage, layout.data, p.offload_optimizer, p.offload_params)
+
+
+def plan_layout(recipe, shape: ModelShape, layout: Layout, precision: str, assumptions: Assumptions,
+                gpu_memory_bytes: int | None) -> LayoutPlan:
+    engine = engine_for(recipe, layout, precision)
+    method = recipe.parallel.pipe_partition_method
+    stages = stage_bytes(shape, layout, engine, recipe.train.fused_cross_entropy, method)
+    seconds = step_seconds(shape, layout, engine, max(stage_parameters(shape, layout.pipeline, layout.tensor, method)),
+                           assumptions)
+    fits = None if gpu_memory_bytes is None else max(s.total for s in stages) <= gpu_memory_bytes - assumptions.reserved_bytes
+    return LayoutPlan(layout, stages, seconds, bubble(layout), fits)
+
+
+def candidate_layouts(recipe, shape: ModelShape, gpus: int, global_batch: int) -> list[Layout]:
+    """Every pipeline × tensor × data factorisation of `gpus`, ZeRO stage, micro batch (accumulation keeping the
+    global batch), activation checkpointing and sequence parallelism the recipe's validation would accept."""
+    heads = shape.heads
+    layouts = []
+    for pp in _divisors(gpus):
+        if pp > shape.layers:
+            continue
+        for tp in _divisors(gpus // pp):
+            dp = gpus // (pp * tp)
+            if heads % tp or global_batch % dp:
+                continue
+            for zero in _zero_stages(pp, tp):
+                for micro in _divisors(global_batch // dp):
+                    gas = global_batch // dp // micro
+                    for checkpointing in (False, True):
+                        for sp in _sequence_parallel_options(pp, tp, shape.seq_length):
+                            layouts.append(Layout(pp, tp, dp, zero, micro, gas, checkpointing, sp))
+    return layouts
+
+
+def _zero_stages(pp: int, tp: int) -> list[int]:
+    # recipe validation: pipelines take ZeRO ≤ 1, tensor parallelism no ZeRO-3
+    return [s for s in (0, 1, 2, 3) if not (pp > 1 and s > 1) and not (tp > 1 and s == 3)]
+
+
+def _sequence_parallel_options(pp: int, tp: int, seq: int) -> tuple[bool, ...]:
+    return (False, True) if tp > 1 and pp == 1 and seq % tp == 0 else (False,)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def plan_for_recipe(recipe, gpus: int | None = None, gpu_memory_bytes: int | None = None, *, top: int = 10,
+                    assumptions: Assumptions | None = None) -> Plan:
+    """The plan of `recipe`: its own layout (on `gpus`, default pipeline × tensor), and with `gpus` every layout
+    that fits `gpu_memory_bytes`, fastest first (the `top` of them)."""
+    assumptions = assumptions or Assumptions()
+    shape = model_shape(recipe)
+    precision = recipe_precision(recipe)
+    own_layout = recipe_layout(recipe, gpus)
+    own = plan_layout(recipe, shape, own_layout, precision, assumptions, gpu_memory_bytes)
+    plan = Plan(own, gpus=gpus, gpu_memory_bytes=gpu_memory_bytes, assumptions=assumptions, precision=precision,
+                deepspeed=engine_for(recipe, own_layout, precision).deepspeed)
+    if gpus is None:
+        return plan
+    global_batch = own_layout.micro_batch * own_layout.gradient_accumulation_steps * own_layout.data
+    plans = [plan_layout(recipe, shape, layout, precision, assumptions, gpu_memory_bytes)
+             for layout in candidate_layouts(recipe, shape, gpus, global_batch)]
+    fitting = [p for p in plans if p.fits is not False]
+    plan.considered, plan.fitting = len(plans), len(fitting)
+    plan.ranked = sorted(fitting, key=lambda p: (p.step_seconds, p.largest_stage.total))[:top]
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# For the training start-up and --print-config
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def plan_summary_line(recipe, gpus: int | None = None) -> str:
+    """One line: the recipe's layout and its largest rank's bytes (for `--print-config`)."""
+    plan = plan_for_recipe(recipe, gpus)
+    largest = plan.recipe_layout.largest_stage
+    return (f"plan: {describe_layout(plan.recipe_layout.layout)}, {plan.precision}: "
+            f"{_gib(largest.total)} GiB per rank at most (stage {largest.stage}: params {_gib(largest.params)}, grads "
+            f"{_gib(largest.grads)}, optimizer {_gib(largest.optimizer)}, activations {_gib(largest.activations)}, "
+            f"loss {_gib(largest.loss)} GiB); `neox_hf plan` for other layouts")
+
+
+def startup_memory_warnings(recipe, device_memory_bytes: int, gpus: int | None = None) -> list[str]:
+    """One line per pipeline stage whose planned peak exceeds `device_memory_bytes` (empty when all fit)."""
+    plan = plan_for_recipe(recipe, gpus)
+    layout = plan.recipe_layout
+    where = "" if layout.layout.pipeline == 1 else " of stage {stage}"
+    return [f"warning: the plan puts {_gib(s.total)} GiB on each rank{where.format(stage=s.stage)} ({describe_layout(layout.layout)}), "
+            f"more than this GPU's {_gib(device_memory_bytes)} GiB: expect out-of-memory; run `neox_hf plan "
+            f"RECIPE --gpus {layout.layout.gpus} --gpu-memory {device_memory_bytes / GIB:.0f}` for layouts that fit"
+            for s in layout.stages if s.total > device_memory_bytes]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The command
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def add_plan_arguments(parser) -> None:
+    """`neox_hf plan`'s options; the recipe files and `--section.key value` overrides are the rest of the line (an
+    argparse subcommand would refuse the overrides as unknown options), re-read by `run_plan`."""
+    _add_options(parser)
+    parser.add_argument("recipe", nargs=argparse.REMAINDER,
+                        help="recipe or GPT-NeoX YAML file(s), then --section.key value overrides")
+
+
+def _add_options(parser) -> None:
+    parser.add_argument("--gpus", type=int, default=None, help="plan every layout on this many GPUs")
+    parser.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU (e.g. 40, 80)")
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    parser.add_argument("--top", type=int, default=10, help="how many fitting layouts to list (default 10)")
+    parser.add_argument("--mfu", type=float, default=DEFAULT_MFU, help=f"assumed MFU (default {DEFAULT_MFU})")
+    parser.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU whose datasheet peak sets the time (default {DEFAULT_GPU})")
+
+
+class _OptionParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        from neox_hf.errors import UsageError
+
+        raise UsageError(f"neox_hf plan: {message}; see `neox_hf plan --help`")
+
+
+def split_plan_argv(args) -> tuple[argparse.Namespace, list[str]]:
+    """(the options, wherever on the line they stood; the recipe files and overrides, in order)."""
+    parser = _OptionParser(prog="neox_hf plan", add_help=False, allow_abbrev=False)
+    _add_options(parser)
+    parser.set_defaults(**{k: v for k, v in vars(args).items() if k != "recipe"})
+    return parser.parse_known_args(list(args.recipe))
+
+
+def run_plan(args) -> int:
+    from neox_hf.errors import UsageError
+    from neox_hf.train.args import parse_run_args
+
+    args, recipe_argv = split_plan_argv(args)
+    if args.gpus is not None and args.gpus < 1:
+        raise UsageError(f"--gpus must be ≥ 1, got {args.gpus}")
+    if args.gpu_memory is not None and not args.gpu_memory > 0:
+        raise UsageError(f"--gpu-memory must be > 0 GiB, got {args.gpu_memory}")
+    if not 0 < args.mfu <= 1:
+        raise UsageError(f"--mfu must be in (0, 1], got {args.mfu}")
+    recipe = parse_run_args(recipe_argv).recipe
+    check_gpus_hold_layout(recipe, args.gpus)
+    memory = None if args.gpu_memory is None else int(args.gpu_memory * GIB)
+    plan = plan_for_recipe(recipe, args.gpus, memory, top=args.top, assumptions=assumptions_for(args.gpu, args.mfu))
+    print(json.dumps(plan.to_dict()) if args.json else "\n".join(plan_table(plan)))
+    return 0
+
+
+def assumptions_for(gpu: str, mfu: float) -> Assumptions:
+    from neox_hf.errors import UsageError
+    from neox_hf.train.mfu import DATASHEET_BF16, datasheet_peak
+
+    peak = datasheet_peak(gpu, "bf16")
+    if peak is None:
+        raise UsageError(f"--gpu {gpu!r}: no datasheet peak known; use one of {', '.join(n for n, _ in DATASHEET_BF16)}")
+    return Assumptions(gpu=gpu, peak_flops=peak, mfu=mfu)
+
+
+def check_gpus_hold_layout(recipe, gpus: int | None) -> None:
+    from neox_hf.errors import UsageError
+
+    need = recipe.parallel.pipeline_parallel * recipe.parallel.tensor_parallel
+    if gpus is not None and gpus % need:
+        raise UsageError(f"--gpus {gpus} cannot hold the recipe's layout (pipeline {recipe.parallel.pipeline_parallel} "
+                         f"× tensor {recipe.parallel.tensor_parallel} = {need} per replica); give a multiple of {need}")
+
+
+def describe_layout(layout: Layout) -> str:
+    parts = [f"pipe {layout.pipeline} × tensor {layout.tensor} × data {layout.data}", f"ZeRO-{layout.zero_stage}",
+             f"micro {layout.micro_batch} × accumulation {layout.gradient_accumulation_steps}"]
+    if layout.activation_checkpointing:
+        parts.append("checkpointing")
+    if layout.sequence_parallel:
+        parts.append("sequence parallel")
+    return ", ".join(parts)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+_COLUMNS = ("params", "grads", "optimizer", "activations", "loss", "total")
+
+
+def plan_table(plan: Plan) -> list[str]:
+    header = (f"| {'layout':<78} | " + " | ".join(f"{c:>9}" for c in _COLUMNS) + " | fits | step s | bubble |")
+    lines = [f"GiB per rank ({plan.precision}; pipelines: each stage); {plan.assumptions.describe()}", header,
+             "|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|"]
+    own = plan.recipe_layout
+    lines += _rows(own, "recipe: ")
+    if plan.gpus is not None:
+        lines.append(f"{plan.fitting} of {plan.considered} layouts on {plan.gpus} GPUs fit"
+                     + (f" in {_gib(plan.gpu_memory_bytes)} GiB" if plan.gpu_memory_bytes else "")
+                     + f"; the {len(plan.ranked)} fastest:")
+        for p in plan.ranked:
+            lines += _rows(p, "")
+    return lines
+
+
+def _rows(p: LayoutPlan, prefix: str) -> list[str]:
+    fits = {None: "  – ", True: " yes", False: "  NO"}[p.fits]
+    rows = []
+    for s in (p.stages if p.layout.pipeline > 1 and len(p.stages) <= 8 else [p.largest_stage]):
+        name = prefix + describe_layout(p.layout) + (f" [stage {s.stage}]" if p.layout.pipeline > 1 else "")
+        cells = " | ".join(f"{_gib(getattr(s, c)):>9}" for c in _COLUMNS)
+        rows.append(f"| {name:<78} | {cells} | {fits} | {p.step_seconds:6.2f} | {p.bubble:6.3f} |")
+    return rows
