@@ -33,11 +33,14 @@ from torch import nn
 from transformers import GPTNeoXForCausalLM
 
 from neox_hf.errors import NeoXHFError
+from neox_hf.model.spec import SPECS, spec_for_model
+from neox_hf.parallel.mappings import scatter_to_sequence_region
 from neox_hf.parallel.tp_layers import (
     ColumnParallelLinear,
     EnterSequenceParallel,
     RowParallelLinear,
     SequenceParallelLayerNorm,
+    SequenceParallelRMSNorm,
     VocabParallelEmbedding,
     VocabParallelLMHead,
     vocab_parallel_cross_entropy,
@@ -81,29 +84,43 @@ __all__ = [
 
 
 def apply_tensor_parallel(model: GPTNeoXForCausalLM, tp_group, sequence_parallel: bool = False) -> GPTNeoXForCausalLM:
-    """`model` with every TP_PLAN module replaced, in place, by a layer holding this rank's
-    slice (and, with `sequence_parallel`, every SEQUENCE_PARALLEL_PLAN module by its
-    sequence-split form). `tp_group=None` means a TP size of 1 (same layers, no communication)."""
-    if not isinstance(model, GPTNeoXForCausalLM):
-        raise NeoXHFError(
-            f"apply_tensor_parallel supports transformers.GPTNeoXForCausalLM (and subclasses), "
-            f"got {type(model).__name__}"
-        )
+    """`model` (a GPTNeoX or Llama-family CausalLM) with every module of its family's TP plan replaced, in place, by
+    a layer holding this rank's slice (and, with `sequence_parallel`, every module of its sequence-parallel plan by
+    its sequence-split form). `tp_group=None` means a TP size of 1 (same layers, no communication)."""
+    try:
+        spec = spec_for_model(model)
+    except (ValueError, AttributeError) as err:
+        raise NeoXHFError(f"apply_tensor_parallel supports the model families {', '.join(SPECS)} "
+                          f"(GPTNeoXForCausalLM, LlamaForCausalLM, MistralForCausalLM), got {type(model).__name__}") from err
     rank, size = _rank_and_size(tp_group)
     check_tp_divisibility(model, size)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    sequence_layers = {"sequence_norm": SequenceParallelLayerNorm, "enter_sequence_parallel": EnterSequenceParallel}
     for name, module in list(model.named_modules()):
-        kind = layer_kind(name)
-        sequence_kind = layer_kind(name, SEQUENCE_PARALLEL_PLAN) if sequence_parallel else None
+        kind = layer_kind(name, spec.tp_plan)
+        sequence_kind = layer_kind(name, spec.sequence_parallel_plan) if sequence_parallel else None
         if kind is not None:
             model.set_submodule(name, _parallel_layer(kind, module, rank, size, tp_group, sequence_parallel))
+        elif sequence_kind == "enter_sequence_parallel_layer":
+            # The first decoder layer takes this rank's sequence slice; positions and masks were built whole before.
+            module.register_forward_pre_hook(_scatter_hidden_states(tp_group), with_kwargs=True)
+        elif sequence_kind == "sequence_norm":
+            norm = SequenceParallelRMSNorm if hasattr(module, "variance_epsilon") else SequenceParallelLayerNorm
+            model.set_submodule(name, norm(module, tp_group))
         elif sequence_kind is not None:
-            model.set_submodule(name, sequence_layers[sequence_kind](module, tp_group))
+            model.set_submodule(name, EnterSequenceParallel(module, tp_group))
     if tied:
         # One shard serves both ends, as one full matrix did.
-        model.lm_head.weight = model.gpt_neox.embed_in.weight
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
     return model
+
+
+def _scatter_hidden_states(group):
+    def hook(module, args, kwargs):
+        if args:
+            return (scatter_to_sequence_region(args[0], group), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": scatter_to_sequence_region(kwargs["hidden_states"], group)}
+
+    return hook
 
 
 def apply_tensor_parallel_to_part(module: nn.Module, path: str, tp_group, sequence_parallel: bool = False) -> nn.Module:
@@ -133,6 +150,12 @@ def check_tp_divisibility(model: GPTNeoXForCausalLM, tp_size: int) -> None:
             f"num_attention_heads={config.num_attention_heads} is not divisible by tensor parallel "
             f"size {tp_size}; each rank must hold whole heads, so choose tp_size from "
             f"{_divisors(config.num_attention_heads)}"
+        )
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if kv_heads % tp_size:
+        raise NeoXHFError(
+            f"num_key_value_heads={kv_heads} is not divisible by tensor parallel size {tp_size}; each rank must hold "
+            f"whole key/value heads (they are not replicated), so choose tp_size from {_divisors(kv_heads)}"
         )
     if config.intermediate_size % tp_size:
         raise NeoXHFError(
@@ -197,7 +220,7 @@ def from_pretrained_tensor_parallel(model_class, folder: str, groups: ParallelGr
     with torch.device("meta"):
         model = model_class(config)
     model = apply_tensor_parallel(model, groups.tp_group, sequence_parallel=sequence_parallel)
-    tied = model.lm_head.weight is model.gpt_neox.embed_in.weight
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     # Materialising meta parameters creates new Parameter objects: keep the TP flags DeepSpeed reads for gradient
     # clipping (`tensor_model_parallel`, `partition_dim`) and the tie, or clipping would count shards wrongly.
     flags = {name: dict(vars(param)) for name, param in model.named_parameters()}
@@ -206,9 +229,9 @@ def from_pretrained_tensor_parallel(model_class, folder: str, groups: ParallelGr
         for key, value in flags[name].items():
             setattr(param, key, value)
     if tied:
-        model.lm_head.weight = model.gpt_neox.embed_in.weight
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
     model.load_state_dict(load_tp_shard_state_dict(folder, config, groups.tp_rank, groups.tp_size), strict=True)
     # Non-persistent buffers (the rotary inv_freq) were built on meta and are not in the checkpoint: rebuild them.
-    rotary = model.gpt_neox.rotary_emb
-    model.gpt_neox.rotary_emb = type(rotary)(config=config)
+    rotary = model.base_model.rotary_emb
+    model.base_model.rotary_emb = type(rotary)(config=config)
     return model.eval()

@@ -22,7 +22,8 @@ from neox_hf.interop.tokenizer import padded_vocab_size  # one rule for the whol
 
 # transformers saves lm_head.weight under the original GPT-NeoX name and renames it on load.
 _STORED_ALIASES = {"lm_head.weight": ("lm_head.weight", "embed_out.weight")}
-_VOCAB_KEYS = ("gpt_neox.embed_in.weight", "lm_head.weight", "embed_out.weight")
+_VOCAB_KEYS = ("gpt_neox.embed_in.weight", "model.embed_tokens.weight", "lm_head.weight", "embed_out.weight")
+_INPUT_EMBEDDING_KEYS = ("gpt_neox.embed_in.weight", "model.embed_tokens.weight")
 
 
 def gather_full_state_dict(model: GPTNeoXForCausalLM, groups: ParallelGroups | None) -> dict:
@@ -68,12 +69,14 @@ def load_tp_shard_state_dict(folder_or_file: str, config: GPTNeoXConfig, tp_rank
                 shard[key] = _read_padded_vocab_rows(tensor_slice, config.vocab_size, tp_rank, tp_size, stored)
             else:
                 shard[key] = _read_rank_slice(tensor_slice, partition_dim(key), tp_rank, tp_size, stored)
-    if config.tie_word_embeddings and "gpt_neox.embed_in.weight" in shard and "lm_head.weight" in expected:
-        shard.setdefault("lm_head.weight", shard["gpt_neox.embed_in.weight"])
+    embedding = next((k for k in _INPUT_EMBEDDING_KEYS if k in shard), None)
+    if config.tie_word_embeddings and embedding and "lm_head.weight" in expected:
+        shard.setdefault("lm_head.weight", shard[embedding])
     missing = [k for k in expected if k not in shard]
     if missing:
         raise CheckpointError(f"{folder_or_file} lacks {missing[:5]}{'...' if len(missing) > 5 else ''}; "
-                              f"is it a GPTNeoXForCausalLM checkpoint saved with save_pretrained?")
+                              f"is it a {type(config).__name__.replace('NeoX', '') or 'GPTNeoX'} checkpoint saved with "
+                              "save_pretrained?")
     return shard
 
 
@@ -164,5 +167,7 @@ def _safetensors_key_files(folder_or_file: str) -> dict:
 
 def _expected_keys(config: GPTNeoXConfig) -> list[str]:
     # A meta-device model costs no memory and tracks transformers' own naming.
+    from neox_hf.model.spec import model_class_for_config
+
     with torch.device("meta"):
-        return list(GPTNeoXForCausalLM(config).state_dict().keys())
+        return list(model_class_for_config(config)(config).state_dict().keys())

@@ -143,6 +143,22 @@ class SequenceParallelLayerNorm(nn.Module):
         return gather_from_sequence_region(F.layer_norm(x, self.normalized_shape, weight, bias, self.eps), self.group)
 
 
+class SequenceParallelRMSNorm(nn.Module):
+    """`SequenceParallelLayerNorm` for the Llama family's RMSNorm (LlamaRMSNorm's arithmetic: fp32 normalisation,
+    weight applied in the input's dtype); holds the wrapped norm's `weight` under the same name."""
+
+    def __init__(self, norm: nn.Module, group):
+        super().__init__()
+        self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = copy_to_tp_region(self.weight, self.group)
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return gather_from_sequence_region(weight * h.to(x.dtype), self.group)
+
+
 class EnterSequenceParallel(nn.Module):
     """Runs `module` (the embedding dropout) on this rank's sequence slice of the replicated embeddings: from here
     to the last layer norm, activations are split along the sequence."""

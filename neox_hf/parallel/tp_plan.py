@@ -43,41 +43,54 @@ FINAL_NORM_TENSORS = {
 }
 HEAD_TENSORS = {"lm_head.weight": ("final_linear.weight", COLUMN)}
 
-# Module path → the layer that replaces it under TP (our kinds).
-TP_PLAN = {
-    "gpt_neox.embed_in": "vocab_embedding",
-    "gpt_neox.layers.*.attention.query_key_value": "column",
-    "gpt_neox.layers.*.attention.dense": "row",
-    "gpt_neox.layers.*.mlp.dense_h_to_4h": "column",
-    "gpt_neox.layers.*.mlp.dense_4h_to_h": "row",
-    "lm_head": "vocab_head",
-}
+# Module path → the layer that replaces it under TP (our kinds), and the sequence-parallel plan: each family's
+# entry in neox_hf.model.spec (the GPTNeoX names below are its spec's).
+from neox_hf.model.spec import GPT_NEOX, LLAMA, SPECS, spec_for_model  # noqa: E402
 
-# With sequence parallelism these replicated modules run on sequence slices: the embedding dropout enters the
-# sequence-parallel region, every layer norm leaves it (gathering the sequence for the TP region after it).
-SEQUENCE_PARALLEL_PLAN = {
-    "gpt_neox.emb_dropout": "enter_sequence_parallel",
-    "gpt_neox.layers.*.input_layernorm": "sequence_norm",
-    "gpt_neox.layers.*.post_attention_layernorm": "sequence_norm",
-    "gpt_neox.final_layer_norm": "sequence_norm",
+TP_PLAN = GPT_NEOX.tp_plan
+SEQUENCE_PARALLEL_PLAN = GPT_NEOX.sequence_parallel_plan
+
+# The Llama family (LlamaForCausalLM, MistralForCausalLM): HF tensor inside a layer → rule. GPT-NeoX stores q/k/v as
+# one query_key_value and gate/up as one linear1 per TP rank (interop/neox_checkpoint.py merges and splits them).
+LLAMA_LAYER_RULES: dict[str, str] = {
+    "input_layernorm.weight": REPLICATED,
+    "post_attention_layernorm.weight": REPLICATED,
+    **{f"self_attn.{p}_proj.{t}": COLUMN for p in "qkv" for t in ("weight", "bias")},
+    "self_attn.o_proj.weight": ROW,
+    "self_attn.o_proj.bias": ROW_BIAS,
+    **{f"mlp.{p}_proj.{t}": COLUMN for p in ("gate", "up") for t in ("weight", "bias")},
+    "mlp.down_proj.weight": ROW,
+    "mlp.down_proj.bias": ROW_BIAS,
 }
+LLAMA_OUTER_RULES = {"model.embed_tokens.weight": COLUMN, "model.norm.weight": REPLICATED, "lm_head.weight": COLUMN}
 
 # transformers' parallel styles → our layer kinds (same split of the weight).
 _TRANSFORMERS_STYLES = {"colwise": "column", "rowwise": "row", "embedding_rowwise": "vocab_embedding",
                         "colwise_gather_output": "vocab_head"}
 
 
-def transformers_tp_plan() -> dict[str, str]:
-    """transformers' GPTNeoX plan (`base_model_tp_plan` under `gpt_neox.`, the head's `_tp_plan`) in our kinds."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+def transformers_tp_plan(family: str = "gpt_neox") -> dict[str, str]:
+    """transformers' plan of a family (`base_model_tp_plan` under the trunk's name, the head's `_tp_plan`) in our
+    kinds. Llama's base plan leaves the embedding out; the spec splits it along the vocabulary as GPT-NeoX does."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    plan = {f"gpt_neox.{k}": v for k, v in (GPTNeoXConfig.base_model_tp_plan or {}).items()}
-    plan.update(getattr(GPTNeoXForCausalLM, "_tp_plan", None) or {})
+    config, model = {"gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[family]
+    trunk = SPECS[family].trunk
+    plan = {f"{trunk}.{k}": v for k, v in (config.base_model_tp_plan or {}).items()}
+    plan.update(getattr(model, "_tp_plan", None) or {})
     return {name: _TRANSFORMERS_STYLES.get(style, style) for name, style in plan.items()}
 
 
-def layer_kind(module_name: str, plan: dict = TP_PLAN) -> str | None:
-    """The `plan` kind of `module_name` (TP_PLAN: None when the module stays replicated)."""
+def plan_for(model) -> dict[str, str]:
+    """The TP plan of `model`'s family."""
+    return spec_for_model(model).tp_plan
+
+
+def layer_kind(module_name: str, plan: dict | None = None) -> str | None:
+    """The `plan` kind of `module_name` (default: every family's TP plan, whose paths do not overlap; None when the
+    module stays replicated)."""
+    if plan is None:
+        return next((kind for spec in SPECS.values() if (kind := layer_kind(module_name, spec.tp_plan))), None)
     for pattern, kind in plan.items():
         if fnmatch(module_name, pattern):
             return kind
@@ -89,11 +102,14 @@ def split_rule(state_dict_key: str) -> str | None:
     for table in (EMBEDDING_TENSORS, FINAL_NORM_TENSORS, HEAD_TENSORS):
         if state_dict_key in table:
             return table[state_dict_key][1]
+    if state_dict_key in LLAMA_OUTER_RULES:
+        return LLAMA_OUTER_RULES[state_dict_key]
     prefix, sep, rest = state_dict_key.partition(".layers.")
-    if sep and prefix == "gpt_neox":
-        _, _, inner = rest.partition(".")
-        if inner in LAYER_TENSORS:
-            return LAYER_TENSORS[inner][1]
+    _, _, inner = rest.partition(".")
+    if sep and prefix == "gpt_neox" and inner in LAYER_TENSORS:
+        return LAYER_TENSORS[inner][1]
+    if sep and prefix == "model" and inner in LLAMA_LAYER_RULES:
+        return LLAMA_LAYER_RULES[inner]
     return None
 
 
