@@ -1,4 +1,6 @@
-"""`neox_hf eval`: token-weighted loss and perplexity of a saved model (full or adapter folder) on a local file.
+"""`neox_hf eval`: token-weighted loss and perplexity of a saved model (full or adapter folder) on a local file; with
+`--objective dpo` the DPO loss and reward accuracy of a policy against a reference on preference pairs, with
+`--objective rm` the pairwise loss and accuracy of a reward model.
 
 Gap filled: transformers' `Trainer.evaluate` averages per-batch mean losses (wrong for dynamically padded or
 prompt-masked batches) and the Hub's `perplexity` metric downloads and runs its own model. Here batches come from
@@ -6,6 +8,11 @@ our data layer (same `template` / `prompt_template` / `text_key` options as trai
 every labelled token counts once, and the shipped `evaluate` module `neox_hf/metrics/perplexity` turns the
 (loss sum, token count) pairs into perplexity offline. With a prompt template the answer-only loss is reported
 beside the loss over the whole text.
+
+Preference pairs are read, tokenised and batched by `neox_hf.data.preference` (as training reads them) and scored by
+the training objectives of `neox_hf.objectives` (TRL's formulas): `dpo_loss` is the mean over pairs of the sigmoid
+DPO loss, `rewards_accuracy` the fraction of pairs whose implicit reward β(π − ref) is higher for the chosen answer;
+`rm_loss` the mean of −log σ(r_chosen − r_rejected), `accuracy` the fraction with r_chosen > r_rejected.
 
 For lm-evaluation-harness benchmarks use `lm_eval --model hf --model_args pretrained=FOLDER` on a merged folder.
 """
@@ -28,6 +35,7 @@ from neox_hf.recipe import DataConfig, DataSource
 
 PERPLEXITY_METRIC = Path(__file__).resolve().parent / "metrics" / "perplexity"
 ALL_BATCHES = 10**9
+OBJECTIVES = ("lm", "dpo", "rm")
 
 
 def load_perplexity_metric():
@@ -88,8 +96,18 @@ def _score(model, batches: list[dict]) -> dict:
 
 
 def add_eval_arguments(parser) -> None:
-    parser.add_argument("model", help="model folder, or adapter folder of a LoRA run")
-    parser.add_argument("--data", required=True, help="jsonl / json / txt / parquet file (or glob) to evaluate on")
+    parser.add_argument("model", help="model folder, or adapter folder of a LoRA run (rm: a reward-model folder)")
+    parser.add_argument("--data", required=True, help="jsonl / json / txt / parquet file (or glob) to evaluate on "
+                        "(dpo / rm: rows of prompt, chosen, rejected)")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="lm",
+                        help="lm (default): loss and perplexity; dpo: DPO loss and reward accuracy against "
+                        "--reference; rm: a reward model's pairwise loss and accuracy")
+    parser.add_argument("--reference", default=None, help="dpo: the reference model folder (the run's starting model)")
+    parser.add_argument("--beta", type=float, default=0.1, help="dpo: β of the DPO loss (default 0.1)")
+    parser.add_argument("--prompt-key", default="prompt", help="dpo / rm: the prompt column (default: prompt)")
+    parser.add_argument("--chosen-key", default="chosen", help="dpo / rm: the preferred answer (default: chosen)")
+    parser.add_argument("--rejected-key", default="rejected", help="dpo / rm: the other answer (default: rejected)")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     parser.add_argument("--tokenizer", default=None, help="tokenizer JSON or folder (default: the model folder's)")
     parser.add_argument("--text-key", default="text", help="jsonl field holding the text (default: text)")
     parser.add_argument("--template", default=None, help='join fields, e.g. "Question: {question}\\nAnswer: {answer}"')
@@ -108,11 +126,19 @@ def run_eval(args) -> int:
                         ("--max-batches", args.max_batches)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be ≥ 1, got {value}")
+    if args.objective != "lm":
+        return _run_preference_eval(args)
+    if args.reference is not None:
+        raise UsageError("--reference is for --objective dpo; drop it, or add --objective dpo")
     result = evaluate_model(args.model, args.data, tokenizer_path=args.tokenizer, template=_unescape(args.template),
                             prompt_template=_unescape(args.prompt_template), text_key=args.text_key,
                             seq_length=args.seq_length, batch_size=args.batch_size, max_batches=args.max_batches,
                             device=args.device)
-    print(format_eval_result(result))
+    return _report(args, result, format_eval_result(result))
+
+
+def _report(args, result: dict, text: str) -> int:
+    print(json.dumps(result) if args.json else text)
     if args.output:
         atomic_write_text(args.output, json.dumps(result, indent=2) + "\n")
     return 0
@@ -133,3 +159,133 @@ def format_eval_result(result: dict) -> str:
 
 def _finite(value: float) -> str:
     return f"{value:.2f}" if math.isfinite(value) else "inf"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# `neox_hf eval OUT --objective dpo --reference BASE --data pairs.jsonl` / `--objective rm`
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _run_preference_eval(args) -> int:
+    if args.objective == "dpo" and not args.reference:
+        raise UsageError("--objective dpo needs --reference BASE: the reference model folder (the run's starting "
+                         "model, its `model.from_pretrained`)")
+    if args.objective == "rm" and args.reference:
+        raise UsageError("--reference is for --objective dpo; a reward model is scored alone: drop --reference")
+    if not (args.beta > 0 and math.isfinite(args.beta)):
+        raise UsageError(f"--beta must be a finite number > 0, got {args.beta}")
+    source = DataSource(path=str(args.data), prompt_key=args.prompt_key, chosen_key=args.chosen_key,
+                        rejected_key=args.rejected_key)
+    _check_pairs(source)
+    if args.objective == "dpo":
+        result = evaluate_dpo(args.model, args.reference, source, beta=args.beta, tokenizer_path=args.tokenizer,
+                              seq_length=args.seq_length, batch_size=args.batch_size, max_batches=args.max_batches,
+                              device=args.device)
+        text = (f"dpo_loss {result['dpo_loss']:.4f}  rewards_accuracy {result['rewards_accuracy']:.4f}  "
+                f"rewards_margin {result['rewards_margin']:.4f}  over {result['pairs']:,} pairs (beta {args.beta})")
+    else:
+        result = evaluate_reward_model(args.model, source, tokenizer_path=args.tokenizer, seq_length=args.seq_length,
+                                       batch_size=args.batch_size, max_batches=args.max_batches, device=args.device)
+        text = (f"rm_loss {result['rm_loss']:.4f}  accuracy {result['accuracy']:.4f}  margin {result['margin']:.4f}  "
+                f"over {result['pairs']:,} pairs")
+    return _report(args, result, text)
+
+
+def _check_pairs(source: DataSource) -> None:
+    """The pairs file is read before any model is loaded: a wrong path or column costs no load."""
+    from neox_hf.data.preference import read_pairs
+
+    try:
+        read_pairs([source])
+    except DataError as err:
+        message = str(err).replace("set `prompt_key` / `chosen_key` / `rejected_key` on the source",
+                                   "pass --prompt-key / --chosen-key / --rejected-key")
+        raise DataError(message) from None
+
+
+def _pair_batches(source: DataSource, tokenizer, objective: str, seq_length: int, batch_size: int,
+                  max_batches: int | None) -> list[dict]:
+    from neox_hf.data.preference import build_preference_eval_loader
+
+    data_cfg = DataConfig(validation=[source], mode="pad", shuffle=False)
+    return build_preference_eval_loader(data_cfg, tokenizer, seq_length=seq_length, micro_batch_size=batch_size,
+                                        max_batches=max_batches or ALL_BATCHES, objective=objective)
+
+
+def _on(batch: dict, device) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _sums(objective, model, batches: list[dict]) -> tuple[float, dict, int]:
+    """(Σ loss, Σ metrics, pairs) of an objective over batches, in float64."""
+    loss_sum, metric_sums, pairs = 0.0, {}, 0
+    with torch.no_grad():
+        for batch in batches:
+            out = objective.loss(model, batch)
+            loss_sum += float(out.loss_sum)
+            pairs += int(out.units)
+            for key, value in out.metric_sums.items():
+                metric_sums[key] = metric_sums.get(key, 0.0) + float(value)
+    return loss_sum, metric_sums, pairs
+
+
+def evaluate_dpo(model_path, reference_path, source: DataSource, *, beta: float = 0.1, tokenizer_path: str | None = None,
+                 seq_length: int | None = None, batch_size: int = 8, max_batches: int | None = None,
+                 device: str = "auto") -> dict:
+    """{"dpo_loss", "rewards_accuracy", "rewards_margin", "rewards_chosen", "rewards_rejected", "logps_chosen",
+    "logps_rejected", "pairs"}: means over the pairs of TRL's sigmoid DPO loss and metrics."""
+    from neox_hf.objectives.dpo import DPOObjective, attach_reference_logps, reference_logps
+
+    model, tokenizer = load_for_inference(model_path, tokenizer_path, device=device)
+    # the pairs are tokenised once, by the policy's tokenizer; the reference folder needs none of its own
+    reference, _ = load_for_inference(reference_path, tokenizer_path or str(model_path), device=device)
+    seq_length = seq_length or model.config.max_position_embeddings
+    batches = [_on(b, model.device) for b in _pair_batches(source, tokenizer, "dpo", seq_length, batch_size,
+                                                           max_batches)]
+    table = reference_logps(reference, batches, num_pairs=1 + max(int(b["pair_index"].max()) for b in batches))
+    del reference
+    loss_sum, sums, pairs = _sums(DPOObjective(beta=beta), model,
+                                  [attach_reference_logps(b, table) for b in batches])
+    return {"model": str(model_path), "reference": str(reference_path), "data": source.path, "beta": beta,
+            "dpo_loss": loss_sum / pairs, "rewards_accuracy": sums["rewards/accuracies"] / pairs,
+            "rewards_margin": sums["rewards/margins"] / pairs, "rewards_chosen": sums["rewards/chosen"] / pairs,
+            "rewards_rejected": sums["rewards/rejected"] / pairs, "logps_chosen": sums["logps/chosen"] / pairs,
+            "logps_rejected": sums["logps/rejected"] / pairs, "pairs": pairs}
+
+
+def evaluate_reward_model(model_path, source: DataSource, *, tokenizer_path: str | None = None,
+                          seq_length: int | None = None, batch_size: int = 8, max_batches: int | None = None,
+                          device: str = "auto") -> dict:
+    """{"rm_loss", "accuracy", "margin", "mean_reward", "pairs"}: means over the pairs."""
+    from neox_hf.objectives.rm import RewardObjective
+
+    model, tokenizer = load_reward_model(model_path, tokenizer_path, device=device)
+    seq_length = seq_length or model.config.max_position_embeddings
+    batches = [_on(b, model.device) for b in _pair_batches(source, tokenizer, "rm", seq_length, batch_size,
+                                                           max_batches)]
+    loss_sum, sums, pairs = _sums(RewardObjective(), model, batches)
+    return {"model": str(model_path), "data": source.path, "rm_loss": loss_sum / pairs,
+            "accuracy": sums["accuracy"] / pairs, "margin": sums["margin"] / pairs,
+            "mean_reward": sums["mean_reward"] / pairs, "pairs": pairs}
+
+
+def load_reward_model(model_path, tokenizer_path: str | None = None, *, device: str = "auto"):
+    """(stock sequence-classification model with one label in eval mode, tokenizer) from a reward-model folder."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from neox_hf.errors import CheckpointError
+    from neox_hf.inference import inference_device
+    from neox_hf.interop.tokenizer import load_tokenizer
+
+    folder = Path(model_path)
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"reward model folder not found (no config.json): {folder}")
+    config = AutoConfig.from_pretrained(folder)
+    if not any(a.endswith("ForSequenceClassification") for a in config.architectures or []) or config.num_labels != 1:
+        raise UsageError(f"{folder} is not a reward model (architectures {config.architectures}, {config.num_labels} "
+                         "labels); give the folder a `train.objective: rm` run saved, or use --objective lm / dpo")
+    tokenizer = load_tokenizer(tokenizer_path or str(folder))
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32)
+    if model.config.pad_token_id is None:  # transformers' pooling finds the last token by the pad id
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model.to(inference_device(device)).eval(), tokenizer

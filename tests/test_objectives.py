@@ -1,0 +1,376 @@
+"""Objectives (issue 26): DPO and the reward model equal TRL's own code on the same model, reference and pairs (fp32,
+1e-5, loss and every parameter gradient); pairs tokenise as TRL tokenises them; batches keep a pair together with
+dynamic padding; `neox_hf eval --objective dpo | rm`; a saved reward model loads in stock transformers."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+import os
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+from neox_hf.data.preference import (build_preference_eval_loader, build_preference_train_loader, read_pairs,
+                                     tokenize_pairs)
+from neox_hf.objectives import ObjectiveLoss, build_objective
+from neox_hf.objectives.dpo import DPOObjective, attach_reference_logps, reference_logps
+from neox_hf.objectives.rm import RewardObjective, build_reward_model, sequence_rewards
+from neox_hf.recipe import DataConfig, DataSource, Recipe, TrainConfig
+
+REPO = Path(__file__).resolve().parents[1]
+PAIRS_FILE = REPO / "examples" / "data" / "gsm8k-pairs.jsonl"
+MAX_LENGTH = 72  # dpo: cuts some gsm8k sequences and drops pairs whose prompt fills it, as TRL does
+RM_MAX_LENGTH = 180  # rm: drops the pairs with a longer sequence, as TRL does, and keeps 7 of 12
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+EDGE_PAIRS = [  # a completion already ending with EOS, a prompt whose last token merges into the completion
+    {"prompt": "Hi there", "chosen": " hello<|endoftext|>", "rejected": " go away now please"},
+    {"prompt": "Question: 2+2?\nAnswer: ", "chosen": "4", "rejected": "five, I think"},
+]
+
+
+def _pairs(count: int = 10) -> list[dict]:
+    rows = [json.loads(line) for line in PAIRS_FILE.read_text().splitlines()[:count]]
+    return EDGE_PAIRS + rows
+
+
+def _tiny_config(**extra):
+    from transformers import GPTNeoXConfig
+
+    return GPTNeoXConfig(vocab_size=50304, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=256, rotary_pct=0.25, pad_token_id=1,
+                         hidden_dropout=0.0, attention_dropout=0.0, **extra)
+
+
+def _policy_and_reference():
+    """A tiny GPTNeoX (the reference) and a policy a small seeded step away from it (so the loss is not ln 2)."""
+    from transformers import GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    reference = GPTNeoXForCausalLM(_tiny_config())
+    policy = copy.deepcopy(reference)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return policy, reference
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_grads_equal(ours: dict, theirs: dict) -> None:
+    assert ours.keys() == theirs.keys() and ours
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], **TOL, msg=lambda m: f"{name}: {m}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# TRL's trainers, built once (importing TRL and preparing its datasets is most of this module's time)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trl_dpo(tokenizer, tmp_path_factory):
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    policy, reference = _policy_and_reference()
+    args = DPOConfig(output_dir=str(tmp_path_factory.mktemp("dpo")), beta=0.1, max_length=MAX_LENGTH, report_to=[],
+                     use_cpu=True, bf16=False, per_device_train_batch_size=4, dataloader_num_workers=0)
+    trainer = DPOTrainer(model=copy.deepcopy(policy), ref_model=copy.deepcopy(reference), args=args,
+                         train_dataset=Dataset.from_list(_pairs()), processing_class=tokenizer)
+    return trainer, policy, reference
+
+
+@pytest.fixture(scope="module")
+def trl_rm(tokenizer, tmp_path_factory):
+    from datasets import Dataset
+    from transformers import GPTNeoXForSequenceClassification
+    from trl import RewardConfig, RewardTrainer
+
+    torch.manual_seed(1)
+    model = GPTNeoXForSequenceClassification(_tiny_config(num_labels=1))
+    args = RewardConfig(output_dir=str(tmp_path_factory.mktemp("rm")), max_length=RM_MAX_LENGTH, report_to=[],
+                        use_cpu=True, bf16=False, per_device_train_batch_size=4, dataloader_num_workers=0)
+    ours = copy.deepcopy(model)
+    trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(_pairs()),
+                            processing_class=tokenizer)
+    return trainer, ours
+
+
+def _our_loader(tmp_path, tokenizer, objective, micro_batch_size=4):
+    path = _write_jsonl(tmp_path / f"pairs-{objective}.jsonl", _pairs())
+    max_length = MAX_LENGTH if objective == "dpo" else RM_MAX_LENGTH
+    cfg = DataConfig(validation=[DataSource(path=str(path))], mode="pad", max_length=max_length, pad_to_multiple_of=1)
+    return build_preference_eval_loader(cfg, tokenizer, seq_length=max_length, micro_batch_size=micro_batch_size,
+                                        max_batches=100, objective=objective)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenisation and batches
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_dpo_tokenisation_and_batches_equal_trl(trl_dpo, tokenizer, tmp_path):
+    trainer = trl_dpo[0]
+    texts = [(p["prompt"], p["chosen"], p["rejected"]) for p in _pairs()]
+    ours = tokenize_pairs(texts, tokenizer, "dpo", MAX_LENGTH)
+    theirs = [(r["prompt_ids"], r["chosen_ids"], r["rejected_ids"]) for r in trainer.train_dataset]
+    assert [tuple(map(list, o)) for o in ours] == theirs
+    assert len(theirs) < len(texts)  # the length rule dropped pairs whose prompt fills max_length, in both
+
+    batch = _our_loader(tmp_path, tokenizer, "dpo")[0]
+    trl_batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    assert torch.equal(batch["input_ids"], trl_batch["input_ids"])
+    assert torch.equal(batch["attention_mask"], trl_batch["attention_mask"])
+    # TRL labels the completion tokens and lets the model shift; ours are aligned: labels[t] = token t + 1
+    trl_labels = trl_batch["input_ids"].masked_fill(trl_batch["completion_mask"] == 0, -100)
+    assert torch.equal(batch["labels"][:, :-1], trl_labels[:, 1:]) and (batch["labels"][:, -1] == -100).all()
+
+
+def test_rm_tokenisation_equals_trl(trl_rm, tokenizer, tmp_path):
+    trainer = trl_rm[0]
+    texts = [(p["prompt"], p["chosen"], p["rejected"]) for p in _pairs()]
+    ours = [(list(c), list(r)) for _, c, r in tokenize_pairs(texts, tokenizer, "rm", RM_MAX_LENGTH)]
+    theirs = [(r["chosen_ids"], r["rejected_ids"]) for r in trainer.train_dataset]
+    assert ours == theirs and len(theirs) < len(texts)
+    batch = _our_loader(tmp_path, tokenizer, "rm")[0]
+    trl_batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    assert torch.equal(batch["input_ids"], trl_batch["input_ids"])
+    assert torch.equal(batch["attention_mask"], trl_batch["attention_mask"])
+
+
+def test_pairs_stay_together_padding_is_dynamic_and_resume_is_exact(tokenizer):
+    cfg = DataConfig(sources=[DataSource(path=str(PAIRS_FILE))], mode="pad", max_length=256, pad_to_multiple_of=8)
+    loaders = [build_preference_train_loader(cfg, tokenizer, seq_length=256, micro_batch_size=3, dp_rank=r, dp_size=2,
+                                             seed=7, objective="dpo") for r in range(2)]
+    pairs = loaders[0].pairs
+    seen, widths = [], set()
+    epoch_batches = len(pairs) // 6
+    for loader in loaders:
+        for _ in range(epoch_batches):
+            batch = next(loader)
+            assert batch["input_ids"].shape[0] == 6 and batch["pair_index"].shape == (3,)
+            for row, index in enumerate(batch["pair_index"].tolist()):
+                prompt, chosen, rejected = pairs[index]
+                for seq_row, completion in ((row, chosen), (row + 3, rejected)):
+                    length = min(len(prompt) + len(completion), 256)
+                    assert batch["input_ids"][seq_row, :length].tolist() == (list(prompt) + list(completion))[:length]
+                    assert batch["attention_mask"][seq_row].sum() == length
+            longest = int(batch["attention_mask"].sum(1).max())
+            assert batch["input_ids"].shape[1] == min(-(-longest // 8) * 8, 256)
+            widths.add(batch["input_ids"].shape[1])
+            seen += batch["pair_index"].tolist()
+    assert sorted(seen) == list(range(len(pairs)))  # one epoch over both ranks: every pair once, none split
+    assert len(widths) > 3
+
+    state = loaders[1].state_dict()
+    expected = [next(loaders[1]) for _ in range(3)]
+    resumed = build_preference_train_loader(cfg, tokenizer, seq_length=256, micro_batch_size=3, dp_rank=1, dp_size=2,
+                                            seed=7, objective="dpo")
+    resumed.load_state_dict(state)
+    for batch in expected:
+        assert all(torch.equal(batch[k], v) for k, v in next(resumed).items())
+    assert "300 pairs" in resumed.describe()
+
+
+def test_bundled_pairs_are_built_from_the_gsm8k_sample():
+    """examples/data/gsm8k-pairs.jsonl: the first 300 GSM8K problems; chosen = the answer; rejected = the answer of
+    problem 999 - i for even i, the answer with its final number + 1 for odd i."""
+    rows = [json.loads(line) for line in (REPO / "examples" / "data" / "gsm8k-sample.jsonl").read_text().splitlines()]
+    expected = []
+    for i, row in enumerate(rows[:300]):
+        head, sep, final = row["answer"].rpartition("#### ")
+        number = final.replace(",", "").strip()
+        odd_and_numeric = i % 2 and sep and number.lstrip("-").isdigit()
+        rejected = f"{head}#### {int(number) + 1}" if odd_and_numeric else rows[len(rows) - 1 - i]["answer"]
+        expected.append({"prompt": f"Question: {row['question']}\nAnswer: ", "chosen": row["answer"],
+                         "rejected": rejected})
+    assert [json.loads(line) for line in PAIRS_FILE.read_text().splitlines()] == expected
+
+
+def test_columns_named_per_source_and_bad_rows(tmp_path):
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"q": "a", "good": "b", "bad": "c"}, {"q": 1, "good": "b", "bad": "c"}])
+    stats = {}
+    assert read_pairs([DataSource(path=str(path), prompt_key="q", chosen_key="good", rejected_key="bad")],
+                      stats=stats) == [("a", "b", "c")]
+    assert stats["skipped_undecodable"] == 1
+    from neox_hf.errors import DataError
+
+    with pytest.raises(DataError, match="prompt_key"):
+        read_pairs([DataSource(path=str(path))])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Losses and gradients equal TRL's
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+@pytest.mark.parametrize("reference_mode", ["precompute", "frozen"])
+def test_dpo_loss_metrics_and_gradients_equal_trl(trl_dpo, tokenizer, tmp_path, loss_type, reference_mode):
+    trainer, policy, reference = trl_dpo
+    trainer.loss_types, trainer.loss_weights = [loss_type], [1.0]
+    trainer._metrics["train"].clear()
+    trainer.model.train()
+    trainer.model.zero_grad()
+    trl_batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    trl_loss = trainer.compute_loss(trainer.model, trl_batch)
+    trl_loss.backward()
+
+    ours_model = copy.deepcopy(policy).train()
+    batches = _our_loader(tmp_path, tokenizer, "dpo")
+    if reference_mode == "precompute":
+        table = reference_logps(reference, batches, num_pairs=sum(len(b["pair_index"]) for b in batches))
+        objective, batch = DPOObjective(beta=0.1, loss_type=loss_type), attach_reference_logps(batches[0], table)
+    else:
+        objective, batch = DPOObjective(beta=0.1, loss_type=loss_type, reference_model=reference), batches[0]
+    out = objective.loss(ours_model, batch)
+    assert isinstance(out, ObjectiveLoss) and int(objective.units(batch)) == int(out.units) == 4
+    (out.loss_sum / out.units).backward()
+
+    torch.testing.assert_close(out.loss_sum / out.units, trl_loss.detach(), **TOL)
+    _assert_grads_equal(_grads(ours_model), _grads(trainer.model))
+    for name in objective.metric_names:
+        assert math.isclose(float(out.metric_sums[name]) / 4, trainer._metrics["train"][name][-1], rel_tol=1e-5,
+                            abs_tol=1e-5), name
+
+
+def test_first_dpo_loss_with_reference_equal_to_policy_is_ln2(tokenizer, tmp_path):
+    policy = _policy_and_reference()[0]
+    batches = _our_loader(tmp_path, tokenizer, "dpo")
+    table = reference_logps(policy, batches, num_pairs=sum(len(b["pair_index"]) for b in batches))
+    objective = build_objective(TrainConfig(objective="dpo"))
+    for batch in batches:
+        out = objective.loss(policy, attach_reference_logps(batch, table))
+        assert abs(float(out.loss_sum / out.units) - math.log(2)) < 1e-6
+        assert float(out.metric_sums["rewards/margins"]) == 0.0 and float(out.metric_sums["rewards/accuracies"]) == 0
+
+
+def test_reward_loss_metrics_and_gradients_equal_trl(trl_rm, tokenizer, tmp_path):
+    trainer, ours_model = trl_rm
+    trainer.model.train()
+    trainer.model.zero_grad()
+    trl_batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    trl_loss = trainer.compute_loss(trainer.model, trl_batch)
+    trl_loss.backward()
+
+    ours_model.train()
+    batch = _our_loader(tmp_path, tokenizer, "rm")[0]
+    objective = build_objective(TrainConfig(objective="rm"))
+    out = objective.loss(ours_model, batch)
+    (out.loss_sum / out.units).backward()
+    torch.testing.assert_close(out.loss_sum / out.units, trl_loss.detach(), **TOL)
+    _assert_grads_equal(_grads(ours_model), _grads(trainer.model))
+    for name in ("accuracy", "margin", "mean_reward"):
+        assert math.isclose(float(out.metric_sums[name]) / 4, trainer._metrics["train"][name][-1], rel_tol=1e-5,
+                            abs_tol=1e-5), name
+
+
+def test_lm_objective_is_the_causal_lm_loss(tokenizer):
+    from neox_hf.train.loss import causal_lm_loss
+
+    policy = _policy_and_reference()[0]
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8], [9, 10, 1, 1]]), "attention_mask": torch.tensor([[1] * 4, [1, 1, 0, 0]]),
+             "labels": torch.tensor([[6, 7, 8, -100], [10, -100, -100, -100]])}
+    objective = build_objective(TrainConfig())
+    out = objective.loss(policy, batch)
+    expected = causal_lm_loss(policy, batch)
+    assert int(objective.units(batch)) == int(out.units) == 4 and out.metric_sums == {}
+    torch.testing.assert_close(out.loss_sum, expected[0])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The reward model's folder, and `neox_hf eval`
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _save_causal_lm(folder: Path, tokenizer) -> Path:
+    _policy_and_reference()[1].save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("start", ["from_pretrained", "scratch"])
+def test_reward_model_folder_loads_in_stock_transformers(tokenizer, tmp_path, start):
+    from transformers import AutoModelForSequenceClassification
+
+    recipe = Recipe()
+    if start == "from_pretrained":
+        recipe.model.from_pretrained = str(_save_causal_lm(tmp_path / "lm", tokenizer))
+    else:
+        recipe.model.num_layers, recipe.model.hidden_size, recipe.model.num_attention_heads = 2, 32, 4
+        recipe.model.seq_length = 128
+    model = build_reward_model(recipe, tokenizer)
+    assert torch.equal(build_reward_model(recipe, tokenizer).score.weight, model.score.weight)  # seeded
+    model.save_pretrained(tmp_path / "rm")
+    config = json.loads((tmp_path / "rm" / "config.json").read_text())
+    assert config["architectures"] == ["GPTNeoXForSequenceClassification"] and config["model_type"] == "gpt_neox"
+    assert config["pad_token_id"] == tokenizer.pad_token_id and config.get("num_labels", 1) == 1
+    stock = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    assert type(stock).__name__ == "GPTNeoXForSequenceClassification"
+    batch = _our_loader(tmp_path, tokenizer, "rm")[0]
+    with torch.no_grad():
+        torch.testing.assert_close(sequence_rewards(model.eval(), batch), sequence_rewards(stock, batch), rtol=0, atol=0)
+        logits = stock(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+    torch.testing.assert_close(sequence_rewards(model, batch), logits, rtol=0, atol=0)
+
+
+def _cli(*argv) -> tuple[int, str, str]:
+    from neox_hf.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as exit_:
+            code = exit_.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_eval_cli_dpo_and_rm(tokenizer, tmp_path):
+    base = _save_causal_lm(tmp_path / "base", tokenizer)
+    data = _write_jsonl(tmp_path / "pairs.jsonl", _pairs(6))
+    code, out, _ = _cli("eval", base, "--objective", "dpo", "--reference", base, "--data", data, "--device", "cpu")
+    assert code == 0 and out.startswith("dpo_loss 0.6931  rewards_accuracy 0.0000"), out
+    code, out, _ = _cli("eval", base, "--objective", "dpo", "--reference", base, "--data", data, "--beta", "0.5",
+                        "--json", "--device", "cpu")
+    result = json.loads(out)
+    assert code == 0 and abs(result["dpo_loss"] - math.log(2)) < 1e-6 and result["rewards_accuracy"] == 0
+    assert result["pairs"] == 8 and result["beta"] == 0.5
+
+    recipe = Recipe()
+    recipe.model.from_pretrained = str(base)
+    build_reward_model(recipe, tokenizer).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    code, out, _ = _cli("eval", tmp_path / "rm", "--objective", "rm", "--data", data, "--json", "--device", "cpu")
+    result = json.loads(out)
+    assert code == 0 and {"rm_loss", "accuracy", "margin", "pairs"} <= result.keys() and result["pairs"] == 8
+    code, out, _ = _cli("eval", tmp_path / "rm", "--objective", "rm", "--data", data, "--device", "cpu")
+    assert code == 0 and out.startswith("rm_loss ") and " accuracy " in out
+
+    renamed = _write_jsonl(tmp_path / "other.jsonl", [{"question": "a", "good": "b", "bad": "c"}])
+    for argv, words in (
+        (("--objective", "dpo", "--data", data), "--reference"),
+        (("--objective", "dpo", "--reference", base, "--data", data, "--beta", "0"), "--beta"),
+        (("--objective", "dpo", "--reference", base, "--data", renamed), "--prompt-key"),
+        (("--objective", "rm", "--data", tmp_path / "missing.jsonl"), "missing.jsonl"),
+        (("--objective", "rm", "--data", data), "not a reward model"),
+        (("--objective", "sft", "--data", data), "--objective"),
+    ):
+        code, out, err = _cli("eval", base, *argv, "--device", "cpu")
+        assert code == 2 and out == "" and err.count("error:") == 1 and words in err, (argv, err)
+        assert "\n" not in err.strip() and err.startswith("error:"), err  # refused before any model is loaded
