@@ -88,6 +88,10 @@ class PlainEngine(Engine):
     def build_model(self, tokenizer):
         from neox_hf.parallel.build import build_model_plain
 
+        if self.recipe.train.objective == "rm":  # a scalar head on the decoder (GPTNeoXForSequenceClassification)
+            from neox_hf.objectives.rm import build_reward_model
+
+            return build_reward_model(self.recipe, tokenizer)
         return build_model_plain(self.recipe, tokenizer, self.layout)
 
     def parallelize(self, model):

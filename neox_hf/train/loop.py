@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from neox_hf.data import DataNotes, build_eval_loader, build_train_loader, gpt_neox_num_epochs, tokens_per_epoch
+from neox_hf.data import DataNotes, gpt_neox_num_epochs, tokens_per_epoch
 from neox_hf.finetune import check_peft_recipe, save_finetuned, trainable_parameters_report, wrap_with_peft
 from neox_hf.interop.hf_folder import save_hf_folder
 from neox_hf.interop.tokenizer import load_tokenizer
@@ -40,6 +40,7 @@ from neox_hf.train.prefetch import Prefetcher
 from neox_hf.train.run_log import record_evaluation
 from neox_hf.train.schedule import build_lr_scheduler
 from neox_hf.train.engine import build_engine
+from neox_hf.train.preference import build_data, frozen_reference, with_reference_logps
 from neox_hf.train.step import StepResult, dp_sum
 
 
@@ -81,13 +82,17 @@ def _train(recipe: Recipe, notices: list[str] | None) -> RunResult:
     if recipe.peft.method is not None:
         model = wrap_with_peft(model, recipe.peft)  # before prepare: only adapter weights reach the optimizer
         accelerator.print(trainable_parameters_report(model))
+    reference = frozen_reference(recipe, model, layout, accelerator.device)  # DPO's frozen copy, if asked for
     model, optimizer = engine.parallelize(model)
+    if reference is not None:
+        engine.objective.reference_model = reference
     t = recipe.train
     data_args = dict(seq_length=recipe.model.seq_length, micro_batch_size=t.micro_batch_size, dp_rank=layout.dp_rank,
                      dp_size=layout.dp, gradient_accumulation_steps=t.gradient_accumulation_steps,
                      train_iters=t.train_iters, eval_interval=t.eval_interval, eval_iters=t.eval_iters)
-    loader = build_train_loader(recipe.data, tokenizer, seed=recipe.data.seed, **data_args)
-    eval_batches = build_eval_loader(recipe.data, tokenizer, max_batches=recipe.train.eval_iters, **data_args)
+    loader, eval_batches = build_data(recipe, tokenizer, layout, data_args)
+    # DPO's reference log-probabilities come from the starting model: before a checkpoint replaces its weights.
+    loader, eval_batches = with_reference_logps(engine, loader, eval_batches)
     scheduler = build_lr_scheduler(optimizer, recipe.train)
     state = TrainState()
     resume_from = find_resume_checkpoint(recipe.train.resume, recipe.output.dir,
@@ -264,6 +269,7 @@ class StepLogger:
         if not self.pending:
             return {}
         accelerator = self.run.accelerator
+        objective_metrics = _objective_metrics([r for _, r, *_ in self.pending])
         values = torch.stack([torch.stack([r.loss.double(), r.tokens.double(), r.samples.double(),
                                            (r.grad_norm if r.grad_norm is not None else torch.tensor(float("nan"))).double().to(r.loss.device)])
                               for _, r, *_ in self.pending]).tolist()
@@ -280,6 +286,7 @@ class StepLogger:
             entries.append(step_log_entry(step, loss, lr, grad_norm if result.grad_norm is not None else None,
                                           skipped=result.skipped, loss_scale=scale, data_wait=wait,
                                           seq_length=seq_length, state=self.state))
+            entries[-1].update(objective_metrics.pop(0))
         elapsed = time.perf_counter() - self.window_start
         window_tokens = sum(v[1] for v in values)
         entries[-1]["tokens_per_s"] = window_tokens / elapsed  # the window's throughput, for the run picture
@@ -292,12 +299,28 @@ class StepLogger:
                    "train/data_wait_s": sum(e["data_wait_s"] for e in entries)}
         if "mfu" in entries[-1]:
             metrics["train/mfu"] = entries[-1]["mfu"]
+        for name in run_metrics_names(entries[-1]):
+            metrics[f"train/{name}"] = sum(e[name] for e in entries) / len(entries)
         if accelerator.is_main_process:
             _append_step_log(self.run.recipe.output.dir, entries)
         accelerator.log(metrics, step=self.state.step)
         self.pending, self.window_start = [], time.perf_counter()
         self.reported_skipped = _report_skipped_documents(self.run, self.reported_skipped, self.data_notes)
         return {"loss": f"{metrics['train/loss']:.4f}", "lr": f"{metrics['train/lr']:.2e}"}
+
+
+def _objective_metrics(results: list[StepResult]) -> list[dict]:
+    """Each step's objective metrics (TRL's names for dpo / rm) as floats, read in one host sync; finite only."""
+    names = sorted({name for r in results for name in r.metrics})
+    if not names:
+        return [{} for _ in results]
+    values = torch.stack([torch.stack([r.metrics[n].double() for n in names]) for r in results]).tolist()
+    return [{n: v for n, v in zip(names, row) if math.isfinite(v)} for row in values]
+
+
+def run_metrics_names(entry: dict) -> list[str]:
+    """The objective metrics of a step log entry (names with a slash, as TRL logs them)."""
+    return [key for key in entry if "/" in key]
 
 
 def step_log_entry(step: int, loss: float, lr: float, grad_norm: float | None, *, skipped: bool,
