@@ -266,7 +266,17 @@ class Recipe:
 def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:
     """Typed, validated Recipe from a nested dict (keys may use '-' for '_', as GPT-NeoX users write them)."""
     recipe = _build(Recipe, _with_family_defaults(raw), path="", source=source)
+    return settled(recipe)
+
+
+def settled(recipe: Recipe) -> Recipe:
+    """`recipe` with `train.precision: auto` resolved for this device (or the checkpoint it resumes), validated.
+    The start-up notices of that choice are in `recipe.settled_notices` (not a recipe key: never serialised)."""
+    from neox_hf.train.precision import settle_precision
+
+    notices = settle_precision(recipe)
     validate(recipe)
+    recipe.settled_notices = [*getattr(recipe, "settled_notices", []), *notices]
     return recipe
 
 

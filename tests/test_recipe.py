@@ -204,12 +204,10 @@ def test_native_bf16_is_read_from_the_cpu_flags():
 ])
 def test_auto_precision_is_bf16_only_where_the_device_runs_it_natively(reason, zero_stage, expected, tmp_path):
     from neox_hf.parallel.accelerator import resolve_precision
+    from neox_hf.recipe import TrainConfig
 
-    recipe = recipe_from_dict({"train": {"precision": "auto"}, "parallel": {"zero_stage": zero_stage},
-                               "output": {"dir": str(tmp_path)}})
-    assert resolve_precision(recipe.train, bf16_reason=reason) == expected
-    fixed = recipe_from_dict({"train": {"precision": "fp32"}, "output": {"dir": str(tmp_path)}})
-    assert resolve_precision(fixed.train, bf16_reason=reason) == "fp32"  # an explicit value stays
+    assert resolve_precision(TrainConfig(precision="auto"), bf16_reason=reason) == expected
+    assert resolve_precision(TrainConfig(precision="fp32"), bf16_reason=reason) == "fp32"  # an explicit value stays
 
 
 def test_auto_precision_is_resolved_into_the_recipe_the_run_reports_and_saves(tmp_path, fresh_accelerate_state):
@@ -223,13 +221,19 @@ def test_auto_precision_is_resolved_into_the_recipe_the_run_reports_and_saves(tm
 
 
 def test_auto_is_the_default_but_a_gpt_neox_config_keeps_gpt_neoxs_precision(tmp_path):
-    assert recipe_from_dict({}).train.precision == "auto"
+    from neox_hf.parallel.accelerator import native_bf16
+    from neox_hf.recipe import Recipe
+
+    here = "bf16" if native_bf16() else "fp32"
+    assert Recipe().train.precision == "auto"
+    assert recipe_from_dict({}).train.precision == here  # settled while the recipe is built, before validation
     plain = _write(tmp_path, "plain.yml", '{"num_layers": 2}')  # neither fp16 nor bf16: GPT-NeoX trains fp32
     assert parse_run_args([str(plain)]).recipe.train.precision == "fp32"
     bf16 = _write(tmp_path, "bf16.yml", '{"num_layers": 2, "bf16": {"enabled": true}}')
     assert parse_run_args([str(bf16)]).recipe.train.precision == "bf16"
     overridden = parse_run_args([str(plain), "--train.precision", "auto"]).recipe
-    assert overridden.train.precision == "auto"
+    assert overridden.train.precision == here
+    assert any("`train.precision: auto` chose" in n for n in overridden.settled_notices)
 
 
 def test_flash_attention_with_isolated_documents_in_rows_of_more_than_one_is_refused():

@@ -199,11 +199,12 @@ def resolve_precision(train: TrainConfig, *, bf16_reason: str | None = None) -> 
 
 def build_accelerator(recipe: Recipe, *, log_with: str | None = None) -> Accelerator:
     """One Accelerator configured from the recipe (single process, DDP, or DeepSpeed ZeRO 0–3). `train.precision:
-    auto` is resolved here, in the recipe itself, so that everything after (report, checkpoints, recipe.yaml) sees
-    the precision that runs."""
+    auto` was resolved when the recipe was built (`neox_hf.recipe.settled`)."""
     train, parallel = recipe.train, recipe.parallel
     check_recipe_agrees_with_launcher(recipe)
-    train.precision = resolve_precision(train)
+    if train.precision == "auto":  # a programming error: recipes are settled when built (`recipe.settled`)
+        raise ValueError("train.precision is still `auto`: build the recipe with recipe_from_dict or settle it with "
+                         "neox_hf.recipe.settled before building the Accelerator")
     use_deepspeed = wants_deepspeed(parallel)
     if use_deepspeed and not _launched_distributed():
         _single_process_environment()

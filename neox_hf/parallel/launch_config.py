@@ -138,18 +138,25 @@ def reconcile_with_launcher(raw: dict, source: str, environ: Mapping[str, str] |
     return raw, notices
 
 
+def launcher_precision(environ: Mapping[str, str] | None = None) -> str | None:
+    """The precision `accelerate launch` asks for (its `mixed_precision`), or None where it leaves it to the recipe
+    (unset, or accelerate's default `no`): what `train.precision: auto` takes first."""
+    for setting in launcher_settings(environ):
+        if setting.recipe_key == "train.precision" and not setting.neutral:
+            return setting.value
+    return None
+
+
 def check_recipe_agrees_with_launcher(recipe, environ: Mapping[str, str] | None = None) -> None:
     """For a Recipe built in Python (not through `parse_run_args`): a launcher value that contradicts it is refused
-    here rather than silently overridden by the generated DeepSpeed JSON. `train.precision: auto` takes the
-    launcher's mixed precision."""
+    here rather than silently overridden by the generated DeepSpeed JSON. (`train.precision: auto` took the
+    launcher's mixed precision when the recipe was settled: `launcher_precision`.)"""
     for setting in launcher_settings(environ):
         if setting.neutral:
             continue
         section, name = setting.recipe_key.split(".")
         ours = getattr(getattr(recipe, section), name)
-        if setting.recipe_key == "train.precision" and ours == "auto":
-            recipe.train.precision = setting.value
-        elif ours != setting.value:
+        if ours != setting.value:
             raise _contradiction(setting, ours, "the recipe")
 
 

@@ -7,6 +7,7 @@ thing that happens between steps (logging, eval, checkpoints, Hub pushes) owns i
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -21,9 +22,9 @@ from neox_hf.interop.hf_folder import save_hf_folder
 from neox_hf.interop.tokenizer import load_tokenizer
 from neox_hf.parallel import init_distributed
 from neox_hf.plot import model_card_section, write_run_plot
-from neox_hf.recipe import Recipe
+from neox_hf.recipe import Recipe, settled
 from neox_hf.trackers import init_tracker_kwargs, tracker_names
-from neox_hf.train.checkpoint import (TrainState, checkpoint_precision, find_resume_checkpoint, load_checkpoint,
+from neox_hf.train.checkpoint import (TrainState, find_resume_checkpoint, load_checkpoint,
                                       save_checkpoint)
 from neox_hf.train.guards import (
     OverflowGuard,
@@ -58,6 +59,8 @@ def train(recipe: Recipe, *, notices: list[str] | None = None, overwrite: bool =
 
     Before anything is built: the settings checkable without a model, and `output.dir` (refused when it holds an
     earlier run, unless resuming or `overwrite`; locked for the run)."""
+    if recipe.train.precision == "auto":  # built in Python, not by recipe_from_dict: settle a copy
+        recipe = settled(copy.deepcopy(recipe))
     check_before_build(recipe)
     lock = claim_output_dir(recipe, overwrite=overwrite)
     try:
@@ -68,12 +71,8 @@ def train(recipe: Recipe, *, notices: list[str] | None = None, overwrite: bool =
 
 
 def _train(recipe: Recipe, notices: list[str] | None) -> RunResult:
-    notices = [*(notices or []), *_keep_resumed_precision(recipe)]
-    auto_precision = recipe.train.precision == "auto"
+    notices = [*(notices or []), *getattr(recipe, "settled_notices", [])]
     accelerator, layout = init_distributed(recipe, log_with=tracker_names(recipe) or None)
-    if auto_precision:  # resolved by init_distributed: say it was chosen, not asked for
-        notices.append(f"`train.precision: auto` chose {recipe.train.precision} on this device; set `train.precision: "
-                       "fp32` for the same numbers on every machine")
     _set_seed(recipe.train.seed)
     check_peft_recipe(recipe)
     tokenizer = load_tokenizer(recipe.tokenizer.path, eos_token=recipe.tokenizer.eos_token, pad_token=recipe.tokenizer.pad_token)
@@ -421,22 +420,6 @@ def save_final_model(run: TrainingRun, out_dir=None) -> Path:
                        extra_files={"recipe.yaml": recipe.to_yaml()}, max_shard_size=recipe.output.max_shard_size)
     accelerator.wait_for_everyone()
     return out
-
-
-def _keep_resumed_precision(recipe: Recipe) -> list[str]:
-    """`train.precision: auto` resumes in the precision its checkpoint was trained in (a DeepSpeed bf16 checkpoint
-    holds bf16 weights an fp32 engine cannot load), not in what `auto` picks on this machine. Returns the notices
-    for the start-up report."""
-    t = recipe.train
-    if t.precision != "auto" or t.resume is None:
-        return []
-    notices: list[str] = []  # a repaired `latest` is reported here: the lookup after the Accelerator finds it repaired
-    folder = find_resume_checkpoint(t.resume, recipe.output.dir, notify=notices.append)
-    trained_in = checkpoint_precision(folder) if folder is not None else None
-    if trained_in is None:
-        return notices
-    t.precision = trained_in
-    return [*notices, f"`train.precision: auto` resumes in {trained_in}, the precision {folder.name} was trained in"]
 
 
 def _hub_pusher(recipe: Recipe):
