@@ -196,12 +196,11 @@ class ModelShape:
 
 def model_shape(recipe) -> ModelShape:
     """The shape the run will build (config from the recipe or the pretrained folder, the tokenizer's size)."""
-    from neox_hf.interop.tokenizer import load_tokenizer, padded_vocab_size
+    from neox_hf.interop.tokenizer import padded_vocab_size
     from neox_hf.model import NeoXConfig, config_from_recipe
 
     m = recipe.model
-    tokenizer_size = len(load_tokenizer(recipe.tokenizer.path, eos_token=recipe.tokenizer.eos_token,
-                                        pad_token=recipe.tokenizer.pad_token))
+    tokenizer_size = _tokenizer_size(recipe.tokenizer.path, recipe.tokenizer.eos_token, recipe.tokenizer.pad_token)
     if m.from_pretrained:
         config = NeoXConfig.from_pretrained(m.from_pretrained)
         fixed = config.vocab_size
@@ -210,6 +209,13 @@ def model_shape(recipe) -> ModelShape:
         config = config_from_recipe(m, vocab_size=fixed or padded_vocab_size(tokenizer_size, m.make_vocab_size_divisible_by))
     config._attn_implementation = m.attn_implementation
     return ModelShape(config, tokenizer_size, m.make_vocab_size_divisible_by, fixed, m.seq_length)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_size(path: str, eos_token: str, pad_token: str) -> int:
+    from neox_hf.interop.tokenizer import load_tokenizer
+
+    return len(load_tokenizer(path, eos_token=eos_token, pad_token=pad_token))
 
 
 @functools.lru_cache(maxsize=8)
@@ -347,13 +353,20 @@ def backward_gradient_bytes(params: int, engine: Engine) -> int:
 
 def deepspeed_buffer_bytes(shape: ModelShape, engine: Engine, largest_layer: int) -> int:
     """DeepSpeed's reduce bucket (`reduce_bucket_size: auto` = hidden² elements, as accelerate fills it) and, for
-    ZeRO-3, one transformer layer gathered whole plus the prefetch bucket (0.9 × hidden²)."""
+    ZeRO-3, the prefetch bucket (`stage3_prefetch_bucket_size: auto` = 0.9 × hidden²) and the largest layer gathered
+    whole with its whole gradient before the reduce-scatter (`zero3_gathered_layer_bytes`)."""
     if not engine.deepspeed or engine.zero_stage == 0 or engine.data == 1:
         return 0
     bucket = engine.weight_bytes * shape.hidden ** 2
     if engine.zero_stage == 3:
-        return bucket + engine.weight_bytes * (largest_layer + int(0.9 * shape.hidden ** 2))
+        return bucket + int(0.9 * engine.weight_bytes * shape.hidden ** 2) + zero3_gathered_layer_bytes(engine, largest_layer)
     return bucket
+
+
+def zero3_gathered_layer_bytes(engine: Engine, largest_layer: int) -> int:
+    """The largest layer's parameters and gradient, whole, in the weights' dtype (DeepSpeed's estimator: 4 bytes ×
+    the largest layer's parameters in 16-bit)."""
+    return 2 * engine.weight_bytes * largest_layer
 
 
 def pipeline_buffer_bytes(shape: ModelShape, layout: Layout, stage: int, element: int) -> int:
@@ -416,7 +429,7 @@ def loss_bytes(shape: ModelShape, layout: Layout, fused: bool, engine: Engine) -
 def stage_bytes(shape: ModelShape, layout: Layout, engine: Engine, fused_loss: bool, method: str) -> list[StageBytes]:
     params = stage_parameters(shape, layout.pipeline, layout.tensor, method)
     layers = stage_transformer_layers(shape, layout.pipeline, method)
-    largest_layer = max(layer_parameters_per_rank(shape, layout.tensor)[1:-2] or [0])
+    largest_layer = max(layer_parameters_per_rank(shape, layout.tensor))  # the embedding and head are layers too
     stages = []
     for s, (n, n_layers) in enumerate(zip(params, layers)):
         states = model_state_bytes(n, engine)

@@ -25,8 +25,6 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
-sys.path.insert(0, str(REPO / "tests"))
-from conftest import reset_accelerate_state  # noqa: E402
 from parallel_memory import PeakTensorBytes, live_tensor_bytes  # noqa: E402
 
 from neox_hf.interop.tokenizer import load_tokenizer  # noqa: E402
@@ -132,6 +130,9 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--layouts", nargs="+", required=True)
     args = parser.parse_args()
+    sys.path.insert(0, str(REPO / "tests"))
+    from conftest import reset_accelerate_state
+
     for entry in args.layouts:
         name, spec = parse_layout(entry)
         measure_layout(Path(args.out_dir) / name, spec)
