@@ -27,7 +27,10 @@ setup(
     ],
     extras_require={
         # The optional integrations are installed for the tests so they run rather than skip.
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", "lm-eval>=0.4.5", "wandb"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "lm-eval>=0.4.5", "wandb",
+                 # tests/test_objectives.py compares DPO and the reward model with TRL's trainers (1.16 tokenises and
+                 # computes the losses as tested; 1.x keeps transformers 5 / accelerate 1.x)
+                 "trl>=1.16,<2"],
         "eval": ["lm-eval>=0.4.5"],  # train.eval_tasks: lm-evaluation-harness during training
         "trackers": ["wandb"],  # output.report_to: [wandb]; comet_ml, mlflow, aim install the same way
     },
