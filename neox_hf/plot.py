@@ -12,9 +12,8 @@ from pathlib import Path
 
 from neox_hf.eval_tasks import eval_tasks_card_section
 from neox_hf.io import atomic_path
-from neox_hf.train.run_log import RunLog, read_run_log
+from neox_hf.train.run_log import LOG_NAME, PLOT_NAME, RunLog, read_run_log
 
-PLOT_NAME = "run.png"
 
 
 def write_run_plot(output_dir) -> Path:
@@ -134,7 +133,7 @@ def model_card_section(output_dir) -> str:
     parts = []
     if (output_dir / PLOT_NAME).is_file():
         parts.append(f"## Training run\n\n![train and eval loss, learning rate, tokens per second]({PLOT_NAME})\n")
-    if (output_dir / "train_log.jsonl").is_file():
+    if (output_dir / LOG_NAME).is_file():
         table = eval_tasks_card_section(last_task_scores(read_run_log(output_dir)))
         if table:
             parts.append(table)

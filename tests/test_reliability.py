@@ -28,9 +28,8 @@ from neox_hf.train.guards import (
     check_precision,
     check_skipped_documents,
     clear_previous_run,
-    step_log_line,
-    truncate_train_log,
 )
+from neox_hf.train.run_log import step_log_line, truncate_train_log
 from tests.conftest import BUNDLED_TOKENIZER, REPO
 
 

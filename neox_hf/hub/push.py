@@ -34,6 +34,7 @@ from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
 from neox_hf.errors import HubError
+from neox_hf.train.run_log import RECIPE_NAME, RUN_STATE
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def step_revision(step: int) -> str:
 _MODEL_FILE_PATTERNS = (
     "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "config.json", "generation_config.json",
     "adapter_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-    "merges.txt", "added_tokens.json", "chat_template.jinja", "README.md", "recipe.yaml", "*.png", "*.svg",
+    "merges.txt", "added_tokens.json", "chat_template.jinja", "README.md", RECIPE_NAME, "*.png", "*.svg",
 )
 _MODEL_SUBFOLDERS = ("plots",)
 
@@ -84,7 +85,7 @@ def model_folder_files(folder: str | os.PathLike) -> list[str]:
 def is_run_folder(folder: str | os.PathLike) -> bool:
     """A training run's output.dir (it holds run state beside the model)."""
     folder = Path(folder)
-    return any((folder / name).exists() for name in ("checkpoints", "hub_steps", "train_log.jsonl", "runs"))
+    return any((folder / name).exists() for name in RUN_STATE)
 
 
 def retry_command(folder: str | os.PathLike, repo_id: str, revision: str) -> str:

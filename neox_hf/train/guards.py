@@ -11,7 +11,6 @@ line naming the problem and the fix) or returns what the loop needs:
 - `check_finite(step, loss, grad_norm)`: a non-finite loss or gradient norm stops the run before anything of that
   step is logged or saved.
 - `OverflowGuard`: fp16 overflow-skipped steps go on, a loss scale at its floor or too many skips in a row stop.
-- `truncate_train_log`: after a resume from step N, `train_log.jsonl` keeps only steps ≤ N, so no step repeats.
 - `check_skipped_documents`: undecodable documents are reported, and fail the run above
   `data.max_skipped_fraction`.
 
@@ -22,7 +21,6 @@ guards `resume_from_checkpoint`; nothing stops a run on NaN).
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import shutil
@@ -30,13 +28,12 @@ import socket
 from pathlib import Path
 
 from neox_hf.errors import DataError, RecipeError, TrainingDiverged
-from neox_hf.io import atomic_write_text, remove_stale_staging
+from neox_hf.io import remove_stale_staging
 from neox_hf.recipe import Recipe
+from neox_hf.train.run_log import RUN_STATE
 
 LOCK_NAME = ".neox_hf.lock"
-TRAIN_LOG = "train_log.jsonl"
 # What a run writes besides the model files (`--overwrite` removes these, nothing else of the folder).
-RUN_STATE = ("checkpoints", "hub_steps", "runs", TRAIN_LOG, "merged")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -334,34 +331,6 @@ def _last_checkpoint_text(output_dir) -> str:
     if pointer.is_file():
         return f"; the last good checkpoint is {pointer.parent / pointer.read_text().strip()}"
     return "; there is no checkpoint yet"
-
-
-def truncate_train_log(output_dir, step: int) -> int:
-    """Drop `train_log.jsonl` lines of steps after `step` (written by a run this one resumes behind, or torn by a
-    kill mid-write), so the log holds each step once. Returns the number of lines dropped."""
-    path = Path(output_dir) / TRAIN_LOG
-    if not path.is_file():
-        return 0
-    kept, dropped = [], 0
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            entry_step = json.loads(line)["step"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            dropped += 1
-            continue
-        if entry_step <= step:
-            kept.append(line)
-        else:
-            dropped += 1
-    if dropped:
-        atomic_write_text(path, "".join(f"{line}\n" for line in kept))
-    return dropped
-
-
-def step_log_line(entry: dict) -> str:
-    """One `train_log.jsonl` line; strict JSON (a non-finite value is a bug: `check_finite` runs first, and the entry
-    of an overflow-skipped fp16 step leaves its non-finite values out)."""
-    return json.dumps(entry, allow_nan=False)
 
 
 def check_skipped_documents(stats: dict, max_fraction: float) -> str | None:

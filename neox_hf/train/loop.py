@@ -33,12 +33,10 @@ from neox_hf.train.guards import (
     check_resume_step,
     check_skipped_documents,
     claim_output_dir,
-    step_log_line,
-    truncate_train_log,
 )
 from neox_hf.train.mfu import Peak, device_peak, flops_per_token, mfu
 from neox_hf.train.prefetch import Prefetcher
-from neox_hf.train.run_log import record_evaluation
+from neox_hf.train.run_log import RECIPE_NAME, append_step_entries, record_evaluation, truncate_train_log
 from neox_hf.train.schedule import build_lr_scheduler
 from neox_hf.train.engine import build_engine
 from neox_hf.train.preference import build_data, frozen_reference, with_reference_logps
@@ -112,13 +110,16 @@ def _train(recipe: Recipe, notices: list[str] | None) -> RunResult:
     if run.has_eval and state.step == 0:
         history.eval_losses.append((0, evaluate(run)))
         accelerator.print(f"step 0: eval loss {history.eval_losses[-1][1]:.4f}")
-        record_evaluation(accelerator, recipe.output.dir, 0, history.eval_losses[-1][1], {})
+        record_evaluation(accelerator, recipe.output.dir, 0, history.eval_losses[-1][1], {},
+                      perplexity=recipe.train.objective == "lm")
     run_steps(run, state, history)
     final_eval = evaluate(run) if run.has_eval else None
     if final_eval is not None:
         history.eval_losses.append((state.step, final_eval))
-        accelerator.print(f"final eval loss {final_eval:.4f}  perplexity {math.exp(min(final_eval, 50)):.2f}")
-    record_evaluation(accelerator, recipe.output.dir, state.step, final_eval, eval_task_scores(run))
+        perplexity = f"  perplexity {math.exp(min(final_eval, 50)):.2f}" if recipe.train.objective == "lm" else ""
+        accelerator.print(f"final eval loss {final_eval:.4f}{perplexity}")
+    record_evaluation(accelerator, recipe.output.dir, state.step, final_eval, eval_task_scores(run),
+                      perplexity=recipe.train.objective == "lm")
     out = save_finetuned(accelerator, model, tokenizer, recipe) if recipe.peft.method else save_final_model(run)
     if accelerator.is_main_process:
         write_run_plot(recipe.output.dir)
@@ -298,10 +299,12 @@ class StepLogger:
                    "train/data_wait_s": sum(e["data_wait_s"] for e in entries)}
         if "mfu" in entries[-1]:
             metrics["train/mfu"] = entries[-1]["mfu"]
-        for name in run_metrics_names(entries[-1]):
-            metrics[f"train/{name}"] = sum(e[name] for e in entries) / len(entries)
+        for name in self.run.engine.objective.metric_names:  # TRL's names, e.g. train/rewards/margins
+            logged = [e[name] for e in entries if name in e]
+            if logged:
+                metrics[f"train/{name}"] = sum(logged) / len(logged)
         if accelerator.is_main_process:
-            _append_step_log(self.run.recipe.output.dir, entries)
+            append_step_entries(self.run.recipe.output.dir, entries)
         accelerator.log(metrics, step=self.state.step)
         self.pending, self.window_start = [], time.perf_counter()
         self.reported_skipped = _report_skipped_documents(self.run, self.reported_skipped, self.data_notes)
@@ -315,11 +318,6 @@ def _objective_metrics(results: list[StepResult]) -> list[dict]:
         return [{} for _ in results]
     values = torch.stack([torch.stack([r.metrics[n].double() for n in names]) for r in results]).tolist()
     return [{n: v for n, v in zip(names, row) if math.isfinite(v)} for row in values]
-
-
-def run_metrics_names(entry: dict) -> list[str]:
-    """The objective metrics of a step log entry (names with a slash, as TRL logs them)."""
-    return [key for key in entry if "/" in key]
 
 
 def step_log_entry(step: int, loss: float, lr: float, grad_norm: float | None, *, skipped: bool,
@@ -357,20 +355,13 @@ def _report_skipped_documents(run: TrainingRun, reported: int, notes: DataNotes)
     return summed["skipped_undecodable"]
 
 
-def _append_step_log(output_dir, entries: list[dict]) -> None:
-    """One JSON line per optimizer step (train_log.jsonl): the exact per-step losses, also across resumes."""
-    path = Path(output_dir) / "train_log.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as log_file:
-        log_file.writelines(step_log_line(entry) + "\n" for entry in entries)
-
-
 def _eval_and_log(run: TrainingRun, state: TrainState, history: History) -> None:
     eval_loss = evaluate(run) if run.has_eval else None
     if eval_loss is not None:
         history.eval_losses.append((state.step, eval_loss))
         run.accelerator.print(f"step {state.step}: eval loss {eval_loss:.4f}")
-    record_evaluation(run.accelerator, run.recipe.output.dir, state.step, eval_loss, eval_task_scores(run))
+    record_evaluation(run.accelerator, run.recipe.output.dir, state.step, eval_loss, eval_task_scores(run),
+                      perplexity=run.recipe.train.objective == "lm")
 
 
 def eval_task_scores(run: TrainingRun) -> dict[str, float]:
@@ -417,7 +408,7 @@ def save_final_model(run: TrainingRun, out_dir=None) -> Path:
     out = Path(out_dir or recipe.output.dir)
     if accelerator.is_main_process:
         save_hf_folder(accelerator.unwrap_model(run.model), out, state_dict=state_dict, tokenizer=run.tokenizer,
-                       extra_files={"recipe.yaml": recipe.to_yaml()}, max_shard_size=recipe.output.max_shard_size)
+                       extra_files={RECIPE_NAME: recipe.to_yaml()}, max_shard_size=recipe.output.max_shard_size)
     accelerator.wait_for_everyone()
     return out
 
@@ -459,7 +450,8 @@ def startup_report(run: TrainingRun, notices: list[str]) -> str:
         f"ZeRO stage {recipe.parallel.zero_stage if accelerator.state.deepspeed_plugin else 'off'}, precision {t.precision}",
         f"batch: micro {t.micro_batch_size} × accumulation {t.gradient_accumulation_steps} × dp {layout.dp} = "
         f"{global_batch} samples/step, mode {recipe.data.mode}, seq_length {m.seq_length}, {t.train_iters} steps; "
-        f"loss weighted per {'token' if t.loss_normalization == 'token' else 'micro-batch (GPT-NeoX)'}",
+        f"objective {t.objective}, loss weighted per "
+        f"{run.engine.objective.unit if t.loss_normalization == 'token' else 'micro-batch (GPT-NeoX)'}",
     ]
     lines.append(f"precision: {_precision_in_effect(t, accelerator)}; loss: "
                  + ("fused chunked linear + cross-entropy (no [tokens, vocab] logits; softmax and sums in fp32)"

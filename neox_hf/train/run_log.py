@@ -1,4 +1,9 @@
-"""`train_log.jsonl`: what a run leaves of its progress, one JSON object a line, written by the main process.
+"""The run folder's files: their names (one place) and the writers and readers of `train_log.jsonl`.
+
+`output.dir` holds the model (weights, config, tokenizer, `recipe.yaml`, `run.png`, the card) beside run state:
+`checkpoints/`, `hub_steps/`, `runs/` (TensorBoard), `merged/`, `train_log.jsonl` (and the run lock, `guards`).
+
+`train_log.jsonl`: what a run leaves of its progress, one JSON object a line, written by the main process.
 
 Two kinds of line, told apart by their keys:
 - a step: `{"step", "loss", "lr", "consumed_samples", "consumed_tokens", "time"[, "skipped", "loss_scale"]}`
@@ -19,6 +24,10 @@ from neox_hf.errors import NeoXHFError
 from neox_hf.io import atomic_write_text
 
 LOG_NAME = "train_log.jsonl"
+RECIPE_NAME = "recipe.yaml"  # the resolved recipe, beside the weights
+PLOT_NAME = "run.png"  # `neox_hf plot`: losses, LR, tokens/s, lm-eval scores
+CHECKPOINTS_DIR, HUB_STEPS_DIR, TENSORBOARD_DIR, MERGED_DIR = "checkpoints", "hub_steps", "runs", "merged"
+RUN_STATE = (CHECKPOINTS_DIR, HUB_STEPS_DIR, TENSORBOARD_DIR, LOG_NAME, MERGED_DIR)  # what makes a folder a run's
 
 
 @dataclass
@@ -76,14 +85,54 @@ def read_run_log(output_dir) -> RunLog:
     return RunLog([steps[s] for s in sorted(steps)], [evals[s] for s in sorted(evals)])
 
 
-def record_evaluation(accelerator, output_dir, step: int, eval_loss: float | None, task_scores: dict[str, float]) -> None:
-    """Send an evaluation to the trackers and to train_log.jsonl (main process). Every rank may call it."""
+def record_evaluation(accelerator, output_dir, step: int, eval_loss: float | None, task_scores: dict[str, float],
+                      *, perplexity: bool = True) -> None:
+    """Send an evaluation to the trackers and to train_log.jsonl (main process). Every rank may call it.
+    `perplexity`: the loss is a per-token cross-entropy (objective lm), so exp(loss) means something."""
     values: dict[str, float] = {}
     if eval_loss is not None:
-        values.update({"loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50))})
+        values["loss"] = eval_loss
+        if perplexity:
+            values["perplexity"] = math.exp(min(eval_loss, 50))
     values.update(task_scores)
     if not values:
         return
     accelerator.log({f"eval/{key}": value for key, value in values.items()}, step=step)
     if accelerator.is_main_process:
         append_eval_entry(output_dir, step, values)
+
+
+def append_step_entries(output_dir, entries: list[dict]) -> None:
+    """One JSON line per optimizer step: the exact per-step losses, also across resumes."""
+    path = Path(output_dir) / LOG_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as log_file:
+        log_file.writelines(step_log_line(entry) + "\n" for entry in entries)
+
+
+def step_log_line(entry: dict) -> str:
+    """One `train_log.jsonl` line; strict JSON (a non-finite value is a bug: `check_finite` runs first, and the entry
+    of an overflow-skipped fp16 step leaves its non-finite values out)."""
+    return json.dumps(entry, allow_nan=False)
+
+
+def truncate_train_log(output_dir, step: int) -> int:
+    """Drop `train_log.jsonl` lines of steps after `step` (written by a run this one resumes behind, or torn by a
+    kill mid-write), so the log holds each step once. Returns the number of lines dropped."""
+    path = Path(output_dir) / LOG_NAME
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            entry_step = json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            dropped += 1
+            continue
+        if entry_step <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+    return dropped

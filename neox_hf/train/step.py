@@ -27,7 +27,7 @@ def train_step_plain(engine, micro_batches: list[dict]) -> StepResult:
     t, objective = engine.recipe.train, engine.objective
     units = [objective.units(mb) for mb in micro_batches]
     device = accelerator.device
-    counts = torch.stack([sum(units), _samples(micro_batches, objective, device), _tokens(micro_batches, device)])
+    counts = torch.stack([sum(units), _samples(micro_batches, objective, device), _tokens(micro_batches, objective, device)])
     totals = dp_sum(layout, counts.double())
     weighted = torch.zeros((), dtype=torch.float64, device=device)
     metric_sums = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=device)
@@ -94,12 +94,12 @@ def _metric_vector(out, names: tuple[str, ...], device) -> torch.Tensor:
                                                                                                  device=device)
 
 
-def _tokens(micro_batches: list[dict], device) -> torch.Tensor:
-    """Tokens the step trained on, for throughput and `consumed_tokens`: labelled tokens where the batch has labels
-    (what GPT-NeoX and earlier neox_hf runs count), else the unpadded ones."""
+def _tokens(micro_batches: list[dict], objective, device) -> torch.Tensor:
+    """Tokens the step trained on, for throughput and `consumed_tokens`: for `lm` the labelled tokens (what GPT-NeoX
+    and earlier neox_hf runs count); for pair objectives every unpadded token the forward reads (prompt included)."""
     total = torch.zeros((), dtype=torch.long, device=device)
     for mb in micro_batches:
-        if "labels" in mb:
+        if "labels" in mb and objective.unit == "token":
             total = total + labelled_tokens(mb)
         elif "attention_mask" in mb:
             total = total + mb["attention_mask"].sum()
