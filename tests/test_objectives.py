@@ -376,3 +376,20 @@ def test_eval_cli_dpo_and_rm(tokenizer, tmp_path):
         code, out, err = _cli("eval", base, *argv, "--device", "cpu")
         assert code == 2 and out == "" and err.count("error:") == 1 and words in err, (argv, err)
         assert "\n" not in err.strip() and err.startswith("error:"), err  # refused before any model is loaded
+
+
+@pytest.mark.parametrize("name", ["dpo-gsm8k", "rm-gsm8k"])
+def test_recipes_batch_the_bundled_pairs(tokenizer, name):
+    from neox_hf.recipe import load_yaml_file, recipe_from_dict
+
+    recipe = recipe_from_dict(load_yaml_file(REPO / "recipes" / f"{name}.yaml"))
+    assert recipe.train.objective == name[:3].rstrip("-")
+    kwargs = dict(seq_length=recipe.model.seq_length, micro_batch_size=recipe.train.micro_batch_size,
+                  objective=recipe.train.objective)
+    data = recipe.data
+    data.sources = [DataSource(path=str(REPO / s.path)) for s in data.sources]
+    train = build_preference_train_loader(data, tokenizer, seed=data.seed, **kwargs)
+    valid = build_preference_eval_loader(data, tokenizer, max_batches=100, **kwargs)
+    assert next(train)["input_ids"].shape[0] == 2 * recipe.train.micro_batch_size
+    held = {i for b in valid for i in b["pair_index"].tolist()}
+    assert valid and 0 < len(held) < 40 and train.num_pairs + len(held) <= 300  # held-out pairs leave training
