@@ -21,7 +21,8 @@ sequences, rows P..2P-1 the rejected ones, right-padded with the tokenizer's pad
   labels                     [2P, T]  dpo only: aligned as everywhere in neox_hf (position t predicts labels[t]),
                                       only completion tokens labelled, -100 elsewhere (prompt, padding, last position)
   pair_index                 [P]      each pair's stable index in the data set (its row among the usable pairs of
-                                      the sources, in file order): the key of precomputed reference log-probs
+                                      the sources, in file order): the key of precomputed reference log-probs;
+                                      a train and an eval loader number their own pairs (one table each)
 A pair is never split: its two sequences are rows i and P + i of one batch.
 
 Gap filled: TRL's collators batch map-style datasets through `Trainer`'s sampler; our loop wants an endless,
@@ -48,6 +49,10 @@ STATE_VERSION = 1
 OBJECTIVES = ("dpo", "rm")
 STAT_KEYS = ("documents", "skipped_empty", "skipped_undecodable", "truncated", "no_answer", "real_tokens",
              "padded_tokens")  # the pad loader's keys (documents = pairs here), so its run-log notes read both
+
+
+class EmptyPairs(DataError):
+    """No usable pair in the sources (for the role asked)."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -251,7 +256,7 @@ class PreferenceLoader:
         texts = read_pairs(self.sources, role=role, fraction=data_cfg.validation_fraction, stats=self.read_stats)
         self.pairs = tokenize_pairs(texts, tokenizer, objective, self.max_length, self.read_stats)
         if not self.pairs:
-            raise DataError(f"data sources {[s.path for s in self.sources]}: no usable preference pair "
+            raise EmptyPairs(f"data sources {[s.path for s in self.sources]}: no usable preference pair "
                             f"({len(texts)} read for {role!r}; {self.read_stats['skipped_undecodable']} undecodable, "
                             f"{self.read_stats['skipped_empty'] + self.read_stats['truncated']} longer than max_length "
                             f"{self.max_length}); raise data.max_length or check the files")
@@ -374,9 +379,14 @@ def build_preference_eval_loader(data_cfg: DataConfig, tokenizer, *, seq_length:
         sources, role = data_cfg.sources, "validation"
     else:
         return []
-    loader = PreferenceLoader(data_cfg, tokenizer, sources, objective=objective, seq_length=seq_length,
-                              micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=data_cfg.seed,
-                              role=role, cycle=False)
+    try:
+        loader = PreferenceLoader(data_cfg, tokenizer, sources, objective=objective, seq_length=seq_length,
+                                  micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                  seed=data_cfg.seed, role=role, cycle=False)
+    except EmptyPairs:
+        if role == "validation":  # a small data set may hold no pair out: no validation, as for documents
+            return []
+        raise
     batches = []
     for batch in loader:
         if len(batches) >= max_batches:

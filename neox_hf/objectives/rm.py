@@ -46,13 +46,20 @@ def build_reward_model(recipe, tokenizer):
     from `model.from_pretrained` (a causal-LM GPTNeoX folder: its decoder, and a new score head initialised as
     transformers does, under `train.seed`; a saved reward model loads whole), or from the recipe's `model` section
     with transformers' initialisation, the vocabulary padded as for the language model."""
+    with torch.random.fork_rng(devices=[]):  # seeded, and the caller's RNG stream is left as it was
+        torch.manual_seed(recipe.train.seed)
+        model = _reward_model(recipe, tokenizer)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def _reward_model(recipe, tokenizer):
     from transformers import AutoModelForSequenceClassification, GPTNeoXForSequenceClassification
 
     from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, padded_vocab_size
     from neox_hf.model import config_from_recipe
 
     m = recipe.model
-    torch.manual_seed(recipe.train.seed)
     if m.from_pretrained:
         model = AutoModelForSequenceClassification.from_pretrained(
             m.from_pretrained, num_labels=1, pad_token_id=tokenizer.pad_token_id, dtype=torch.float32,
@@ -67,7 +74,6 @@ def build_reward_model(recipe, tokenizer):
         config.num_labels = 1
         config._attn_implementation = m.attn_implementation
         model = GPTNeoXForSequenceClassification(config)
-    model.config.pad_token_id = tokenizer.pad_token_id
     return model
 
 
