@@ -21,7 +21,7 @@ from neox_hf.data.preference import (build_preference_eval_loader, build_prefere
                                      tokenize_pairs)
 from neox_hf.objectives import ObjectiveLoss, build_objective
 from neox_hf.objectives.dpo import DPOObjective, attach_reference_logps, reference_logps
-from neox_hf.objectives.rm import RewardObjective, build_reward_model, sequence_rewards
+from neox_hf.objectives.rm import build_reward_model, sequence_rewards
 from neox_hf.recipe import DataConfig, DataSource, Recipe, TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
