@@ -39,6 +39,7 @@ from neox_hf.inference import (  # noqa: F401  (re-exported: callers loaded mode
 from neox_hf.interop.hf_folder import save_hf_folder
 from neox_hf.io import move_files_into, staging_folder
 from neox_hf.recipe import PeftConfig, Recipe
+from neox_hf.train.run_log import RECIPE_NAME
 MERGED_SUBDIR = "merged"
 
 
@@ -47,12 +48,23 @@ MERGED_SUBDIR = "merged"
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def lora_config(peft_cfg: PeftConfig) -> LoraConfig:
-    """peft's LoraConfig from the recipe's `peft` section."""
+def lora_config(peft_cfg: PeftConfig, target_modules: list[str] | None = None) -> LoraConfig:
+    """peft's LoraConfig from the recipe's `peft` section (`target_modules`: the model family's names for them)."""
     if peft_cfg.method != "lora":
         raise RecipeError(f"`peft.method` = {peft_cfg.method!r}: only 'lora' is supported")
     return LoraConfig(task_type=TaskType.CAUSAL_LM, r=peft_cfg.r, lora_alpha=peft_cfg.alpha,
-                      lora_dropout=peft_cfg.dropout, target_modules=list(peft_cfg.target_modules))
+                      lora_dropout=peft_cfg.dropout, target_modules=list(target_modules or peft_cfg.target_modules))
+
+
+def lora_targets(model, peft_cfg: PeftConfig) -> list[str]:
+    """`peft.target_modules` in the model family's names: GPTNeoX's (the default) become Llama's q/k/v_proj, o_proj,
+    gate/up_proj and down_proj on a Llama-family model; other names stand."""
+    from neox_hf.model.spec import family_module_names
+
+    try:
+        return family_module_names(model, peft_cfg.target_modules)
+    except (ValueError, AttributeError):  # a model of no known family: the names as written
+        return list(peft_cfg.target_modules)
 
 
 def wrap_with_peft(model, peft_cfg: PeftConfig) -> PeftModel:
@@ -63,8 +75,9 @@ def wrap_with_peft(model, peft_cfg: PeftConfig) -> PeftModel:
     """
     if isinstance(model, PeftModel):
         return model
-    _check_targets_exist(model, peft_cfg.target_modules)
-    return get_peft_model(model, lora_config(peft_cfg))
+    targets = lora_targets(model, peft_cfg)
+    _check_targets_exist(model, targets)
+    return get_peft_model(model, lora_config(peft_cfg, targets))
 
 
 def _check_targets_exist(model, targets: list[str]) -> None:
@@ -74,7 +87,7 @@ def _check_targets_exist(model, targets: list[str]) -> None:
     if missing:
         leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise RecipeError(f"`peft.target_modules` {missing} match no module of the model; "
-                          f"GPTNeoX's linear layers are {leaves}")
+                          f"the model's linear layers are {leaves}")
 
 
 def trainable_parameters_report(model) -> str:
@@ -132,7 +145,7 @@ def save_finetuned(accelerator, model, tokenizer, recipe: Recipe) -> Path:
     """End of a PEFT run: the adapter in `output.dir`, and with `peft.merge` a merged plain folder in
     `output.dir/merged`. Returns the folder to load for inference. Collective."""
     out = save_adapter(accelerator, model, recipe.output.dir, tokenizer=tokenizer,
-                       extra_files={"recipe.yaml": recipe.to_yaml()})
+                       extra_files={RECIPE_NAME: recipe.to_yaml()})
     if not recipe.peft.merge:
         return out
     merged = out / MERGED_SUBDIR

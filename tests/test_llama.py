@@ -246,3 +246,16 @@ def test_tiny_llama_recipe_trains_and_stock_llama_loads_it(tmp_path, fresh_accel
     assert torch.equal(ours(ids).logits, model(ids).logits)
     if card_refused is not None:
         pytest.xfail(f"model card: {card_refused}")
+
+
+def test_lora_targets_written_for_gpt_neox_wrap_the_same_roles_in_llama():
+    from neox_hf.finetune import wrap_with_peft
+    from neox_hf.recipe import PeftConfig
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=64))
+    wrapped = wrap_with_peft(model, PeftConfig(method="lora"))  # default targets: GPTNeoX's four linears
+    lora = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in wrapped.named_parameters() if ".lora_A" in name}
+    assert lora == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    with pytest.raises(RecipeError, match="match no module"):
+        wrap_with_peft(LlamaForCausalLM(model.config), PeftConfig(method="lora", target_modules=["qkv"]))

@@ -27,7 +27,9 @@ class ModelSpec:
     sequence_parallel_plan: dict[str, str] = field(default_factory=dict)
     output_layers: tuple[str, ...] = ()  # module-path suffixes initialised with output_layer_init_method
     kv_heads_attr: str = "num_attention_heads"  # config attribute TP must divide besides the query heads
-    lora_targets: tuple[str, ...] = ()  # default PEFT target_modules (leaf names)
+    # GPTNeoX module leaf names → this family's, so `peft.target_modules` written for GPTNeoX (the default) wraps
+    # the same roles here
+    from_gpt_neox_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def layer_path(self, index: int) -> str:
         return f"{self.layers}.{index}"
@@ -57,7 +59,6 @@ GPT_NEOX = ModelSpec(
         "gpt_neox.final_layer_norm": "sequence_norm",
     },
     output_layers=("attention.dense", "mlp.dense_4h_to_h"),
-    lora_targets=("query_key_value", "dense"),
 )
 
 LLAMA = ModelSpec(
@@ -91,7 +92,8 @@ LLAMA = ModelSpec(
     },
     output_layers=("self_attn.o_proj", "mlp.down_proj"),
     kv_heads_attr="num_key_value_heads",
-    lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
+    from_gpt_neox_names={"query_key_value": ("q_proj", "k_proj", "v_proj"), "dense": ("o_proj",),
+                         "dense_h_to_4h": ("gate_proj", "up_proj"), "dense_4h_to_h": ("down_proj",)},
 )
 
 SPECS = {spec.family: spec for spec in (GPT_NEOX, LLAMA)}
@@ -113,6 +115,12 @@ def spec_for_config(config) -> ModelSpec:
 
 def spec_for_model(model) -> ModelSpec:
     return spec_for_config(model.config)
+
+
+def family_module_names(model, names) -> list[str]:
+    """`names` (module leaf names, e.g. LoRA targets) with GPTNeoX's names replaced by `model`'s family's."""
+    mapping = spec_for_model(model).from_gpt_neox_names
+    return list(dict.fromkeys(n for name in names for n in mapping.get(name, (name,))))
 
 
 def model_class_for_config(config):
