@@ -28,6 +28,8 @@ stages differ):
   TorchDispatchMode. This is what sequence parallelism shrinks;
 - loss peak: the same for the head + cross-entropy (from the last hidden state to the loss) — this is where a
   gathered-logits TP would hold [batch, seq, vocab];
+- step peak: the peak of live tensor bytes over one more whole step (forward, backward, optimizer; `step_peak_bytes`,
+  CPU only), next to `neox_hf plan`'s total for the same recipe (plan total);
 - step time (fp32, seconds, mean of the timed steps; 2 cores shared by every rank, so not a speed claim); pipeline
   rows: one pipeline step divided by its micro-batches, so it compares with one micro-batch of the others;
 - idle (pipeline rows): each stage's measured idle fraction of a step (1 − its forward and backward compute time /
@@ -143,6 +145,16 @@ def live_tensor_bytes(device_type: str = "cpu") -> int:
     return sum(storages.values())
 
 
+def step_peak_bytes(run_step, device_type: str = "cpu", left_out_bytes: int = 0) -> int:
+    """Peak bytes of live tensors over one call of `run_step()` (a whole training step: forward, backward,
+    optimizer): what lives before it (less `left_out_bytes`, e.g. the batch) plus the peak of what it allocates.
+    This is the number a device's memory must hold, and what `neox_hf plan` predicts as `total`."""
+    base = live_tensor_bytes(device_type) - left_out_bytes
+    with PeakTensorBytes() as tracker:
+        run_step()
+    return base + tracker.peak()
+
+
 def layers_peak(module, batch: dict) -> int:
     """Peak bytes allocated by forward + backward of the transformer stack, from the input embeddings to the final
     norm's output, every weight gradient computed as in training (but not kept: they are model states)."""
@@ -187,6 +199,29 @@ def rank_parameter_bytes(model) -> int:
     return sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size() for p in module.parameters())
 
 
+def layout_recipe(processes: int, zero: int, tp: int, sp: bool, pp: int, layers: int, hidden: int, micro_batch: int,
+                  precision: str) -> dict:
+    """The recipe a layout row trains (and `neox_hf plan` plans)."""
+    return {
+        "model": {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": 12, "seq_length": SEQ},
+        "tokenizer": {"path": str(REPO / "examples/data/gpt-neox-20b-tokenizer.json")},
+        "parallel": {"zero_stage": zero, "tensor_parallel": tp, "use_deepspeed": processes > 1,
+                     "sequence_parallel": sp, "pipeline_parallel": pp},
+        "train": {"micro_batch_size": micro_batch, "precision": precision,
+                  "gradient_accumulation_steps": PIPE_MICRO_BATCHES if pp > 1 else 1},
+        "output": {"dir": tempfile.mkdtemp(), "tensorboard": False},
+    }
+
+
+def planned_total(processes: int, zero: int, tp: int, sp: bool, pp: int, args) -> int:
+    """`neox_hf plan`'s peak bytes of the largest rank for the fp32 row (tests/test_plan.py holds it to measurement)."""
+    from neox_hf.plan import plan_for_recipe
+    from neox_hf.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict(layout_recipe(processes, zero, tp, sp, pp, args.layers, args.hidden, MICRO_BATCH, "fp32"))
+    return plan_for_recipe(recipe, gpus=processes).recipe_layout.largest_stage.total
+
+
 def worker(args) -> None:
     from neox_hf.interop.tokenizer import load_tokenizer
     from neox_hf.parallel.accelerator import build_accelerator
@@ -195,15 +230,8 @@ def worker(args) -> None:
     from neox_hf.recipe import recipe_from_dict
     from neox_hf.train.loss import causal_lm_loss
 
-    recipe = recipe_from_dict({
-        "model": {"num_layers": args.layers, "hidden_size": args.hidden, "num_attention_heads": 12, "seq_length": SEQ},
-        "tokenizer": {"path": str(REPO / "examples/data/gpt-neox-20b-tokenizer.json")},
-        "parallel": {"zero_stage": args.zero, "tensor_parallel": args.tp, "use_deepspeed": args.processes > 1,
-                     "sequence_parallel": args.sequence_parallel, "pipeline_parallel": args.pp},
-        "train": {"micro_batch_size": args.micro_batch, "precision": args.precision,
-                  "gradient_accumulation_steps": PIPE_MICRO_BATCHES if args.pp > 1 else 1},
-        "output": {"dir": tempfile.mkdtemp(), "tensorboard": False},
-    })
+    recipe = recipe_from_dict(layout_recipe(args.processes, args.zero, args.tp, args.sequence_parallel, args.pp,
+                                            args.layers, args.hidden, args.micro_batch, args.precision))
     accelerator = build_accelerator(recipe)
     tokenizer = load_tokenizer(recipe.tokenizer.path)
     if args.pp > 1:
@@ -239,9 +267,18 @@ def worker(args) -> None:
         if args.peaks:
             loss_peaks.append(loss_computation_peak(module, batch))
             layer_peaks.append(layers_peak(module, batch))
+
+    def one_step():
+        with accelerator.autocast():
+            loss_sum, tokens = causal_lm_loss(model, batch)
+        accelerator.backward(loss_sum / tokens)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    peak = step_peak_bytes(one_step, device.type, ids.untyped_storage().nbytes()) if device.type == "cpu" else 0
     result = {"model_states": model_states, "parameters": rank_parameter_bytes(model),
               "loss_peak": max(loss_peaks, default=0), "layers_peak": max(layer_peaks, default=0),
-              "step_s": sum(timings) / len(timings)}
+              "step_peak": peak, "step_s": sum(timings) / len(timings)}
     if accelerator.is_main_process:
         Path(args.out).write_text(json.dumps(result))
     accelerator.wait_for_everyone()
@@ -292,13 +329,15 @@ def pipeline_worker(args, recipe, accelerator, tokenizer) -> None:
         if step > 0:  # the first step allocates optimizer states
             timings.append(elapsed / PIPE_MICRO_BATCHES)
             idle.append(1 - compute["s"] / (elapsed - compute["optimizer"]))
-    mine = {"model_states": measured["model_states"], "parameters": rank_parameter_bytes(engine),
+    peak = step_peak_bytes(lambda: pipeline_train_step(engine, batches, layout, recipe), engine.device.type,
+                           ids.untyped_storage().nbytes()) if engine.device.type == "cpu" else 0
+    mine = {"model_states": measured["model_states"], "parameters": rank_parameter_bytes(engine), "step_peak": peak,
             "step_s": sum(timings) / len(timings), "idle": sum(idle) / len(idle), "stage": layout.pp_rank}
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     if accelerator.is_main_process:
         stages = {r["stage"]: r["idle"] for r in ranks if r is not None}
-        result = {key: max(r[key] for r in ranks) for key in ("model_states", "parameters", "step_s")}
+        result = {key: max(r[key] for r in ranks) for key in ("model_states", "parameters", "step_peak", "step_s")}
         result.update(idle=[stages[s] for s in sorted(stages)], stages=layout.pp, micro_batches=PIPE_MICRO_BATCHES)
         Path(args.out).write_text(json.dumps(result))
     accelerator.wait_for_everyone()
@@ -390,6 +429,7 @@ def main() -> None:
             continue
         results[name] = run_layout(processes, zero, tp, sp, pp, args)
         results[name]["model_states_bf16"] = run_layout(processes, zero, tp, sp, pp, args, "bf16")["model_states"]
+        results[name]["plan_total"] = planned_total(processes, zero, tp, sp, pp, args)
     print_table(results, args)
 
 
@@ -398,7 +438,7 @@ def print_table(results: dict, args) -> None:
     mib = 2**20
     columns = [("model states fp32", "model_states"), ("model states bf16", "model_states_bf16"),
                ("params fp32", "parameters"), ("layers peak fp32", "layers_peak"),
-               ("loss peak fp32", "loss_peak")]
+               ("loss peak fp32", "loss_peak"), ("step peak fp32", "step_peak"), ("plan total fp32", "plan_total")]
     where = "CPU/gloo" if args.device == "cpu" else f"{torch.cuda.get_device_name()}/NCCL"
     print(f"GPTNeoX {args.layers} layers × hidden {args.hidden}, vocab 50304, micro batch {MICRO_BATCH} × {SEQ}, AdamW, "
           f"{where}; per rank 0, MiB (ratio vs 1 process)")

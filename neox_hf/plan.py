@@ -94,6 +94,7 @@ class LayoutPlan:
     step_seconds: float
     bubble: float
     fits: bool | None = None  # None: no GPU memory given
+    memory_limit: int | None = None  # bytes a rank may hold: GPU memory less the reserve
 
     @property
     def largest_stage(self) -> StageBytes:
@@ -352,15 +353,18 @@ def backward_gradient_bytes(params: int, engine: Engine) -> int:
 
 
 def deepspeed_buffer_bytes(shape: ModelShape, engine: Engine, largest_layer: int) -> int:
-    """DeepSpeed's reduce bucket (`reduce_bucket_size: auto` = hidden² elements, as accelerate fills it) and, for
-    ZeRO-3, the prefetch bucket (`stage3_prefetch_bucket_size: auto` = 0.9 × hidden²) and the largest layer gathered
-    whole with its whole gradient before the reduce-scatter (`zero3_gathered_layer_bytes`)."""
+    """DeepSpeed's reduce bucket (`reduce_bucket_size: auto` = hidden² elements, as accelerate fills it)."""
     if not engine.deepspeed or engine.zero_stage == 0 or engine.data == 1:
         return 0
-    bucket = engine.weight_bytes * shape.hidden ** 2
-    if engine.zero_stage == 3:
-        return bucket + int(0.9 * engine.weight_bytes * shape.hidden ** 2) + zero3_gathered_layer_bytes(engine, largest_layer)
-    return bucket
+    return engine.weight_bytes * shape.hidden ** 2
+
+
+def zero3_gathered_bytes(shape: ModelShape, engine: Engine, largest_layer: int) -> int:
+    """ZeRO-3's parameters gathered whole while a layer runs: the largest layer and the prefetch bucket
+    (`stage3_prefetch_bucket_size: auto` = 0.9 × hidden²)."""
+    if not (engine.deepspeed and engine.zero_stage == 3 and engine.data > 1):
+        return 0
+    return engine.weight_bytes * (largest_layer + int(0.9 * shape.hidden ** 2))
 
 
 def zero3_gathered_layer_bytes(engine: Engine, largest_layer: int) -> int:
@@ -447,8 +451,9 @@ def stage_bytes(shape: ModelShape, layout: Layout, engine: Engine, fused_loss: b
         # the next runs its forward and loss; with one, the loss's moment precedes every gradient but the head's.
         accumulated = grads_at_backward if layout.gradient_accumulation_steps > 1 else 0
         one_layer = layer_activation_bytes(shape, layout, engine.activation_bytes)
-        peak = max(accumulated + activations + max(loss, one_layer),  # a backward's transients: about one layer's
-                   grads_at_backward + 2 * one_layer, states["grads"] - held_grads)
+        gathered = zero3_gathered_bytes(shape, engine, largest_layer)  # + that layer's whole gradient in backward
+        peak = max(accumulated + activations + max(loss, one_layer) + gathered,  # a backward's transients: ~one layer's
+                   grads_at_backward + 2 * one_layer + 2 * gathered, states["grads"] - held_grads)
         stages.append(StageBytes(s, states["params"], states["grads"], states["optimizer"], buffers, activations, loss,
                                  persistent + peak))
     return stages
@@ -516,8 +521,9 @@ def plan_layout(recipe, shape: ModelShape, layout: Layout, precision: str, assum
     stages = stage_bytes(shape, layout, engine, recipe.train.fused_cross_entropy, method)
     seconds = step_seconds(shape, layout, engine, max(stage_parameters(shape, layout.pipeline, layout.tensor, method)),
                            assumptions)
-    fits = None if gpu_memory_bytes is None else max(s.total for s in stages) <= gpu_memory_bytes - assumptions.reserved_bytes
-    return LayoutPlan(layout, stages, seconds, bubble(layout), fits)
+    limit = None if gpu_memory_bytes is None else gpu_memory_bytes - assumptions.reserved_bytes
+    fits = None if limit is None else max(s.total for s in stages) <= limit
+    return LayoutPlan(layout, stages, seconds, bubble(layout), fits, limit)
 
 
 def candidate_layouts(recipe, shape: ModelShape, gpus: int, global_batch: int) -> list[Layout]:
@@ -696,10 +702,11 @@ _COLUMNS = ("params", "grads", "optimizer", "activations", "loss", "total")
 
 def plan_table(plan: Plan) -> list[str]:
     header = (f"| {'layout':<78} | " + " | ".join(f"{c:>9}" for c in _COLUMNS) + " | fits | step s | bubble |")
-    lines = [f"GiB per rank ({plan.precision}; pipelines: each stage); {plan.assumptions.describe()}", header,
+    lines = [f"GiB per rank ({plan.precision}; the recipe's pipeline stages each, other layouts their largest stage); "
+             f"{plan.assumptions.describe()}", header,
              "|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|"]
     own = plan.recipe_layout
-    lines += _rows(own, "recipe: ")
+    lines += _rows(own, "recipe: ", every_stage=True)
     if plan.gpus is not None:
         lines.append(f"{plan.fitting} of {plan.considered} layouts on {plan.gpus} GPUs fit"
                      + (f" in {_gib(plan.gpu_memory_bytes)} GiB" if plan.gpu_memory_bytes else "")
@@ -709,10 +716,11 @@ def plan_table(plan: Plan) -> list[str]:
     return lines
 
 
-def _rows(p: LayoutPlan, prefix: str) -> list[str]:
-    fits = {None: "  – ", True: " yes", False: "  NO"}[p.fits]
+def _rows(p: LayoutPlan, prefix: str, every_stage: bool = False) -> list[str]:
+    """The recipe's layout: a row per stage; the others: their largest stage."""
     rows = []
-    for s in (p.stages if p.layout.pipeline > 1 and len(p.stages) <= 8 else [p.largest_stage]):
+    for s in (p.stages if every_stage else [p.largest_stage]):
+        fits = {None: "  – ", True: " yes", False: "  NO"}[p.fits if p.fits is None else s.total <= p.memory_limit]
         name = prefix + describe_layout(p.layout) + (f" [stage {s.stage}]" if p.layout.pipeline > 1 else "")
         cells = " | ".join(f"{_gib(getattr(s, c)):>9}" for c in _COLUMNS)
         rows.append(f"| {name:<78} | {cells} | {fits} | {p.step_seconds:6.2f} | {p.bubble:6.3f} |")

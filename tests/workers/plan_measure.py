@@ -10,7 +10,7 @@ OUT_DIR/NAME/rank{R}.json with what benchmarks/parallel_memory.py measures:
 - model_states: bytes of every live tensor just before the optimizer updates the weights (gradients reduced, optimizer
   states present from the first step), the step's batch left out;
 - total: the peak of live tensor bytes over a whole training step (forward, backward, optimizer): the live bytes
-  before the step plus the peak of what the step allocates (`PeakTensorBytes`, CPU has no allocator statistics).
+  before the step plus the peak of what the step allocates (`step_peak_bytes`; CPU has no allocator statistics).
 The second step is measured (the first one creates the optimizer states).
 """
 
@@ -25,7 +25,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from parallel_memory import PeakTensorBytes, live_tensor_bytes  # noqa: E402
+from parallel_memory import live_tensor_bytes, step_peak_bytes  # noqa: E402
 
 from neox_hf.interop.tokenizer import load_tokenizer  # noqa: E402
 from neox_hf.parallel import build_model, init_distributed, parallelize  # noqa: E402
@@ -111,14 +111,10 @@ def measure_layout(out_dir: Path, spec: dict) -> None:
         batch_bytes[0] = sum(mb["input_ids"].untyped_storage().nbytes() for mb in micro_batches[:1])
         found["armed"] = step == 1
         if step == 1:
-            base = live_tensor_bytes() - batch_bytes[0] - before
-            with PeakTensorBytes() as tracker:
-                train_step(run, micro_batches)
-            found["total"] = base + tracker.peak()
-            found["base"] = base
+            found["total"] = step_peak_bytes(lambda: train_step(run, micro_batches), "cpu", batch_bytes[0]) - before
         else:
             train_step(run, micro_batches)
-    result = {"model_states": found["model_states"], "total": found["total"], "base": found["base"],
+    result = {"model_states": found["model_states"], "total": found["total"],
               "stage": layout.pp_rank, "tp_rank": layout.tp_rank, "dp_rank": layout.dp_rank}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank{layout.rank}.json").write_text(json.dumps(result))
