@@ -94,7 +94,8 @@ def apply_tensor_parallel(model: GPTNeoXForCausalLM, tp_group, sequence_parallel
                           f"(GPTNeoXForCausalLM, LlamaForCausalLM, MistralForCausalLM), got {type(model).__name__}") from err
     rank, size = _rank_and_size(tp_group)
     check_tp_divisibility(model, size)
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    head = model.get_output_embeddings()  # None for a reward model: its scalar `score` head stays replicated
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
     for name, module in list(model.named_modules()):
         kind = layer_kind(name, spec.tp_plan)
         sequence_kind = layer_kind(name, spec.sequence_parallel_plan) if sequence_parallel else None
@@ -220,7 +221,8 @@ def from_pretrained_tensor_parallel(model_class, folder: str, groups: ParallelGr
     with torch.device("meta"):
         model = model_class(config)
     model = apply_tensor_parallel(model, groups.tp_group, sequence_parallel=sequence_parallel)
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    head = model.get_output_embeddings()  # None for a reward model: its scalar `score` head stays replicated
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
     # Materialising meta parameters creates new Parameter objects: keep the TP flags DeepSpeed reads for gradient
     # clipping (`tensor_model_parallel`, `partition_dim`) and the tie, or clipping would count shards wrongly.
     flags = {name: dict(vars(param)) for name, param in model.named_parameters()}
