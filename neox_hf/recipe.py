@@ -208,6 +208,7 @@ class TrainConfig:
     fused_cross_entropy: bool = True  # chunked linear + cross-entropy: [tokens, vocab] logits never materialised
     z_loss: float = 0.0  # PaLM's z-loss weight on log(Z)^2 (0 = off)
     compile: bool = False  # torch.compile of the model
+    tf32: bool = False  # fp32 matmuls on TF32 tensor cores (Ampere+ GPUs; transformers' `tf32` argument); no-op on CPU
     eval_tasks: list[str] = field(default_factory=list)  # lm-evaluation-harness tasks at each eval interval
     # lm: next-token prediction; dpo: direct preference optimisation; rm: a reward model (GPT-NeoX `train_impl`)
     objective: Literal["lm", "dpo", "rm"] = "lm"

@@ -244,3 +244,18 @@ def test_flash_attention_with_isolated_documents_in_rows_of_more_than_one_is_ref
         recipe_from_dict({**settings, "train": {"micro_batch_size": 4}})
     recipe_from_dict({**settings, "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 4}})
     recipe_from_dict({"model": {"attn_implementation": "sdpa"}, "data": {"isolate_documents": True}})
+
+
+def test_tf32_is_off_unless_the_recipe_asks(tmp_path, fresh_accelerate_state):
+    """`train.tf32` reaches torch's matmul and cuDNN flags (they exist on CPU builds too; only a GPU uses them)."""
+    import torch
+
+    from neox_hf.parallel.accelerator import build_accelerator
+
+    try:
+        build_accelerator(recipe_from_dict({"train": {"precision": "fp32", "tf32": True}, "output": {"dir": str(tmp_path)}}))
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        build_accelerator(recipe_from_dict({"train": {"precision": "fp32"}, "output": {"dir": str(tmp_path)}}))
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False

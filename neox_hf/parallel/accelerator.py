@@ -197,6 +197,13 @@ def resolve_precision(train: TrainConfig, *, bf16_reason: str | None = None) -> 
     return "bf16" if bf16_reason else "fp32"
 
 
+def allow_tf32(enabled: bool) -> None:
+    """`train.tf32`: fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation),
+    as transformers' `TrainingArguments(tf32=True)` sets it; torch's default keeps full fp32."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
 def build_accelerator(recipe: Recipe, *, log_with: str | None = None) -> Accelerator:
     """One Accelerator configured from the recipe (single process, DDP, or DeepSpeed ZeRO 0–3). `train.precision:
     auto` was resolved when the recipe was built (`neox_hf.recipe.settled`)."""
@@ -205,6 +212,7 @@ def build_accelerator(recipe: Recipe, *, log_with: str | None = None) -> Acceler
     if train.precision == "auto":  # a programming error: recipes are settled when built (`recipe.settled`)
         raise ValueError("train.precision is still `auto`: build the recipe with recipe_from_dict or settle it with "
                          "neox_hf.recipe.settled before building the Accelerator")
+    allow_tf32(train.tf32)
     use_deepspeed = wants_deepspeed(parallel)
     if use_deepspeed and not _launched_distributed():
         _single_process_environment()

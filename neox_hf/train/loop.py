@@ -481,7 +481,8 @@ def _precision_in_effect(t, accelerator) -> str:
 
     reason = native_bf16()
     if t.precision == "fp32":
-        return "fp32 everywhere" + (f" ({reason}: `train.precision: auto` would run bf16)" if reason else "")
+        tf32 = ", matmuls on TF32 tensor cores (`train.tf32`)" if t.tf32 and torch.cuda.is_available() else ""
+        return "fp32 everywhere" + tf32 + (f" ({reason}: `train.precision: auto` would run bf16)" if reason else "")
     described = _mixed_precision_in_effect(t, accelerator)
     if t.precision == "bf16":
         return described + (f" ({reason})" if reason else " (bf16 is emulated on this device: slower than fp32)")
