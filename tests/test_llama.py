@@ -259,3 +259,90 @@ def test_lora_targets_written_for_gpt_neox_wrap_the_same_roles_in_llama():
     assert lora == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     with pytest.raises(RecipeError, match="match no module"):
         wrap_with_peft(LlamaForCausalLM(model.config), PeftConfig(method="lora", target_modules=["qkv"]))
+
+
+# ---------------------------------------------------------------- GPT-NeoX Llama-style checkpoints, both ways
+
+
+def gpt_neox_convert_hf_llama(hf_state_dict, hf_config, tp_ranks):
+    """tools/ckpts/convert_hf_llama_to_neox.py's convert_model (GPT-NeoX ea7aefd), as {rank: {layer index: params}}:
+    GPT-NeoX's own sharding of an HF Llama (q/k/v and gate/up chunked per rank, norms as `scale`)."""
+    ranks = [{} for _ in range(tp_ranks)]
+
+    def put(rank, idx, name, tensor):
+        ranks[rank].setdefault(idx, {})[name] = tensor.clone().detach()
+
+    for i, chunk in enumerate(torch.chunk(hf_state_dict["model.embed_tokens.weight"], tp_ranks, dim=0)):
+        put(i, 0, "word_embeddings.weight", chunk)
+    for layer in range(hf_config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        for i, chunk in enumerate(torch.chunk(hf_state_dict[p + "self_attn.o_proj.weight"], tp_ranks, dim=1)):
+            put(i, layer + 2, "attention.dense.weight", chunk)
+        qkv = [torch.chunk(hf_state_dict[p + f"self_attn.{x}_proj.weight"], tp_ranks, dim=0) for x in "qkv"]
+        for i in range(tp_ranks):
+            put(i, layer + 2, "attention.query_key_value.weight", torch.cat([qkv[0][i], qkv[1][i], qkv[2][i]], dim=0))
+        gates = torch.chunk(hf_state_dict[p + "mlp.gate_proj.weight"], tp_ranks, dim=0)
+        ups = torch.chunk(hf_state_dict[p + "mlp.up_proj.weight"], tp_ranks, dim=0)
+        for i, (w1, w3) in enumerate(zip(gates, ups)):
+            put(i, layer + 2, "mlp.linear1.weight", torch.cat([w3, w1], dim=0))
+        for i, chunk in enumerate(torch.chunk(hf_state_dict[p + "mlp.down_proj.weight"], tp_ranks, dim=1)):
+            put(i, layer + 2, "mlp.linear2.weight", chunk)
+        for i in range(tp_ranks):
+            put(i, layer + 2, "input_layernorm.scale", hf_state_dict[p + "input_layernorm.weight"])
+            put(i, layer + 2, "post_attention_layernorm.scale", hf_state_dict[p + "post_attention_layernorm.weight"])
+    index = hf_config.num_hidden_layers + 3
+    for i in range(tp_ranks):
+        put(i, index, "norm.scale", hf_state_dict["model.norm.weight"])
+    for i, chunk in enumerate(torch.chunk(hf_state_dict["lm_head.weight"], tp_ranks, dim=0)):
+        put(i, index + 1, "final_linear.weight", chunk)
+    return ranks
+
+
+# A GPT-NeoX config of the tiny Llama below: 288 × 2/3 = 192, halved = 96 (multiple of 32), 2 key/value heads.
+TINY_NEOX_LLAMA = ('{"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 2, '
+                   '"intermediate_size": 288, "mlp_multiple_of": 32, "seq_length": 32, "max_position_embeddings": 64, '
+                   '"norm": "rmsnorm", "rms_norm_epsilon": 1.0e-5, "activation": "swiglu", "pos_emb": "rotary", '
+                   '"rotary_pct": 1, "no_weight_tying": true, "gpt_j_residual": false, "use_bias_in_attn_linear": false, '
+                   '"use_bias_in_mlp": false, "make_vocab_size_divisible_by": 1}')
+
+
+@pytest.mark.parametrize("layout,tp", [("sequential", 1), ("sequential", 2), ("pipeline", 2)])
+def test_a_gpt_neox_llama_checkpoint_converts_to_an_hf_llama_folder_with_equal_logits(tmp_path, layout, tp):
+    from neox_hf.interop.convert import convert_neox_checkpoint
+    from tests.test_neox_checkpoint import write_neox_checkpoint
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=96, rms_norm_eps=1e-5,
+                                      max_position_embeddings=64)).eval()
+    write_neox_checkpoint(gpt_neox_convert_hf_llama(hf.state_dict(), hf.config, tp), tmp_path / "neox", layout)
+    (tmp_path / "tiny.yml").write_text(TINY_NEOX_LLAMA)
+    out = convert_neox_checkpoint(tmp_path / "neox", [str(tmp_path / "tiny.yml")], tmp_path / "hf",
+                                  trust_pickle=True)
+    loaded = LlamaForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 128, (2, 16))
+    assert torch.equal(loaded(ids).logits, hf(ids).logits)
+
+
+@pytest.mark.parametrize("kv,tp,biases", [(2, 2, False), (4, 2, True), (4, 1, False)])
+def test_export_neox_round_trips_grouped_and_multi_head_attention(tmp_path, kv, tp, biases):
+    """HF → GPT-NeoX ranks → HF is the identity; with grouped-query attention the ranks are exactly what GPT-NeoX's own
+    converter writes (multi-head attention uses GPT-NeoX's interleaved [heads, 3, head_dim] rows instead)."""
+    from neox_hf.interop.neox_checkpoint import export_neox_checkpoint, neox_to_hf_model
+    from neox_hf.model.llama import NeoXLlamaConfig, NeoXLlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = NeoXLlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=kv, intermediate_size=96, attention_bias=biases, mlp_bias=biases)
+    model = NeoXLlamaForCausalLM(config).eval()
+    step = export_neox_checkpoint(model, config, tmp_path, tp_size=tp)
+    back = neox_to_hf_model(tmp_path, config, model_class=NeoXLlamaForCausalLM, trust_pickle=True)
+    ids = torch.randint(0, 128, (2, 16))
+    assert torch.equal(back(ids).logits, model(ids).logits)
+    if kv < 4 and not biases:
+        written = [torch.load(f"{step}/mp_rank_{r:02d}_model_states.pt", weights_only=True)["module"] for r in range(tp)]
+        reference = gpt_neox_convert_hf_llama(model.state_dict(), config, tp)
+        for r in range(tp):
+            expected = {f"sequential.{i}.{k}": t for i, layer in reference[r].items() for k, t in layer.items()}
+            assert written[r].keys() == expected.keys()
+            assert all(torch.equal(written[r][k], expected[k]) for k in expected)

@@ -18,7 +18,7 @@ from neox_hf.interop.neox_checkpoint import export_neox_checkpoint, neox_to_hf_m
 from neox_hf.interop.neox_files import detect_checkpoint_files, embedding_rows
 from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, load_tokenizer, padded_vocab_size
 from neox_hf.io import folder_refusal_message, is_weights_only_refusal, weights_only_loads
-from neox_hf.model import NeoXConfig, NeoXForCausalLM, config_from_recipe
+from neox_hf.model.spec import config_class_for_folder, config_from_recipe, model_class_for_config
 
 
 def neox_recipe_and_tokenizer(neox_config_paths: list[str], tokenizer_path: str | None = None):
@@ -43,7 +43,7 @@ def _named_vocab_file(vocab_file: str | None) -> str | None:
     return vocab_file
 
 
-def neox_hf_config(recipe, tokenizer=None, *, vocab_size: int | None = None) -> NeoXConfig:
+def neox_hf_config(recipe, tokenizer=None, *, vocab_size: int | None = None):
     """HF config of a translated GPT-NeoX recipe: the vocabulary padded from the tokenizer as GPT-NeoX did, or without
     a tokenizer `vocab_size` (the checkpoint's embedding rows) and no special token ids."""
     if tokenizer is None:
@@ -62,7 +62,7 @@ def convert_neox_checkpoint(checkpoint_dir, neox_config_paths: list[str], out_di
     recipe, tokenizer = neox_recipe_and_tokenizer(neox_config_paths, tokenizer_path)
     rows = None if tokenizer else embedding_rows(detect_checkpoint_files(checkpoint_dir), trust_pickle=trust_pickle)
     config = neox_hf_config(recipe, tokenizer, vocab_size=rows)
-    model = neox_to_hf_model(checkpoint_dir, config, model_class=NeoXForCausalLM, trust_pickle=trust_pickle)
+    model = neox_to_hf_model(checkpoint_dir, config, model_class=model_class_for_config(config), trust_pickle=trust_pickle)
     if tokenizer is None:
         if notices is not None:
             notices.append(f"no tokenizer (no --tokenizer, and the config names no vocab_file): vocabulary size {rows} "
@@ -74,17 +74,29 @@ def convert_neox_checkpoint(checkpoint_dir, neox_config_paths: list[str], out_di
 
 
 def export_hf_to_neox(hf_folder, out_dir, *, tp_size: int = 1, step: int = 0) -> str:
-    """HF GPTNeoX folder → GPT-NeoX sequential-layout checkpoint for `tp_size` ranks."""
+    """HF GPTNeoX or Llama-family folder → GPT-NeoX sequential-layout checkpoint for `tp_size` ranks."""
     from neox_hf.inference import check_model_folder
 
     if tp_size < 1:
         raise CheckpointError(f"--tp must be ≥ 1, got {tp_size}")
-    check_model_folder(hf_folder)
+    if not _is_llama_folder(hf_folder):
+        check_model_folder(hf_folder)
     try:
-        model = NeoXForCausalLM.from_pretrained(hf_folder, dtype="auto")
+        model_class = model_class_for_config(config_class_for_folder(str(hf_folder)).from_pretrained(hf_folder))
+        model = model_class.from_pretrained(hf_folder, dtype="auto")
     except (OSError, ValueError, RuntimeError) as err:
         raise CheckpointError(f"cannot load the model in {hf_folder}: {err}") from err
     return export_neox_checkpoint(model, model.config, out_dir, tp_size=tp_size, step=step)
+
+
+def _is_llama_folder(folder) -> bool:
+    import json
+
+    config = Path(folder) / "config.json"
+    try:
+        return json.loads(config.read_text()).get("model_type") in ("llama", "mistral")
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def training_checkpoint_state_dict(checkpoint_dir: Path, config=None) -> dict[str, torch.Tensor]:
@@ -96,7 +108,8 @@ def training_checkpoint_state_dict(checkpoint_dir: Path, config=None) -> dict[st
 
         if is_pipeline_checkpoint(deepspeed_tag):
             # The module weights of every stage (in the training dtype; the fp32 masters are ZeRO optimizer state).
-            return pipeline_checkpoint_state_dict(deepspeed_tag, config or NeoXConfig.from_pretrained(checkpoint_dir))
+            return pipeline_checkpoint_state_dict(deepspeed_tag, config or
+                                                  config_class_for_folder(str(checkpoint_dir)).from_pretrained(checkpoint_dir))
         try:
             with weights_only_loads(deepspeed=True):  # zero_to_fp32 loads its files with weights_only=False
                 return zero_checkpoint_state_dict(deepspeed_tag)
@@ -169,8 +182,8 @@ def export_training_checkpoint(checkpoint_dir, out_dir) -> Path:
                               "with from_pretrained as it is (nothing to export)")
     if not (checkpoint_dir / "config.json").is_file():
         raise CheckpointError(f"{checkpoint_dir / 'config.json'} is missing: not a neox_hf training checkpoint")
-    config = NeoXConfig.from_pretrained(checkpoint_dir)
-    model = NeoXForCausalLM(config)
+    config = config_class_for_folder(str(checkpoint_dir)).from_pretrained(checkpoint_dir)
+    model = model_class_for_config(config)(config)
     try:
         state = training_checkpoint_state_dict(checkpoint_dir, config)
     except CheckpointError:

@@ -222,6 +222,8 @@ def load_neox_state_dict(
     ``lm_head.weight`` = ``gpt_neox.embed_in.weight`` (the same tensor).
     """
     files = detect_checkpoint_files(checkpoint_dir)
+    if is_llama_config(config):
+        return load_llama_neox_state_dict(files, config, trust_pickle=trust_pickle)
     tables = neox_param_tables(config)
     shards = load_layer_shards(files, sorted(tables), trust_pickle=trust_pickle)
     state: dict[str, torch.Tensor] = {}
@@ -346,5 +348,155 @@ def export_neox_checkpoint(
     GPT-NeoX loads it with ``pipe_parallel_size: 0``, ``model_parallel_size: tp_size``
     and ``finetune: true`` (there is no optimizer state).
     """
+    if is_llama_config(config):
+        state = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, torch.nn.Module) else model_or_state_dict
+        return str(write_sequential_checkpoint(llama_rank_modules(state, config, tp_size), out_dir, step))
     state = hf_state_dict_for_export(model_or_state_dict, config)
     return str(write_sequential_checkpoint(neox_rank_modules(state, config, tp_size), out_dir, step))
+
+
+# ---------------------------------------------------------------- the Llama family (LlamaForCausalLM, Mistral)
+#
+# GPT-NeoX builds Llama from the same ParallelSelfAttention / ParallelMLP, with RMSNorm (`scale`) and per-rank fused
+# tensors (megatron/model/transformer.py): a rank's query_key_value is [q_r; k_r; v_r] under grouped-query attention
+# (`gqa_project`) and [heads_r, 3, head_dim] rows otherwise (the interleaved MHA view); a rank's linear1 is
+# [up_r; gate_r] (Gated_Activation: `x, gate = chunk(2)`, act(gate) * x), as tools/ckpts/convert_hf_llama_to_neox.py
+# writes it.
+
+LLAMA_LAYER_PARAMS: dict[str, tuple[str, str]] = {
+    "input_layernorm.scale": ("input_layernorm.weight", REPLICATED),
+    "post_attention_layernorm.scale": ("post_attention_layernorm.weight", REPLICATED),
+    "attention.dense.weight": ("self_attn.o_proj.weight", ROW),
+    "attention.dense.bias": ("self_attn.o_proj.bias", ROW_BIAS),
+    "mlp.linear2.weight": ("mlp.down_proj.weight", ROW),
+    "mlp.linear2.bias": ("mlp.down_proj.bias", ROW_BIAS),
+}
+_LLAMA_FUSED = ("attention.query_key_value.weight", "attention.query_key_value.bias", "mlp.linear1.weight",
+                "mlp.linear1.bias")
+
+
+def is_llama_config(config) -> bool:
+    return getattr(config, "model_type", None) in ("llama", "mistral")
+
+
+def _llama_indices(config) -> dict[str, int]:
+    n = config.num_hidden_layers
+    return {"embedding": 0, "final_norm": n + 3, **({} if config.tie_word_embeddings else {"head": n + 4})}
+
+
+def _qkv_split(config, tp_size: int) -> tuple[bool, int, int, int]:
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return kv != heads, heads // tp_size, kv // tp_size, head_dim
+
+
+def _rank_qkv_to_hf(tensors: list[torch.Tensor], config) -> list[torch.Tensor]:
+    """GPT-NeoX's per-rank query_key_value (weight or bias) → full q, k, v."""
+    gqa, heads, kv, head_dim = _qkv_split(config, len(tensors))
+    parts = []
+    for t in tensors:
+        if gqa:
+            parts.append(torch.split(t, [heads * head_dim, kv * head_dim, kv * head_dim], dim=0))
+        else:
+            view = t.reshape(heads, 3, head_dim, *t.shape[1:])
+            parts.append(tuple(view[:, j].reshape(heads * head_dim, *t.shape[1:]) for j in range(3)))
+    return [torch.cat([p[j] for p in parts], dim=0) for j in range(3)]
+
+
+def _hf_qkv_to_ranks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config, tp_size: int) -> list[torch.Tensor]:
+    gqa, heads, _, head_dim = _qkv_split(config, tp_size)
+    ranks = []
+    for q_r, k_r, v_r in zip(q.chunk(tp_size, 0), k.chunk(tp_size, 0), v.chunk(tp_size, 0)):
+        if gqa:
+            ranks.append(torch.cat([q_r, k_r, v_r], dim=0).clone())
+        else:
+            stacked = torch.stack([x.reshape(heads, head_dim, *x.shape[1:]) for x in (q_r, k_r, v_r)], dim=1)
+            ranks.append(stacked.reshape(3 * heads * head_dim, *q_r.shape[1:]).clone())
+    return ranks
+
+
+def load_llama_neox_state_dict(files: NeoXCheckpointFiles, config, *, trust_pickle: bool = False) -> dict:
+    """The HF Llama / Mistral state dict of a GPT-NeoX Llama-style checkpoint (any layout, any TP)."""
+    n, where = config.num_hidden_layers, f"{files.step_dir} ({files.layout} layout, TP {files.tp_size})"
+    outer = _llama_indices(config)
+    shards = load_layer_shards(files, sorted([*outer.values(), *range(2, n + 2)]), trust_pickle=trust_pickle)
+    state = {"model.embed_tokens.weight": merge_tp_shards([s["word_embeddings.weight"] for s in shards[0]], COLUMN,
+                                                          parallel_residual=False, where=where),
+             "model.norm.weight": merge_tp_shards([s["norm.scale"] for s in shards[outer["final_norm"]]], REPLICATED,
+                                                  parallel_residual=False, where=where)}
+    if "head" in outer:
+        state["lm_head.weight"] = merge_tp_shards([s["final_linear.weight"] for s in shards[outer["head"]]], COLUMN,
+                                                  parallel_residual=False, where=where)
+    else:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    for i in range(n):
+        ranks, prefix = shards[i + 2], f"model.layers.{i}."
+        known = set(LLAMA_LAYER_PARAMS) | set(_LLAMA_FUSED) | IGNORED_PARAMS
+        unexpected = sorted(set(ranks[0]) - known)
+        if unexpected:
+            raise CheckpointError(f"{_describe_layer(files, i + 2)}: unexpected parameters {unexpected}; a Llama-style "
+                                  f"GPT-NeoX layer holds {sorted(known - IGNORED_PARAMS)}")
+        for name, (hf, rule) in LLAMA_LAYER_PARAMS.items():
+            if name in ranks[0]:
+                state[prefix + hf] = merge_tp_shards([r[name] for r in ranks], rule, parallel_residual=False,
+                                                     where=f"{_describe_layer(files, i + 2)} '{name}'")
+        for kind in ("weight", "bias"):
+            if f"attention.query_key_value.{kind}" in ranks[0]:
+                q, k, v = _rank_qkv_to_hf([r[f"attention.query_key_value.{kind}"] for r in ranks], config)
+                state.update({f"{prefix}self_attn.{p}_proj.{kind}": t for p, t in zip("qkv", (q, k, v))})
+            if f"mlp.linear1.{kind}" in ranks[0]:
+                halves = [r[f"mlp.linear1.{kind}"].chunk(2, dim=0) for r in ranks]
+                state[f"{prefix}mlp.up_proj.{kind}"] = torch.cat([h[0] for h in halves], dim=0)
+                state[f"{prefix}mlp.gate_proj.{kind}"] = torch.cat([h[1] for h in halves], dim=0)
+    _check_llama_state_dict(state, config, where=where)
+    return state
+
+
+def _check_llama_state_dict(state: Mapping[str, torch.Tensor], config, *, where: str) -> None:
+    from neox_hf.model.spec import model_class_for_config
+
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in model_class_for_config(config)(config).state_dict().items()}
+    missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
+    wrong = [k for k in expected.keys() & state.keys() if tuple(state[k].shape) != expected[k]]
+    if missing or unexpected or wrong:
+        raise CheckpointError(f"{where}: does not match the config: missing {missing[:6]}, unexpected {unexpected[:6]}, "
+                              f"shapes differ for {[(k, tuple(state[k].shape), expected[k]) for k in wrong[:3]]} "
+                              f"(hidden {config.hidden_size}, intermediate {config.intermediate_size}, heads "
+                              f"{config.num_attention_heads}/{config.num_key_value_heads} key-value, biases "
+                              f"attention {getattr(config, 'attention_bias', False)} mlp {getattr(config, 'mlp_bias', False)})")
+
+
+def llama_rank_modules(state: Mapping[str, torch.Tensor], config, tp_size: int) -> list[dict[str, torch.Tensor]]:
+    """Per TP rank, the `module` dict of a sequential-layout GPT-NeoX Llama-style checkpoint."""
+    state = dict(state)
+    for size, name in ((config.num_key_value_heads, "num_key_value_heads"), (config.intermediate_size,
+                       "intermediate_size"), (config.vocab_size, "vocab_size")):
+        if tp_size < 1 or size % tp_size:
+            raise CheckpointError(f"tp_size={tp_size} does not divide config.{name}={size}; choose a tp_size that does")
+    _check_llama_state_dict({**state, "lm_head.weight": state.get("lm_head.weight", state["model.embed_tokens.weight"])},
+                            config, where="model to export")
+    modules: list[dict[str, torch.Tensor]] = [{} for _ in range(tp_size)]
+
+    def put(idx, name, parts):
+        for module, part in zip(modules, parts):
+            module[f"sequential.{idx}.{name}"] = part.detach().cpu().clone()
+
+    outer = _llama_indices(config)
+    put(0, "word_embeddings.weight", state["model.embed_tokens.weight"].chunk(tp_size, 0))
+    for i in range(config.num_hidden_layers):
+        prefix, idx = f"model.layers.{i}.", i + 2
+        for name, (hf, rule) in LLAMA_LAYER_PARAMS.items():
+            if prefix + hf in state:
+                put(idx, name, split_tp_tensor(state[prefix + hf], rule, tp_size, parallel_residual=False))
+        for kind in ("weight", "bias"):
+            if f"{prefix}self_attn.q_proj.{kind}" in state:
+                q, k, v = (state[f"{prefix}self_attn.{p}_proj.{kind}"] for p in "qkv")
+                put(idx, f"attention.query_key_value.{kind}", _hf_qkv_to_ranks(q, k, v, config, tp_size))
+            if f"{prefix}mlp.up_proj.{kind}" in state:
+                ups, gates = (state[f"{prefix}mlp.{p}_proj.{kind}"].chunk(tp_size, 0) for p in ("up", "gate"))
+                put(idx, f"mlp.linear1.{kind}", [torch.cat([u, g], dim=0) for u, g in zip(ups, gates)])
+    put(outer["final_norm"], "norm.scale", [state["model.norm.weight"]] * tp_size)
+    if "head" in outer:
+        put(outer["head"], "final_linear.weight", state["lm_head.weight"].chunk(tp_size, 0))
+    return modules
