@@ -346,3 +346,18 @@ def test_export_neox_round_trips_grouped_and_multi_head_attention(tmp_path, kv, 
             expected = {f"sequential.{i}.{k}": t for i, layer in reference[r].items() for k, t in layer.items()}
             assert written[r].keys() == expected.keys()
             assert all(torch.equal(written[r][k], expected[k]) for k in expected)
+
+
+def test_llama2_7b_recipe_is_llama_2_7b_shape():
+    from neox_hf.model.llama import llama_config_from_recipe
+
+    recipe = parse_run_args([str(REPO / "recipes" / "llama2-7b.yaml")]).recipe
+    ours = llama_config_from_recipe(recipe.model, vocab_size=32000).to_dict()
+    stock = LlamaConfig(rms_norm_eps=1e-5, max_position_embeddings=4096).to_dict()  # transformers' default is 7B
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "rms_norm_eps", "max_position_embeddings", "attention_bias", "mlp_bias", "tie_word_embeddings", "hidden_act")
+    assert {k: ours[k] for k in keys} == {k: stock[k] for k in keys}
+    assert ours["rope_parameters"]["rope_theta"] == stock["rope_parameters"]["rope_theta"]
+    with torch.device("meta"):
+        params = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**{**stock, "architectures": None})).parameters())
+    assert params == 6_738_415_616  # Llama-2-7B
