@@ -14,7 +14,8 @@ pipeline parallelism, activations or the loss. This module knows every part of o
   hold the data-parallel partition of the reduced gradients at the step (in 16-bit precisions also its fp32 copy,
   as DeepSpeed's estimator counts); ZeRO-1 partitions optimizer states, 2 also gradients, 3 also parameters, over the
   data-parallel group; offload moves the optimizer (and ZeRO-3's parameters) to CPU memory;
-- buffers: DeepSpeed's reduce bucket (`reduce_bucket_size: auto` = hidden²), ZeRO-3's gathered layer;
+- buffers: what DeepSpeed keeps besides: its reduce bucket (`reduce_bucket_size: auto` = hidden²) and the pipeline
+  engine's hidden-state buffers; ZeRO-3's gathered layer and prefetch bucket count in the step's peak;
 - activations: what autograd saves per transformer layer for one micro-batch (measured layer by layer against
   transformers' GPTNeoXLayer: 3 hidden-sized tensors replicated over tensor-parallel ranks — split by sequence
   parallelism — and 14 split by them), × layers of the stage × micro-batches in flight (1F1B: stage i holds up to
@@ -36,7 +37,7 @@ import argparse
 import functools
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 GIB = 2**30
 RESERVED_BYTES = 1 * GIB  # CUDA context, NCCL buffers and allocator slack: not available to tensors
@@ -561,12 +562,13 @@ def _divisors(n: int) -> list[int]:
 
 
 def plan_for_recipe(recipe, gpus: int | None = None, gpu_memory_bytes: int | None = None, *, top: int = 10,
-                    assumptions: Assumptions | None = None) -> Plan:
+                    assumptions: Assumptions | None = None, precision: str | None = None) -> Plan:
     """The plan of `recipe`: its own layout (on `gpus`, default pipeline × tensor), and with `gpus` every layout
-    that fits `gpu_memory_bytes`, fastest first (the `top` of them)."""
+    that fits `gpu_memory_bytes`, fastest first (the `top` of them). `precision` stands for `train.precision: auto`
+    (default: what `auto` resolves to on this machine)."""
     assumptions = assumptions or Assumptions()
     shape = model_shape(recipe)
-    precision = recipe_precision(recipe)
+    precision = recipe.train.precision if recipe.train.precision != "auto" else precision or recipe_precision(recipe)
     own_layout = recipe_layout(recipe, gpus)
     own = plan_layout(recipe, shape, own_layout, precision, assumptions, gpu_memory_bytes)
     plan = Plan(own, gpus=gpus, gpu_memory_bytes=gpu_memory_bytes, assumptions=assumptions, precision=precision,
@@ -659,7 +661,9 @@ def run_plan(args) -> int:
     recipe = parse_run_args(recipe_argv).recipe
     check_gpus_hold_layout(recipe, args.gpus)
     memory = None if args.gpu_memory is None else int(args.gpu_memory * GIB)
-    plan = plan_for_recipe(recipe, args.gpus, memory, top=args.top, assumptions=assumptions_for(args.gpu, args.mfu))
+    # planned for GPUs elsewhere: `auto` is bf16 on every GPU with a datasheet peak here (compute capability ≥ 8)
+    plan = plan_for_recipe(recipe, args.gpus, memory, top=args.top, assumptions=assumptions_for(args.gpu, args.mfu),
+                           precision="bf16")
     print(json.dumps(plan.to_dict()) if args.json else "\n".join(plan_table(plan)))
     return 0
 
