@@ -201,7 +201,12 @@ def model_shape(recipe) -> ModelShape:
     from neox_hf.interop.tokenizer import padded_vocab_size
     from neox_hf.model import NeoXConfig, config_from_recipe
 
+    from neox_hf.errors import UsageError
+
     m = recipe.model
+    if getattr(m, "family", "gpt_neox") != "gpt_neox":
+        raise UsageError(f"neox_hf plan counts GPTNeoX layers (its activation and split rules are measured on them); "
+                         f"`model.family: {m.family}` is not planned yet")
     tokenizer_size = _tokenizer_size(recipe.tokenizer.path, recipe.tokenizer.eos_token, recipe.tokenizer.pad_token)
     if m.from_pretrained:
         config = NeoXConfig.from_pretrained(m.from_pretrained)
