@@ -104,7 +104,8 @@ def _train_args(command: str, small: Path) -> list[str]:
         extra += ["--train.train_iters", "2", "--train.save_interval", "2", "--model.seq_length", "128"]
     else:
         extra += ["--train.train_iters", "4", "--train.save_interval", "2"]
-    if "--parallel.zero_stage" not in argv and "--data.sources" not in argv:
+    pairs = any(name in " ".join(argv) for name in ("dpo-gsm8k", "rm-gsm8k"))  # preference pairs, not text
+    if "--parallel.zero_stage" not in argv and "--data.sources" not in argv and not pairs:
         # A slice of the text keeps the one-process runs quick. The 2-process run keeps the whole file: a slice
         # this small can leave one rank without a validation batch, and the loop's eval then waits on the other.
         extra += ["--data.sources", f"[{{path: {small}}}]"]

@@ -1,0 +1,97 @@
+"""DPO and reward-model runs on every layout equal one process (fp32): the step's pair weighting over micro-batches
+and data-parallel ranks, ZeRO's partitions and tensor parallelism do not change the losses, through
+`run_clm_neox.py` as a user runs it.
+
+Layouts: DPO on DP2 ZeRO-1, DP2 ZeRO-3 and TP2; RM on DP2 ZeRO-0, DP2 ZeRO-2 and TP2 — every ZeRO stage and TP for
+each step path the objectives share (the plain engine's step is the same code for both; one objective per stage keeps
+the module's launches to six). One process runs micro-batches of 2 pairs × 2 accumulation steps; DP2 runs 2 pairs per
+rank × 1 step: the preference loader hands both the same 4 pairs per step (global windows of dp × P pairs).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+from tests.conftest import BUNDLED_TOKENIZER, REPO, accelerate_launch_command, launch_env
+
+STEPS, LOSS_TOL = 3, 1e-5
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny stock GPTNeoX folder (the DPO reference and the RM decoder) and a file of short preference pairs."""
+    root = tmp_path_factory.mktemp("objective_layouts")
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
+                           vocab_size=50304, max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0)
+    GPTNeoXForCausalLM(config).save_pretrained(root / "model")
+    words = "apple river stone cloud maple ember violet harbor quartz meadow lantern copper".split()
+    with (root / "pairs.jsonl").open("w") as f:
+        for i in range(24):
+            prompt = f"Question {i}: name the {words[i % 12]} after {words[(i * 5) % 12]}.\nAnswer: "
+            chosen = " ".join(words[(i + k) % 12] for k in range(1 + i % 4))
+            rejected = " ".join(words[(3 * i + k) % 12] for k in range(2 + i % 3))
+            f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+    return root
+
+
+def recipe(base, out, objective: str, *, dp: int, tp: int = 1, zero: int = 0) -> list[str]:
+    path = out.parent / f"{out.name}.yaml"
+    path.write_text(json.dumps({
+        "model": {"from_pretrained": str(base / "model"), "seq_length": 64, "num_attention_heads": 4},
+        "tokenizer": {"path": str(BUNDLED_TOKENIZER)},
+        "data": {"sources": [{"path": str(base / "pairs.jsonl")}], "mode": "pad", "seed": 7},
+        "train": {"objective": objective, "train_iters": STEPS, "micro_batch_size": 2,
+                  "gradient_accumulation_steps": 2 // dp, "lr": 1e-3, "min_lr": 1e-4, "warmup": 0.0,
+                  "precision": "fp32", "log_interval": 1, "eval_interval": 100, "eval_iters": 0, "clip_grad": 1.0},
+        "parallel": {"tensor_parallel": tp, "zero_stage": zero, "use_deepspeed": dp * tp > 1},
+        "output": {"dir": str(out), "tensorboard": False},
+    }))
+    return [str(path)]
+
+
+def run(command: list[str]) -> None:
+    done = subprocess.run(command, env=launch_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+def steps(out) -> dict[int, dict]:
+    lines = (out / "train_log.jsonl").read_text().splitlines()
+    return {e["step"]: e for e in map(json.loads, lines) if "lr" in e}
+
+
+@pytest.fixture(scope="module")
+def one_process(base, tmp_path_factory):
+    """The reference runs: `python run_clm_neox.py` in one process, per objective."""
+    runs = {}
+    for objective in ("dpo", "rm"):
+        out = tmp_path_factory.mktemp(f"{objective}_one") / "run"
+        run([sys.executable, str(REPO / "run_clm_neox.py"), *recipe(base, out, objective, dp=1)])
+        runs[objective] = steps(out)
+    return runs
+
+
+@pytest.mark.parametrize("objective,dp,tp,zero", [
+    ("dpo", 2, 1, 1), ("dpo", 2, 1, 3), ("dpo", 1, 2, 1),
+    ("rm", 2, 1, 0), ("rm", 2, 1, 2), ("rm", 1, 2, 0),
+], ids=["dpo-zero1", "dpo-zero3", "dpo-tp2", "rm-zero0", "rm-zero2", "rm-tp2"])
+def test_objective_on_a_layout_equals_one_process(base, one_process, tmp_path, objective, dp, tp, zero):
+    out = tmp_path / "run"
+    run(accelerate_launch_command(REPO / "run_clm_neox.py", *recipe(base, out, objective, dp=dp, tp=tp, zero=zero),
+                                  num_processes=dp * tp))
+    expected, got = one_process[objective], steps(out)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    if objective == "dpo":
+        assert abs(expected[1]["loss"] - 0.6931471805599453) <= 1e-6  # reference = starting model: ln 2
+    for step in expected:
+        assert abs(got[step]["loss"] - expected[step]["loss"]) <= LOSS_TOL, (step, got[step], expected[step])
+        assert got[step]["consumed_samples"] == expected[step]["consumed_samples"] == 4 * step  # pairs
+        for name in ("rewards/margins", "logps/chosen", "accuracy", "margin"):
+            if name in expected[step]:
+                assert abs(got[step][name] - expected[step][name]) <= 1e-4 * max(1.0, abs(expected[step][name]))
