@@ -34,9 +34,11 @@ the layer's activations per layer and micro-batch) communication at stated bandw
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 
 GIB = 2**30
@@ -653,10 +655,18 @@ def split_plan_argv(args) -> tuple[argparse.Namespace, list[str]]:
 
 
 def run_plan(args) -> int:
+    # DeepSpeed logs to stdout when imported; `--json` owes programs a stdout holding the JSON object alone
+    options, recipe_argv = split_plan_argv(args)
+    with contextlib.redirect_stdout(sys.stderr):
+        plan = _plan_from_options(options, recipe_argv)
+    print(json.dumps(plan.to_dict()) if options.json else "\n".join(plan_table(plan)))
+    return 0
+
+
+def _plan_from_options(args, recipe_argv: list[str]) -> Plan:
     from neox_hf.errors import UsageError
     from neox_hf.train.args import parse_run_args
 
-    args, recipe_argv = split_plan_argv(args)
     if args.gpus is not None and args.gpus < 1:
         raise UsageError(f"--gpus must be ≥ 1, got {args.gpus}")
     if args.gpu_memory is not None and not args.gpu_memory > 0:
@@ -667,10 +677,8 @@ def run_plan(args) -> int:
     check_gpus_hold_layout(recipe, args.gpus)
     memory = None if args.gpu_memory is None else int(args.gpu_memory * GIB)
     # planned for GPUs elsewhere: `auto` is bf16 on every GPU with a datasheet peak here (compute capability ≥ 8)
-    plan = plan_for_recipe(recipe, args.gpus, memory, top=args.top, assumptions=assumptions_for(args.gpu, args.mfu),
+    return plan_for_recipe(recipe, args.gpus, memory, top=args.top, assumptions=assumptions_for(args.gpu, args.mfu),
                            precision="bf16")
-    print(json.dumps(plan.to_dict()) if args.json else "\n".join(plan_table(plan)))
-    return 0
 
 
 def assumptions_for(gpu: str, mfu: float) -> Assumptions:
