@@ -244,6 +244,11 @@ def test_tiny_llama_recipe_trains_and_stock_llama_loads_it(tmp_path, fresh_accel
     ours = NeoXLlamaForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(0, 50277, (1, 16))
     assert torch.equal(ours(ids).logits, model(ids).logits)
+    # `neox_hf export` of the step-6 training checkpoint: the same stock Llama
+    from neox_hf.interop.convert import export_training_checkpoint
+
+    exported = LlamaForCausalLM.from_pretrained(export_training_checkpoint(out / "checkpoints", tmp_path / "ex")).eval()
+    assert torch.equal(exported(ids).logits, model(ids).logits)
     if card_refused is not None:
         pytest.xfail(f"model card: {card_refused}")
 
@@ -361,3 +366,67 @@ def test_llama2_7b_recipe_is_llama_2_7b_shape():
     with torch.device("meta"):
         params = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**{**stock, "architectures": None})).parameters())
     assert params == 6_738_415_616  # Llama-2-7B
+
+
+# ---------------------------------------------------------------- pipeline stages
+
+
+def _pipeline_builds_llama() -> bool:
+    from neox_hf.parallel.pipeline.partition import pipeline_layer_infos
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    return pipeline_layer_infos(config)[1].paths == ("model.layers.0",)
+
+
+@pytest.mark.distributed
+@pytest.mark.xfail(not _pipeline_builds_llama(), strict=True,
+                   reason="the pipeline package still names GPTNeoX's modules (patch for partition, merge, "
+                          "checkpoint_files and stages in the issue 29 report)")
+def test_pipeline2_trains_llama_as_one_process_and_saves_a_stock_folder(tmp_path):
+    sys.path.insert(0, str(REPO / "tests" / "workers"))
+    from pipe_common import STEPS, eval_batches, rank_micro_batches, recipe_dict
+
+    from neox_hf.parallel import build_optimizer
+    from neox_hf.train.schedule import build_lr_scheduler
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)
+                     ).save_pretrained(tmp_path / "model")
+    command = accelerate_launch_command(REPO / "tests" / "workers" / "llama_pipe.py", tmp_path / "model",
+                                        tmp_path / "pp2", "--pp", "2", zero_stage=1)
+    done = subprocess.run(command, env=launch_env(PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'workers'}"), cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+    def sums(model, batch):
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+        logits = model(**inputs, use_cache=False).logits
+        return (torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100,
+                                                  reduction="sum"), int((batch["labels"] != -100).sum()))
+
+    recipe = recipe_from_dict(recipe_dict(tmp_path / "reference"))
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    optimizer, losses = build_optimizer(model, recipe.train), {}
+    scheduler = build_lr_scheduler(optimizer, recipe.train)
+    for step in range(1, STEPS + 1):
+        micro_batches = rank_micro_batches(step, "pack", 0, 1)
+        total = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
+        step_sum = 0.0
+        for mb in micro_batches:
+            loss_sum, _ = sums(model, mb)
+            (loss_sum / total).backward()
+            step_sum += loss_sum.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.train.clip_grad)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        losses[step] = step_sum / total
+    log = step_losses(tmp_path / "pp2")
+    assert sorted(log) == sorted(losses)
+    for step, loss in losses.items():
+        assert abs(log[step] - loss) <= 1e-5, (step, log[step], loss)
+    merged = LlamaForCausalLM.from_pretrained(tmp_path / "pp2" / "final", dtype=torch.float32)
+    with torch.no_grad():
+        batch = eval_batches("pack", 0, 1)[0] if isinstance(eval_batches("pack", 0, 1), list) else next(iter(eval_batches("pack", 0, 1)))
+        assert (sums(merged, batch)[0] - sums(model, batch)[0]).abs().item() <= 1e-3
