@@ -95,3 +95,34 @@ def test_objective_on_a_layout_equals_one_process(base, one_process, tmp_path, o
         for name in ("rewards/margins", "logps/chosen", "accuracy", "margin"):
             if name in expected[step]:
                 assert abs(got[step][name] - expected[step][name]) <= 1e-4 * max(1.0, abs(expected[step][name]))
+
+
+def test_reward_run_first_step_equals_trls_reward_trainer(base, one_process, tmp_path):
+    """The first step logged by `python run_clm_neox.py` for `train.objective: rm` is TRL's RewardTrainer loss on the
+    same four pairs (the loader's first step, rebuilt here) for the same starting model (fp32, 1e-5). DPO's first
+    step is ln 2 in both (the policy is the reference), asserted above."""
+    from datasets import Dataset
+    from trl import RewardConfig, RewardTrainer
+
+    from neox_hf.data.preference import build_preference_train_loader
+    from neox_hf.interop.tokenizer import load_tokenizer
+    from neox_hf.objectives.rm import build_reward_model
+    from neox_hf.train.args import parse_run_args
+
+    recipe_ = parse_run_args(recipe(base, tmp_path / "rebuilt", "rm", dp=1)).recipe
+    tokenizer = load_tokenizer(recipe_.tokenizer.path, eos_token=recipe_.tokenizer.eos_token,
+                               pad_token=recipe_.tokenizer.pad_token)
+    loader = build_preference_train_loader(recipe_.data, tokenizer, seq_length=recipe_.model.seq_length,
+                                           micro_batch_size=2, seed=recipe_.data.seed, objective="rm")
+    first_step = [int(i) for _ in range(2) for i in next(loader)["pair_index"]]
+    rows = [json.loads(line) for line in (base / "pairs.jsonl").read_text().splitlines()]
+    assert loader.num_pairs == len(rows)  # pair_index numbers the file's rows (none dropped at this length)
+    model = build_reward_model(recipe_, tokenizer)  # the run's starting model: same folder, same seeded score head
+    args = RewardConfig(output_dir=str(tmp_path / "trl"), max_length=recipe_.model.seq_length, report_to=[],
+                        use_cpu=True, bf16=False, per_device_train_batch_size=4, dataloader_num_workers=0)
+    trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list([rows[i] for i in first_step]),
+                            processing_class=tokenizer)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    with torch.no_grad():
+        trl_loss = float(trainer.compute_loss(trainer.model.train(), batch))
+    assert abs(one_process["rm"][1]["loss"] - trl_loss) <= LOSS_TOL, (one_process["rm"][1]["loss"], trl_loss)

@@ -259,3 +259,12 @@ def test_tf32_is_off_unless_the_recipe_asks(tmp_path, fresh_accelerate_state):
         assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+
+
+def test_print_config_ends_with_the_plans_line_for_the_recipes_layout(capsys):
+    """`--print-config` shows what `neox_hf plan` says of the recipe's own layout: memory per rank before launch."""
+    from neox_hf.train import main
+
+    assert main([str(REPO / "recipes" / "tiny.yaml"), "--print-config", "--parallel.zero_stage", "1"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("# plan: pipe 1 × tensor 1 × data 1, ZeRO-1, micro 8 × accumulation 1") and "GiB per rank" in last

@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         print(args.recipe.to_yaml(), end="")
         for notice in args.notices:
             print(f"# note: {notice}")
+        print(f"# {_plan_line(args.recipe)}")
         return 0
     from neox_hf.train.loop import train
 
@@ -34,3 +35,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nerror: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _plan_line(recipe) -> str:
+    """`neox_hf plan`'s one line for the recipe's own layout (memory per rank), for `--print-config`."""
+    from neox_hf.plan import plan_summary_line
+
+    try:
+        return plan_summary_line(recipe)
+    except NeoXHFError as err:  # the config printed is still right; say why there is no plan
+        return f"plan: not available for this recipe ({err})"

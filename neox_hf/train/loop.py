@@ -75,6 +75,8 @@ def _train(recipe: Recipe, notices: list[str] | None) -> RunResult:
     check_peft_recipe(recipe)
     tokenizer = load_tokenizer(recipe.tokenizer.path, eos_token=recipe.tokenizer.eos_token, pad_token=recipe.tokenizer.pad_token)
     engine = build_engine(recipe, accelerator, layout)
+    for warning in _planned_memory_warnings(recipe, layout):  # before the model is built: an OOM would come later
+        accelerator.print(warning)
     model = engine.build_model(tokenizer)
     if recipe.peft.method is not None:
         model = wrap_with_peft(model, recipe.peft)  # before prepare: only adapter weights reach the optimizer
@@ -411,6 +413,16 @@ def save_final_model(run: TrainingRun, out_dir=None) -> Path:
                        extra_files={RECIPE_NAME: recipe.to_yaml()}, max_shard_size=recipe.output.max_shard_size)
     accelerator.wait_for_everyone()
     return out
+
+
+def _planned_memory_warnings(recipe: Recipe, layout) -> list[str]:
+    """On a GPU: a line per pipeline stage whose planned peak (`neox_hf plan`) exceeds this device's memory."""
+    if not torch.cuda.is_available():
+        return []
+    from neox_hf.plan import startup_memory_warnings
+
+    memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return startup_memory_warnings(recipe, memory, gpus=layout.world_size)
 
 
 def _hub_pusher(recipe: Recipe):
