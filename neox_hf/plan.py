@@ -718,9 +718,11 @@ _COLUMNS = ("params", "grads", "optimizer", "activations", "loss", "total")
 
 
 def plan_table(plan: Plan) -> list[str]:
-    header = (f"| {'layout':<78} | " + " | ".join(f"{c:>9}" for c in _COLUMNS) + " | fits | step s | bubble |")
+    header = (f"| {'layout':<96} | " + " | ".join(f"{c:>9}" for c in _COLUMNS) + " | fits | step s | bubble |")
     lines = [f"GiB per rank ({plan.precision}; the recipe's pipeline stages each, other layouts their largest stage); "
-             f"{plan.assumptions.describe()}", header,
+             f"{plan.assumptions.describe()}",
+             "grads: at the optimizer step (ZeRO's reduced partition); whole gradients held while a step's micro-batches "
+             "run (no ZeRO, ZeRO-1, pipelines) count in total, which is the step's peak, not the columns' sum", header,
              "|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|"]
     own = plan.recipe_layout
     lines += _rows(own, "recipe: ", every_stage=True)
@@ -740,5 +742,5 @@ def _rows(p: LayoutPlan, prefix: str, every_stage: bool = False) -> list[str]:
         fits = {None: "  – ", True: " yes", False: "  NO"}[p.fits if p.fits is None else s.total <= p.memory_limit]
         name = prefix + describe_layout(p.layout) + (f" [stage {s.stage}]" if p.layout.pipeline > 1 else "")
         cells = " | ".join(f"{_gib(getattr(s, c)):>9}" for c in _COLUMNS)
-        rows.append(f"| {name:<78} | {cells} | {fits} | {p.step_seconds:6.2f} | {p.bubble:6.3f} |")
+        rows.append(f"| {name:<96} | {cells} | {fits} | {p.step_seconds:6.2f} | {p.bubble:6.3f} |")
     return rows
