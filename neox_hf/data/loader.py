@@ -444,12 +444,10 @@ def build_eval_loader(data_cfg: DataConfig, tokenizer, *, seq_length: int, micro
                                     train_iters=train_iters, eval_interval=eval_interval,
                                     eval_iters=max(eval_iters, 1))
         return [] if loader is None else list(islice(loader, max_batches))
-    if data_cfg.validation:
-        sources, role = data_cfg.validation, "all"
-    elif data_cfg.validation_fraction > 0 and data_cfg.sources:
-        sources, role = data_cfg.sources, "validation"
-    else:
+    held_out = validation_sources(data_cfg)
+    if held_out is None:
         return []
+    sources, role = held_out
     check_sources(sources)
     loader = DataLoader(data_cfg, tokenizer, seq_length=seq_length, micro_batch_size=micro_batch_size,
                         dp_rank=dp_rank, dp_size=dp_size, seed=data_cfg.seed, role=role, cycle=False, sources=sources)
@@ -522,3 +520,13 @@ def _longest_first(groups: list[list[int]], lengths: list[int]) -> list[list[int
     largest activations are allocated once at the start instead of paying their page faults mid-run."""
     widest = max(range(len(groups)), key=lambda g: len(groups[g]) * max(lengths[i] for i in groups[g]))
     return [groups[widest]] + groups[:widest] + groups[widest + 1:]
+
+
+def validation_sources(data_cfg: DataConfig) -> tuple[list, str] | None:
+    """(sources, role) of the validation set: `data.validation` whole, else what `validation_fraction` holds out of
+    `data.sources` (role "validation"); None when the recipe has none."""
+    if data_cfg.validation:
+        return data_cfg.validation, "all"
+    if data_cfg.validation_fraction > 0 and data_cfg.sources:
+        return data_cfg.sources, "validation"
+    return None

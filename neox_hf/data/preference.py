@@ -40,6 +40,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
+from neox_hf.data.loader import validation_sources
 from neox_hf.data.padding import IGNORE_INDEX, padded_length
 from neox_hf.data.sources import file_lines, is_held_out, resolve_files, source_format
 from neox_hf.errors import DataError
@@ -373,12 +374,10 @@ def build_preference_eval_loader(data_cfg: DataConfig, tokenizer, *, seq_length:
                                  **_unused) -> list[dict]:
     """At most `max_batches` validation micro-batches of pairs in file order: from `data.validation`, else the pairs
     `validation_fraction` holds out of `data.sources`; [] when there are none."""
-    if data_cfg.validation:
-        sources, role = data_cfg.validation, "all"
-    elif data_cfg.validation_fraction > 0 and data_cfg.sources:
-        sources, role = data_cfg.sources, "validation"
-    else:
+    held_out = validation_sources(data_cfg)
+    if held_out is None:
         return []
+    sources, role = held_out
     try:
         loader = PreferenceLoader(data_cfg, tokenizer, sources, objective=objective, seq_length=seq_length,
                                   micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
