@@ -23,8 +23,13 @@ pipeline parallelism, activations or the loss. This module knows every part of o
 - loss: the last stage's head + cross-entropy peak: the fused loss's logits chunk (`default_chunk_rows`) and the head's
   weight gradient it computes in the forward (or whole [tokens, vocab] logits unfused).
 
-The peak of a step is params + optimizer + buffers + the larger of (activations + loss), the moment the loss runs,
-and the gradients at the end of backward. tests/test_plan.py holds these numbers against steps measured on CPU.
+The peak of a step (`total`) is params + optimizer + buffers + the larger of (gradients held over the step's earlier
+micro-batches + activations + loss), the moment the loss runs, and the gradients at the end of backward.
+tests/test_plan.py holds these numbers against steps measured on CPU (benchmarks/parallel_memory.py's way: live
+tensors before the update, a whole step's peak).
+
+For the training start-up: `plan_summary_line(recipe, gpus)` (one line for `--print-config`) and
+`startup_memory_warnings(recipe, device_memory_bytes, gpus)` (a line per stage over the device's memory).
 Step time: model FLOPs (`neox_hf.train.mfu.flops_per_token`, × 4/3 with activation checkpointing's recomputation)
 at an assumed MFU of the GPU's datasheet peak, stretched by the pipeline bubble (p − 1)/(m + p − 1), plus
 data-parallel (ring all-reduce / reduce-scatter volume of the gradients) and tensor-parallel (four all-reduces of
@@ -446,9 +451,7 @@ def stage_bytes(shape: ModelShape, layout: Layout, engine: Engine, fused_loss: b
     for s, (n, n_layers) in enumerate(zip(params, layers)):
         states = model_state_bytes(n, engine)
         activations = stage_activation_bytes(shape, layout, n_layers, s, engine.activation_bytes)
-        # Under ZeRO-3 the head's weight is gathered only inside its own forward: the loss runs unfused (ops.head_loss)
-        fused = fused_loss and not (engine.deepspeed and engine.zero_stage == 3)
-        loss = loss_bytes(shape, layout, fused, engine) if s == layout.pipeline - 1 else 0
+        loss = loss_bytes(shape, layout, fused_loss, engine) if s == layout.pipeline - 1 else 0
         buffers = (deepspeed_buffer_bytes(shape, engine, largest_layer)
                    + pipeline_buffer_bytes(shape, layout, s, engine.activation_bytes))
         # ZeRO-3 keeps its gradient partition in one flat buffer from step to step
@@ -607,14 +610,16 @@ def plan_summary_line(recipe, gpus: int | None = None) -> str:
 
 
 def startup_memory_warnings(recipe, device_memory_bytes: int, gpus: int | None = None) -> list[str]:
-    """One line per pipeline stage whose planned peak exceeds `device_memory_bytes` (empty when all fit)."""
+    """One line per pipeline stage whose planned peak exceeds `device_memory_bytes` less the CUDA context's reserve
+    (empty when all fit), as `neox_hf plan --gpu-memory` decides `fits`."""
     plan = plan_for_recipe(recipe, gpus)
     layout = plan.recipe_layout
+    limit = device_memory_bytes - plan.assumptions.reserved_bytes
     where = "" if layout.layout.pipeline == 1 else " of stage {stage}"
     return [f"warning: the plan puts {_gib(s.total)} GiB on each rank{where.format(stage=s.stage)} ({describe_layout(layout.layout)}), "
             f"more than this GPU's {_gib(device_memory_bytes)} GiB: expect out-of-memory; run `neox_hf plan "
             f"RECIPE --gpus {layout.layout.gpus} --gpu-memory {device_memory_bytes / GIB:.0f}` for layouts that fit"
-            for s in layout.stages if s.total > device_memory_bytes]
+            for s in layout.stages if s.total > limit]
 
 
 # ----------------------------------------------------------------------------------------------------------------
