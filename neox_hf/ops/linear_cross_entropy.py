@@ -312,11 +312,13 @@ def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, fu
     tokens) of `head` on the final hidden states, labels aligned, -100 ignored.
 
     `fused` (train.fused_cross_entropy) takes the chunked op of `lm_head_loss`; otherwise a vocab-parallel head uses
-    its unfused sharded cross-entropy and a plain head full logits. Under ZeRO-3 the weight is a partition gathered
-    only inside the head's own forward, so that head is always called (unfused).
+    its unfused sharded cross-entropy and a plain head full logits. Under ZeRO-3 the weight is a partition that
+    DeepSpeed gathers only around the head module's own forward and backward, so the fused op runs as that forward
+    (`_as_module_forward`).
     """
-    zero3_partitioned = hasattr(getattr(head, "weight", None), "ds_id")
-    if fused and not zero3_partitioned:
+    if fused and hasattr(getattr(head, "weight", None), "ds_id"):  # a ZeRO-3 partition
+        return _as_module_forward(head, lambda h, y: lm_head_loss(head, h, y, z_loss=z_loss), hidden, labels)
+    if fused:
         return lm_head_loss(head, hidden, labels, z_loss=z_loss)
     own_loss = getattr(head, "loss_sum", None)
     if own_loss is not None and not z_loss:
@@ -324,3 +326,16 @@ def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, fu
     if own_loss is not None:  # z-loss needs log Z, which only the (vocab-parallel) fused op computes without logits
         return lm_head_loss(head, hidden, labels, z_loss=z_loss)
     return cross_entropy_sum(head(hidden), labels, z_loss=z_loss)
+
+
+def _as_module_forward(module: nn.Module, function, *args):
+    """`function(*args)` called as `module`'s forward: DeepSpeed ZeRO-3's module hooks then gather the module's
+    partitioned parameters for it and again before its backward (a fused op reading `module.weight` outside the
+    module's call would see an empty partition, and its weight gradient would not match the parameter).
+    Gap filled: DeepSpeed's `GatheredParameters` gathers for the forward only."""
+    forward = module.forward
+    module.forward = function
+    try:
+        return module(*args)
+    finally:
+        module.forward = forward
