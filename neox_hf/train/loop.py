@@ -461,7 +461,7 @@ def startup_report(run: TrainingRun, notices: list[str]) -> str:
         f"layout: {layout.describe()}{' with sequence parallelism' if recipe.parallel.sequence_parallel else ''}, "
         f"ZeRO stage {recipe.parallel.zero_stage if accelerator.state.deepspeed_plugin else 'off'}, precision {t.precision}",
         f"batch: micro {t.micro_batch_size} × accumulation {t.gradient_accumulation_steps} × dp {layout.dp} = "
-        f"{global_batch} samples/step, mode {recipe.data.mode}, seq_length {m.seq_length}, {t.train_iters} steps; "
+        f"{global_batch} {'pairs' if run.engine.objective.unit == 'pair' else 'samples'}/step, mode {recipe.data.mode}, seq_length {m.seq_length}, {t.train_iters} steps; "
         f"objective {t.objective}, loss weighted per "
         f"{run.engine.objective.unit if t.loss_normalization == 'token' else 'micro-batch (GPT-NeoX)'}",
     ]
