@@ -87,6 +87,8 @@ def test_objective_on_a_layout_equals_one_process(base, one_process, tmp_path, o
                                   num_processes=dp * tp))
     expected, got = one_process[objective], steps(out)
     assert sorted(got) == list(range(1, STEPS + 1))
+    saved = json.loads((out / "config.json").read_text())  # stock classes: the policy, or the scalar-head reward model
+    assert saved["architectures"] == ["GPTNeoXForCausalLM" if objective == "dpo" else "GPTNeoXForSequenceClassification"]
     if objective == "dpo":
         assert abs(expected[1]["loss"] - 0.6931471805599453) <= 1e-6  # reference = starting model: ln 2
     for step in expected:
