@@ -49,30 +49,43 @@ class _PipeLayer(nn.Module):
         return {f"{path}.{key}": tensor for attribute, path in self.hf_paths.items()
                 for key, tensor in getattr(self, attribute).state_dict().items()}
 
+def embedding_paths(spec) -> dict[str, str]:
+    """EmbeddingPipe's attributes → HF paths (the attribute names are those of DeepSpeed's layer files)."""
+    paths = {"embed_in": spec.embedding}
+    if spec.family == "gpt_neox":
+        paths["emb_dropout"] = "gpt_neox.emb_dropout"  # Llama has no embedding dropout
+    return paths
+
+
 class EmbeddingPipe(_PipeLayer):
     """First stage: token ids → (hidden, position_ids, attention_mask). Also the tied head on the last stage."""
 
     def __init__(self, builder: "StageBuilder"):
-        super().__init__(builder, embed_in="gpt_neox.embed_in", emb_dropout="gpt_neox.emb_dropout")
+        super().__init__(builder, **embedding_paths(builder.spec))
 
     def forward(self, inputs):
         input_ids, position_ids, attention_mask = inputs
-        return self.emb_dropout(self.embed_in(input_ids)), position_ids, attention_mask
+        hidden = self.embed_in(input_ids)
+        if hasattr(self, "emb_dropout"):
+            hidden = self.emb_dropout(hidden)
+        return hidden, position_ids, attention_mask
 
 class TransformerLayerPipe(_PipeLayer):
-    """One unmodified `GPTNeoXLayer`, with the causal mask and rotary embeddings `GPTNeoXModel.forward` would give it."""
+    """One unmodified decoder layer (`GPTNeoXLayer`, `LlamaDecoderLayer`, `MistralDecoderLayer`), with the causal mask
+    and rotary embeddings its model's forward would give it."""
 
     def __init__(self, builder: "StageBuilder", index: int):
-        super().__init__(builder, layer=f"gpt_neox.layers.{index}")
-        from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
-
+        super().__init__(builder, layer=builder.spec.layer_path(index))
         self.config = builder.config
-        self.rotary_emb = GPTNeoXRotaryEmbedding(config=builder.config)  # non-persistent inv_freq: not in checkpoints
+        # the family's rotary class; non-persistent inv_freq: not in checkpoints
+        self.rotary_emb = type(builder.meta_model.base_model.rotary_emb)(config=builder.config)
 
     def forward(self, inputs):
         from transformers.masking_utils import create_causal_mask
 
         hidden, position_ids, attention_mask = inputs
+        if getattr(self.config, "sliding_window", None):  # Mistral
+            from transformers.masking_utils import create_sliding_window_causal_mask as create_causal_mask
         causal_mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=padding_mask(attention_mask),
                                          cache=None, position_ids=position_ids)
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
@@ -82,7 +95,7 @@ class TransformerLayerPipe(_PipeLayer):
 
 class FinalNormPipe(_PipeLayer):
     def __init__(self, builder: "StageBuilder"):
-        super().__init__(builder, final_layer_norm="gpt_neox.final_layer_norm")
+        super().__init__(builder, final_layer_norm=builder.spec.final_norm)
 
     def forward(self, inputs):
         return self.final_layer_norm(inputs[0])
@@ -111,11 +124,12 @@ class StageBuilder:
     Gap filled: transformers' `from_pretrained` materialises every layer on every rank."""
 
     def __init__(self, config, layout: Layout, folder: str | None = None):
-        from neox_hf.model import NeoXForCausalLM
+        from neox_hf.model.spec import model_class_for_config, spec_for_config
 
         self.config, self.layout, self.folder = config, layout, folder
+        self.spec = spec_for_config(config)
         with torch.device("meta"):
-            self.meta_model = NeoXForCausalLM(config)
+            self.meta_model = model_class_for_config(config)(config)
 
     def build(self, path: str) -> nn.Module:
         # A copy (free on meta): materialising inside the meta model would keep full-size tensors alive there for as
@@ -220,7 +234,7 @@ def build_pipeline_model(recipe, tokenizer, layout: Layout):
     reading only the stage's TP slices of a local safetensors `model.from_pretrained` folder (vocabulary zero-padded
     when TP does not divide it). Collective; after the Accelerator exists."""
     from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, padded_vocab_size
-    from neox_hf.model import NeoXConfig, config_from_recipe
+    from neox_hf.model.spec import config_class_for_folder, config_from_recipe
 
     m, p = recipe.model, recipe.parallel
     folder = m.from_pretrained
@@ -229,7 +243,7 @@ def build_pipeline_model(recipe, tokenizer, layout: Layout):
             raise CheckpointError(f"`model.from_pretrained: {folder}`: pipeline stages read their layers from a local "
                                   "safetensors folder (model.safetensors or model.safetensors.index.json); download or "
                                   "re-save it with save_pretrained(safe_serialization=True) first")
-        config = NeoXConfig.from_pretrained(folder)
+        config = config_class_for_folder(folder).from_pretrained(folder)
         check_vocab_covers_tokenizer(config.vocab_size, tokenizer, where=folder)
         if config.vocab_size % layout.tp:
             config.vocab_size = padded_vocab_size(config.vocab_size, m.make_vocab_size_divisible_by, layout.tp)
