@@ -151,11 +151,12 @@ def _full_weights_copy(accelerator, model, unwrapped, layout):
     state_dict = full_state_dict(model, layout, accelerator)  # collective: TP shards merged, ZeRO-3 gathered
     if not accelerator.is_main_process:
         return None
-    from transformers import GPTNeoXForCausalLM
+    from neox_hf.model.spec import model_class_for_config
     from transformers.initialization import no_init_weights
 
     with no_init_weights():  # every weight is overwritten by the gathered ones
-        copy = GPTNeoXForCausalLM(_plain_causal_lm(unwrapped).config)
+        config = _plain_causal_lm(unwrapped).config
+        copy = model_class_for_config(config)(config)
     copy.tie_weights()
     # In the weights' dtype (bf16 under DeepSpeed bf16): scored as the saved folder and the unsharded model are.
     copy.to(next(iter(state_dict.values())).dtype).load_state_dict(state_dict)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from peft import PeftModel
-from transformers import AutoTokenizer, GPTNeoXForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXForCausalLM
 
 from neox_hf.errors import CheckpointError, UsageError
 from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, load_tokenizer
@@ -40,8 +40,9 @@ def check_model_folder(path) -> Path:
         model_type = json.loads((folder / "config.json").read_text()).get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
         raise CheckpointError(f"{folder}/config.json is not a JSON object ({err}); save the model again") from err
-    if model_type != "gpt_neox":
-        raise CheckpointError(f"{folder}/config.json has model_type {model_type!r}; neox_hf loads only 'gpt_neox' models")
+    if model_type not in ("gpt_neox", "llama", "mistral"):
+        raise CheckpointError(f"{folder}/config.json has model_type {model_type!r}; neox_hf loads 'gpt_neox', "
+                              "'llama' and 'mistral' models")
     return folder
 
 
@@ -49,7 +50,8 @@ def load_base_model(path) -> GPTNeoXForCausalLM:
     """Stock GPTNeoXForCausalLM in fp32 from a model folder, or CheckpointError naming the folder."""
     folder = check_model_folder(path)
     try:
-        return GPTNeoXForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        # the stock class of the folder's model_type (GPTNeoX, Llama or Mistral; checked above), no remote code
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=False)
     except Exception as err:  # OSError, ValueError, RuntimeError, or safetensors' own error for a truncated file
         if is_weights_only_refusal(err):  # a pickled weights file naming code: say which, not torch's advice page
             raise CheckpointError(folder_refusal_message(folder, err)) from err

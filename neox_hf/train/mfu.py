@@ -40,7 +40,10 @@ def flops_per_token(config, seq_length: int) -> float:
     """Training FLOPs (forward + backward) per token of a GPTNeoX-shaped config at `seq_length`."""
     hidden, layers = config.hidden_size, config.num_hidden_layers
     intermediate = config.intermediate_size or 4 * hidden
-    per_layer = 4 * hidden * hidden + 2 * hidden * intermediate  # QKV + output projection, MLP in + out
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    kv_width = hidden * kv // config.num_attention_heads  # grouped-query attention: smaller K and V
+    mlp_matrices = 3 if getattr(config, "model_type", "") in ("llama", "mistral") else 2  # SwiGLU: gate, up, down
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv_width + mlp_matrices * hidden * intermediate
     matmul_params = layers * per_layer + config.vocab_size * hidden  # + the LM head
     return 6 * matmul_params + 12 * layers * hidden * seq_length
 

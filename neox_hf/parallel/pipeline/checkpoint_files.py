@@ -21,6 +21,14 @@ def is_pipeline_checkpoint(deepspeed_dir: Path) -> bool:
 def pipeline_checkpoint_state_dict(deepspeed_dir: Path, config) -> dict[str, torch.Tensor]:
     """Stock GPTNeoX state dict from DeepSpeed pipeline layer files (`layer_XX-model_YY-model_states.pt`: one per
     pipeline layer and tensor-parallel rank), TP shards concatenated along the plan's dimensions."""
+    from neox_hf.model.spec import spec_for_config
+    from neox_hf.parallel.pipeline.stages import embedding_paths
+
+    spec = spec_for_config(config)
+    attributes_of = {"EmbeddingPipe": lambda info: embedding_paths(spec),
+                     "TransformerLayerPipe": lambda info: {"layer": info.paths[0]},
+                     "FinalNormPipe": lambda info: {"final_layer_norm": spec.final_norm},
+                     "HeadPipe": lambda info: {"lm_head": spec.head}}
     infos = pipeline_layer_infos(config)
     shards: dict[int, dict[int, Path]] = {}
     for path in Path(deepspeed_dir).glob("layer_*-model_states.pt"):
@@ -35,19 +43,12 @@ def pipeline_checkpoint_state_dict(deepspeed_dir: Path, config) -> dict[str, tor
             raise CheckpointError(f"{deepspeed_dir} lacks layer_{index:02d}-model_*-model_states.pt ({info.name}); "
                                   "the pipeline checkpoint is incomplete or was written for another model config")
         ranks = [load_torch_safely(shards[index][r]) for r in sorted(shards[index])]
-        attributes = _LAYER_ATTRIBUTES[info.name](info)
+        attributes = attributes_of[info.name](info)
         for key in ranks[0]:
             attribute, _, rest = key.partition(".")
             hf_key = f"{attributes[attribute]}.{rest}"
             dim = partition_dim(hf_key)
             full[hf_key] = ranks[0][key] if dim is None else torch.cat([r[key] for r in ranks], dim=dim)
     if config.tie_word_embeddings:
-        full["lm_head.weight"] = full["gpt_neox.embed_in.weight"]
+        full["lm_head.weight"] = full[f"{spec.embedding}.weight"]
     return full
-
-_LAYER_ATTRIBUTES = {
-    "EmbeddingPipe": lambda info: {"embed_in": "gpt_neox.embed_in", "emb_dropout": "gpt_neox.emb_dropout"},
-    "TransformerLayerPipe": lambda info: {"layer": info.paths[0]},
-    "FinalNormPipe": lambda info: {"final_layer_norm": "gpt_neox.final_layer_norm"},
-    "HeadPipe": lambda info: {"lm_head": "lm_head"},
-}

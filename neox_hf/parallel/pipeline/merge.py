@@ -40,7 +40,9 @@ def gather_pipeline_state_dict(engine_or_module, layout: Layout) -> dict[str, to
         return None
     full = _gather_stages_to_rank0(stage, layout)
     if full is not None and module.config.tie_word_embeddings:
-        full["lm_head.weight"] = full["gpt_neox.embed_in.weight"]
+        from neox_hf.model.spec import spec_for_config
+
+        full["lm_head.weight"] = full[f"{spec_for_config(module.config).embedding}.weight"]
     return full
 
 def _gather_stages_to_rank0(stage: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor] | None:
@@ -83,14 +85,14 @@ def save_pipeline_hf_folder(engine, layout: Layout, config, out_dir, *, tokenize
     return out
 
 def model_holding(state_dict: dict[str, torch.Tensor], config):
-    """A NeoXForCausalLM whose parameters ARE `state_dict`'s tensors (built on meta, no copy)."""
-    from neox_hf.model import NeoXForCausalLM
+    """The family's CausalLM whose parameters ARE `state_dict`'s tensors (built on meta, no copy)."""
+    from neox_hf.model.spec import model_class_for_config
 
     with torch.device("meta"):
-        model = NeoXForCausalLM(config)
+        model = model_class_for_config(config)(config)
     model.load_state_dict(state_dict, strict=True, assign=True)
-    rotary = model.gpt_neox.rotary_emb
-    model.gpt_neox.rotary_emb = type(rotary)(config=config)  # non-persistent buffer, still on meta
+    rotary = model.base_model.rotary_emb
+    model.base_model.rotary_emb = type(rotary)(config=config)  # non-persistent buffer, still on meta
     if config.tie_word_embeddings:
         model.tie_weights()
     return model

@@ -20,18 +20,22 @@ class PipeLayerInfo:
     paths: tuple[str, ...]
 
 def pipeline_layer_infos(config) -> list[PipeLayerInfo]:
-    """Embedding, every transformer layer, final norm, head: the pipeline's layer list, in order."""
-    head = ("EmbeddingPipe", ("gpt_neox.embed_in",)) if config.tie_word_embeddings else ("HeadPipe", ("lm_head",))
-    return ([PipeLayerInfo("EmbeddingPipe", ("gpt_neox.embed_in",))]
-            + [PipeLayerInfo("TransformerLayerPipe", (f"gpt_neox.layers.{i}",)) for i in range(config.num_hidden_layers)]
-            + [PipeLayerInfo("FinalNormPipe", ("gpt_neox.final_layer_norm",)), PipeLayerInfo(*head)])
+    """Embedding, every transformer layer, final norm, head: the pipeline's layer list, in order (paths from the
+    family's spec)."""
+    from neox_hf.model.spec import spec_for_config
+
+    spec = spec_for_config(config)
+    head = ("EmbeddingPipe", (spec.embedding,)) if config.tie_word_embeddings else ("HeadPipe", (spec.head,))
+    return ([PipeLayerInfo("EmbeddingPipe", (spec.embedding,))]
+            + [PipeLayerInfo("TransformerLayerPipe", (spec.layer_path(i),)) for i in range(config.num_hidden_layers)]
+            + [PipeLayerInfo("FinalNormPipe", (spec.final_norm,)), PipeLayerInfo(*head)])
 
 def layer_parameter_counts(config) -> list[int]:
     """Parameters of each pipeline layer (full model, before TP), counted on the meta device."""
-    from neox_hf.model import NeoXForCausalLM
+    from neox_hf.model.spec import model_class_for_config
 
     with torch.device("meta"):
-        model = NeoXForCausalLM(config)
+        model = model_class_for_config(config)(config)
     return [sum(p.numel() for path in info.paths for p in model.get_submodule(path).parameters())
             for info in pipeline_layer_infos(config)]
 
