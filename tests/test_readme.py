@@ -89,6 +89,8 @@ def workspace(tmp_path, monkeypatch):
     small = root / "small.txt"
     small.write_text((REPO / "examples" / "data" / "tinyshakespeare.txt").read_text()[:30000])
     (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ["ROMEO: hello", "JULIET: hi"]))
+    pairs = (REPO / "examples" / "data" / "gsm8k-pairs.jsonl").read_text().splitlines(keepends=True)
+    (root / "pairs.jsonl").write_text("".join(pairs[:24]))  # DPO precomputes its reference over every pair
     monkeypatch.chdir(root)
     yield root
     reset_accelerate_state()
@@ -104,8 +106,9 @@ def _train_args(command: str, small: Path) -> list[str]:
         extra += ["--train.train_iters", "2", "--train.save_interval", "2", "--model.seq_length", "128"]
     else:
         extra += ["--train.train_iters", "4", "--train.save_interval", "2"]
-    pairs = any(name in " ".join(argv) for name in ("dpo-gsm8k", "rm-gsm8k"))  # preference pairs, not text
-    if "--parallel.zero_stage" not in argv and "--data.sources" not in argv and not pairs:
+    if any(name in " ".join(argv) for name in ("dpo-gsm8k", "rm-gsm8k")):  # preference pairs, not text
+        extra += ["--data.sources", f"[{{path: {small.parent / 'pairs.jsonl'}}}]"]
+    elif "--parallel.zero_stage" not in argv and "--data.sources" not in argv:
         # A slice of the text keeps the one-process runs quick. The 2-process run keeps the whole file: a slice
         # this small can leave one rank without a validation batch, and the loop's eval then waits on the other.
         extra += ["--data.sources", f"[{{path: {small}}}]"]
