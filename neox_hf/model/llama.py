@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel, MistralConfi
 from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
 from transformers.models.mistral.modeling_mistral import MistralPreTrainedModel
 
-from neox_hf.model.modeling import _NeoXInitMixin
+from neox_hf.model.modeling import _NeoXInitMixin, family_config_kwargs
 
 # Llama's row-parallel output projections (GPT-NeoX's attention.dense and mlp.linear2): output_layer_init_method.
 LLAMA_OUTPUT_LAYERS = ("self_attn.o_proj", "mlp.down_proj")
@@ -115,24 +115,12 @@ def llama_config_from_recipe(model_cfg, *, vocab_size: int, bos_token_id: int | 
                              pad_token_id: int | None = None):
     """NeoXLlamaConfig (NeoXMistralConfig where `model.sliding_window` is set) from a recipe's `model` section."""
     kwargs = dict(
-        vocab_size=vocab_size,
-        hidden_size=model_cfg.hidden_size,
-        num_hidden_layers=model_cfg.num_layers,
-        num_attention_heads=model_cfg.num_attention_heads,
+        **family_config_kwargs(model_cfg, vocab_size=vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                               pad_token_id=pad_token_id),
         num_key_value_heads=model_cfg.num_kv_heads or model_cfg.num_attention_heads,
         intermediate_size=llama_intermediate_size(model_cfg),
-        hidden_act=model_cfg.hidden_act,
-        max_position_embeddings=model_cfg.max_position_embeddings or model_cfg.seq_length,
         rope_parameters={"rope_type": "default", "rope_theta": float(model_cfg.rotary_emb_base)},
-        tie_word_embeddings=model_cfg.tie_word_embeddings,
         rms_norm_eps=model_cfg.layer_norm_eps,
-        attention_dropout=model_cfg.attention_dropout,
-        initializer_range=model_cfg.init_method_std,
-        init_method=model_cfg.init_method,
-        output_layer_init_method=model_cfg.output_layer_init_method,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
     )
     if model_cfg.sliding_window:
         return NeoXMistralConfig(sliding_window=model_cfg.sliding_window, **kwargs)

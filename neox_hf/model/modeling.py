@@ -132,22 +132,32 @@ def config_from_recipe(
     """NeoXConfig from a recipe's `model` section (a `neox_hf.recipe.ModelConfig`), the padded vocab size and the
     tokenizer's special ids."""
     return NeoXConfig(
-        vocab_size=vocab_size,
-        hidden_size=model_cfg.hidden_size,
-        num_hidden_layers=model_cfg.num_layers,
-        num_attention_heads=model_cfg.num_attention_heads,
+        **family_config_kwargs(model_cfg, vocab_size=vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                               pad_token_id=pad_token_id),
         intermediate_size=model_cfg.intermediate_size or 4 * model_cfg.hidden_size,
-        hidden_act=model_cfg.hidden_act,
-        max_position_embeddings=model_cfg.max_position_embeddings or model_cfg.seq_length,
         rope_parameters={
             "rope_type": "default",
             "rope_theta": float(model_cfg.rotary_emb_base),
             "partial_rotary_factor": float(model_cfg.rotary_pct),
         },
         use_parallel_residual=model_cfg.use_parallel_residual,
-        tie_word_embeddings=model_cfg.tie_word_embeddings,
         layer_norm_eps=model_cfg.layer_norm_eps,
         hidden_dropout=model_cfg.hidden_dropout,
+    )
+
+
+def family_config_kwargs(model_cfg, *, vocab_size: int, bos_token_id: int | None, eos_token_id: int | None,
+                         pad_token_id: int | None) -> dict:
+    """The config values every model family takes the same way from a recipe's `model` section (sizes, init,
+    dropout, special ids); each family's builder adds its own (norm, MLP width, rotary, attention layout)."""
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=model_cfg.hidden_size,
+        num_hidden_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_attention_heads,
+        hidden_act=model_cfg.hidden_act,
+        max_position_embeddings=model_cfg.max_position_embeddings or model_cfg.seq_length,
+        tie_word_embeddings=model_cfg.tie_word_embeddings,
         attention_dropout=model_cfg.attention_dropout,
         initializer_range=model_cfg.init_method_std,
         init_method=model_cfg.init_method,
