@@ -201,3 +201,27 @@ def test_startup_lines_name_each_stage_over_the_device():
     assert len(warnings) == 4 and all(f"stage {s}" in w for s, w in enumerate(warnings))
     assert startup_memory_warnings(recipe, 80 * GIB, gpus=96) == []
     assert plan_summary_line(recipe, gpus=96).startswith("plan: pipe 4 × tensor 2 × data 12, ZeRO-1")
+
+
+def test_plan_reads_a_gpt_neox_config_written_here(tmp_path):
+    """The twin of `test_plan_reads_gpt_neox_configs` on every machine (no ../shared/data): a GPT-NeoX-format config
+    plans the same layout and model states as the neox_hf recipe it translates to."""
+    from neox_hf.plan import plan_for_recipe
+
+    tokenizer = str(REPO / "examples/data/gpt-neox-20b-tokenizer.json")
+    neox = tmp_path / "small.yml"
+    neox.write_text(json.dumps({
+        "num_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "seq_length": 512,
+        "max_position_embeddings": 512, "pipe_parallel_size": 2, "model_parallel_size": 2,
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8, "zero_optimization": {"stage": 1},
+        "fp16": {"enabled": True}}))
+    ours = tmp_path / "small.yaml"
+    ours.write_text(json.dumps({
+        "model": {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "seq_length": 512},
+        "tokenizer": {"path": tokenizer},
+        "parallel": {"pipeline_parallel": 2, "tensor_parallel": 2, "zero_stage": 1},
+        "train": {"micro_batch_size": 4, "gradient_accumulation_steps": 8, "precision": "fp16"}}))
+    theirs = plan_for_recipe(_recipe(str(neox), "--tokenizer.path", tokenizer), gpus=8).recipe_layout
+    mine = plan_for_recipe(_recipe(str(ours)), gpus=8).recipe_layout
+    assert theirs.layout == mine.layout and mine.layout.pipeline == 2 and mine.layout.tensor == 2
+    assert [s.model_states for s in theirs.stages] == [s.model_states for s in mine.stages]
