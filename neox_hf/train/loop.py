@@ -7,6 +7,7 @@ thing that happens between steps (logging, eval, checkpoints, Hub pushes) owns i
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -221,11 +222,12 @@ def run_steps(run: TrainingRun, state: TrainState, history: History | None = Non
             if _due(state.step, t.log_interval) or state.step == t.train_iters:
                 progress.set_postfix(step_log.flush())
             if _due(state.step, t.eval_interval) and state.step < t.train_iters and (run.has_eval or t.eval_tasks):
-                _eval_and_log(run, state, history)
-                step_log.window_start = time.perf_counter()  # tokens/s leaves out the evaluation
+                with step_log.paused():  # tokens/s and MFU leave out the evaluation
+                    _eval_and_log(run, state, history)
             if t.save_interval and _due(state.step, t.save_interval):
                 step_log.flush()  # the checkpoint's counters must include every step before it
-                _save_checkpoint_and_push(run, state)
+                with step_log.paused():
+                    _save_checkpoint_and_push(run, state)
     finally:
         batches.close()
         progress.close()
@@ -259,6 +261,7 @@ class StepLogger:
         self.run, self.state, self.history = run, state, history
         self.pending: list[tuple[int, StepResult, float, float | None, float, int | None]] = []
         self.window_start = time.perf_counter()
+        self.window_paused = 0.0  # seconds of the window spent evaluating or saving, not training
         self.reported_skipped = 0  # undecodable documents already reported
         self.data_notes = DataNotes(max_length=run.recipe.data.max_length or run.recipe.model.seq_length)
 
@@ -266,6 +269,16 @@ class StepLogger:
                seq_length: int | None = None) -> None:
         """Buffer step `state.step`'s result; `loss_scale` is the fp16 scale after the step (None in fp32/bf16)."""
         self.pending.append((self.state.step, result, lr, loss_scale, data_wait, seq_length))
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent in the block (an evaluation, a save) is left out of the window's tokens/s and MFU. Resetting
+        the window's start instead would divide the whole window's tokens by the time after the pause."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.window_paused += time.perf_counter() - start
 
     def flush(self) -> dict:
         if not self.pending:
@@ -289,7 +302,7 @@ class StepLogger:
                                           skipped=result.skipped, loss_scale=scale, data_wait=wait,
                                           seq_length=seq_length, state=self.state))
             entries[-1].update(objective_metrics.pop(0))
-        elapsed = time.perf_counter() - self.window_start
+        elapsed = time.perf_counter() - self.window_start - self.window_paused
         window_tokens = sum(v[1] for v in values)
         entries[-1]["tokens_per_s"] = window_tokens / elapsed  # the window's throughput, for the run picture
         if self.run.peak is not None:
@@ -308,7 +321,7 @@ class StepLogger:
         if accelerator.is_main_process:
             append_step_entries(self.run.recipe.output.dir, entries)
         accelerator.log(metrics, step=self.state.step)
-        self.pending, self.window_start = [], time.perf_counter()
+        self.pending, self.window_start, self.window_paused = [], time.perf_counter(), 0.0
         self.reported_skipped = _report_skipped_documents(self.run, self.reported_skipped, self.data_notes)
         return {"loss": f"{metrics['train/loss']:.4f}", "lr": f"{metrics['train/lr']:.2e}"}
 

@@ -72,19 +72,29 @@ def device_peak(device: torch.device, precision: str) -> Peak:
 
 def measured_gemm_rate(dtype: torch.dtype, device: torch.device, repeats: int = 3) -> tuple[float, int]:
     """(FLOP/s, n) of the fastest square GEMM of a few sizes, each warmed up once, best of `repeats`. Short (about
-    0.2 s on a CPU core) because every run pays it at start-up."""
+    0.2 s on a CPU core) because every run pays it at start-up. On a CPU the time counts CPU time too (`_timed`):
+    another process sharing the cores at start-up would otherwise lower the peak, and the run's MFU would read above
+    1 once the cores are free again."""
     sizes = (4096, 8192) if device.type == "cuda" else (512, 1024)
     best = (0.0, 0)
     for n in sizes:
         a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
         torch.mm(a, b)
         for _ in range(repeats):
-            _synchronize(device)
-            start = time.perf_counter()
-            torch.mm(a, b)
-            _synchronize(device)
-            best = max(best, (2 * n**3 / (time.perf_counter() - start), n))
+            seconds = _timed(lambda: torch.mm(a, b), device)
+            best = max(best, (2 * n**3 / seconds, n))
     return best
+
+
+def _timed(work, device: torch.device) -> float:
+    """Seconds `work` took on `device`. On a CPU the shorter of the wall time and the CPU time per intra-op thread:
+    the CPU time leaves out time the cores served another process, the wall time leaves out threads spin-waiting."""
+    _synchronize(device)
+    wall, cpu = time.perf_counter(), time.process_time()
+    work()
+    _synchronize(device)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return min(wall, cpu / torch.get_num_threads()) if device.type == "cpu" else wall
 
 
 def _synchronize(device: torch.device) -> None:
