@@ -218,8 +218,16 @@ class DataLoader:
         if state.get("version") != STATE_VERSION:
             raise DataError(f"data loader state version {state.get('version')} is not {STATE_VERSION}; "
                             "this checkpoint's data position cannot be resumed by this version of neox_hf")
-        if state["fingerprint"] != self._fingerprint():
-            raise DataError(f"data loader state was saved with {state['fingerprint']} but this run has "
+        saved = state["fingerprint"]
+        if saved.get("dp_size") != self.dp_size:
+            # Each data-parallel rank streams its own share of the documents from its own position: on another
+            # number of ranks no position of the new shares is known to neither repeat nor skip a document.
+            raise DataError(f"the streamed data position was saved by {saved.get('dp_size')} data-parallel rank(s) "
+                            f"and this run has {self.dp_size}: resume with {saved.get('dp_size')} data-parallel "
+                            "rank(s) (tensor / pipeline sizes and ZeRO stage may change), or use `data.order: gpt-neox`, "
+                            "whose position is layout-free")
+        if saved != self._fingerprint():
+            raise DataError(f"data loader state was saved with {saved} but this run has "
                             f"{self._fingerprint()}; resume with the same data settings (or start fresh)")
         self._position, self._emitted = copy.deepcopy(state["position"]), state["emitted"]
         self.stats = {**empty_stats(), **self._position["stats"]}

@@ -601,10 +601,42 @@ class NeoXOrderLoader:
         if state.get("order") != "gpt-neox" or state.get("version") != STATE_VERSION:
             raise DataError("this checkpoint's data position was not saved in GPT-NeoX order (data.order); resume "
                             "with the data settings it was saved with, or start fresh")
-        if state["fingerprint"] != self.fingerprint:
-            raise DataError(f"data loader state was saved with {state['fingerprint']} but this run has "
-                            f"{self.fingerprint}; resume with the same data settings (or start fresh)")
-        self.micro_step = int(state["micro_step"])
+        saved, ours = state["fingerprint"], self.fingerprint
+        if _without_layout(saved) != _without_layout(ours):
+            raise DataError(f"data loader state was saved with {saved} but this run has "
+                            f"{ours}; resume with the same data settings (or start fresh)")
+        self.micro_step = _micro_step_on_this_layout(int(state["micro_step"]), saved, ours)
+
+    def describe_position(self) -> str:
+        """What the restored position means on this layout (the resume's start-up line)."""
+        per_micro = self.layout.micro_batch_size * self.layout.dp_size
+        return (f"data position: sample {self.micro_step * per_micro} of GPT-NeoX's order (layout-free), read by "
+                f"{self.layout.dp_size} data-parallel rank(s) × {self.layout.micro_batch_size} samples × "
+                f"{self.layout.gradient_accumulation_steps} micro-steps")
+
+
+# The fingerprint keys that say how samples are dealt to ranks, not which samples come in which order.
+_LAYOUT_KEYS = ("micro_batch_size", "accumulation", "dp_rank", "dp_size")
+
+
+def _without_layout(fingerprint: dict) -> dict:
+    return {k: v for k, v in fingerprint.items() if k not in _LAYOUT_KEYS}
+
+
+def _micro_step_on_this_layout(micro_step: int, saved: dict, ours: dict) -> int:
+    """The sample index is layout-free: micro-step × samples per micro-step. Another layout continues from the same
+    sample when its global batch is the same (otherwise the step → sample mapping, and training, would change)."""
+    def per_micro(f):
+        return f["micro_batch_size"] * f["dp_size"]
+
+    def global_batch(f):
+        return per_micro(f) * f["accumulation"]
+
+    if global_batch(saved) != global_batch(ours):
+        raise DataError(f"the checkpoint's global batch is {global_batch(saved)} samples, this run's "
+                        f"{global_batch(ours)}: set train.micro_batch_size × gradient_accumulation_steps × data-parallel "
+                        "size to the same global batch")
+    return micro_step * per_micro(saved) // per_micro(ours)
 
 
 def truncate_batch(batch: dict, length: int) -> dict:

@@ -98,7 +98,8 @@ def _train(recipe: Recipe, notices: list[str] | None) -> RunResult:
     resume_from = find_resume_checkpoint(recipe.train.resume, recipe.output.dir,
                                          notify=lambda message: accelerator.print(f"note: {message}"))
     if resume_from is not None:
-        state = load_checkpoint(accelerator, resume_from, scheduler=scheduler, data_loader=loader)
+        state = load_checkpoint(accelerator, resume_from, scheduler=scheduler, data_loader=loader,
+                                engine=_layout_free_engine(engine, recipe))
         check_resume_step(state.step, recipe.train.train_iters, resume_from)
         accelerator.print(f"resumed from {resume_from} at step {state.step}")
     if recipe.train.resume is not None and accelerator.is_main_process:
@@ -397,12 +398,18 @@ def evaluate(run: TrainingRun) -> float:
     return loss_sum / tokens if tokens > 0 else float("nan")
 
 
+def _layout_free_engine(engine, recipe):
+    """The engine whose layout-free state a checkpoint holds; None under PEFT (its adapters' names are not the
+    model's: those checkpoints resume on their own layout only)."""
+    return engine if recipe.peft.method is None else None
+
+
 def _save_checkpoint_and_push(run: TrainingRun, state: TrainState) -> None:
     t = run.recipe.train
     save_checkpoint(run.accelerator, output_dir=run.recipe.output.dir, state=state, scheduler=run.scheduler,
                     data_loader=run.loader_position or run.loader, keep_last_n=t.keep_last_n,
                     model_config=run.accelerator.unwrap_model(run.model).config, tokenizer=run.tokenizer,
-                    precision=t.precision)
+                    precision=t.precision, engine=_layout_free_engine(run.engine, run.recipe))
     if t.push_to_hub is not None and t.push_to_hub.revision_per_step and run.recipe.peft.method is None:
         # Pythia convention: an HF folder of step N on branch `step{N}`, uploaded in the background.
         folder = Path(run.recipe.output.dir) / "hub_steps" / f"step{state.step}"

@@ -18,6 +18,30 @@ LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 def is_pipeline_checkpoint(deepspeed_dir: Path) -> bool:
     return any(LAYER_FILE.search(p.name) for p in Path(deepspeed_dir).glob("layer_*-model_states.pt"))
 
+def _layer_attributes(config):
+    """Per pipeline layer: its module attribute → the transformers path it stands for."""
+    from neox_hf.model.spec import spec_for_config
+    from neox_hf.parallel.pipeline.stages import embedding_paths
+
+    spec = spec_for_config(config)
+    attributes_of = {"EmbeddingPipe": lambda info: embedding_paths(spec),
+                     "TransformerLayerPipe": lambda info: {"layer": info.paths[0]},
+                     "FinalNormPipe": lambda info: {"final_layer_norm": spec.final_norm},
+                     "HeadPipe": lambda info: {"lm_head": spec.head}}
+    return [attributes_of[info.name](info) for info in pipeline_layer_infos(config)]
+
+
+def stage_parameter_names(stage_module, config) -> dict[str, str]:
+    """A PipelineModule's parameter names (`<layer index>.<attribute>.<rest>`) → transformers names (the
+    layout-free checkpoint's keys)."""
+    attributes = _layer_attributes(config)
+    names = {}
+    for name, _ in stage_module.named_parameters():
+        index, attribute, rest = name.split(".", 2)
+        names[name] = f"{attributes[int(index)][attribute]}.{rest}"
+    return names
+
+
 def pipeline_checkpoint_state_dict(deepspeed_dir: Path, config) -> dict[str, torch.Tensor]:
     """Stock GPTNeoX state dict from DeepSpeed pipeline layer files (`layer_XX-model_YY-model_states.pt`: one per
     pipeline layer and tensor-parallel rank), TP shards concatenated along the plan's dimensions."""

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from neox_hf.errors import CheckpointError
+from neox_hf.train.checkpoint.layout_free import has_layout_free_state, load_layout_free, save_layout_free
 from neox_hf.io import (TMP_PREFIX, atomic_torch_save, atomic_write_text, folder_refusal_message, give_umask_modes,
                         is_weights_only_refusal, load_torch_safely, weights_only_loads)
 
@@ -59,9 +60,10 @@ def checkpoint_name(step: int) -> str:
 
 
 def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, data_loader, keep_last_n: int,
-                    model_config=None, tokenizer=None, precision: str | None = None) -> Path:
+                    model_config=None, tokenizer=None, precision: str | None = None, engine=None) -> Path:
     """Write a complete checkpoint atomically; return its folder. Collective: every rank must call it. `precision`
-    (what ran) is recorded so that a resumed `train.precision: auto` run keeps it (see `checkpoint_precision`)."""
+    (what ran) is recorded so that a resumed `train.precision: auto` run keeps it (see `checkpoint_precision`).
+    With the run's `engine`, the layout-free state is written too (`layout_free/`), which any layout resumes."""
     root = checkpoint_root(output_dir)
     final = root / checkpoint_name(state.step)
     staging = root / f"{TMP_PREFIX}{final.name}"
@@ -71,7 +73,12 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(staging))
+        layout_free = None
+        if engine is not None:
+            tensors, layout_free = engine.layout_free_state()
+            save_layout_free(tensors, staging)
         trainer_state = {
+            "layout_free": layout_free,
             "train_state": asdict(state),
             "scheduler": scheduler.state_dict(),
             "data": data_loader.state_dict() if hasattr(data_loader, "state_dict") else None,
@@ -258,13 +265,19 @@ def previous_checkpoint(folder: Path) -> Path | None:
     return earlier[-1] if earlier else None
 
 
-def load_checkpoint(accelerator, folder: Path, *, scheduler, data_loader) -> TrainState:
+def load_checkpoint(accelerator, folder: Path, *, scheduler, data_loader, engine=None, notify=None) -> TrainState:
     """Restore everything `save_checkpoint` wrote; return the training position.
 
     A truncated or corrupt file, or a model whose shape no longer matches the checkpoint, raises CheckpointError
-    naming the file and the previous checkpoint to resume from instead; a checkpoint another launch wrote (DeepSpeed
-    or not, ZeRO stage, data / tensor / pipeline sizes) raises CheckpointError saying which, before anything is read."""
-    check_same_writer(folder, run_description(accelerator))
+    naming the file and the previous checkpoint to resume from instead. A checkpoint another launch wrote (DeepSpeed
+    or not, ZeRO stage, data / tensor / pipeline sizes) is resumed from its layout-free state when it has one (and
+    the run's `engine` is given; `notify` says what changed), else refused saying which, before anything is read."""
+    current = run_description(accelerator)
+    writer = checkpoint_writer(folder)
+    if engine is not None and writer_differs(writer, current) and has_layout_free_state(folder):
+        return load_layout_free_checkpoint(engine, folder, writer=writer, scheduler=scheduler,
+                                           data_loader=data_loader, notify=notify)
+    check_same_writer(folder, current)
     state_file = folder / f"trainer_state_rank{accelerator.process_index}.pt"
     if not state_file.is_file():
         raise CheckpointError(f"{state_file} is missing: the checkpoint is incomplete; {_resume_hint(folder)}")
@@ -328,6 +341,41 @@ def checkpoint_writer(folder: Path) -> dict | None:
         return state["writer"]
     return {"deepspeed": (folder / "pytorch_model").is_dir(),
             "processes": len(list(folder.glob("trainer_state_rank*.pt")))}
+
+
+def writer_differs(writer: dict | None, current: dict) -> bool:
+    """Whether a checkpoint of `writer` cannot be read by accelerate's per-rank files in the `current` run."""
+    return writer is not None and any(writer.get(k) is not None and current.get(k) is not None and
+                                      _comparable(k, writer[k]) != _comparable(k, current[k]) for k in _LAYOUT_KEYS)
+
+
+def load_layout_free_checkpoint(engine, folder: Path, *, writer: dict, scheduler, data_loader, notify=None
+                                ) -> TrainState:
+    """Resume from `folder/layout_free` on this run's layout: parameters, Adam's state, loss scaler, LR schedule,
+    counters and the data position (each rank reads the trainer state of a writer rank of its data-parallel rank;
+    the loader maps it onto this layout or refuses). Collective."""
+    current = run_description(engine.accelerator)
+    state = _read_torch_file(folder / "trainer_state_rank0.pt", folder)
+    data_state = _writer_rank_data_state(folder, writer, engine.layout.dp_rank)
+    notify = notify or engine.accelerator.print
+    notify(f"resuming step {state['train_state']['step']} written by {describe_run(writer)} on "
+           f"{describe_run(current)}")
+    engine.load_layout_free_state(lambda targets: load_layout_free(targets, folder), state["layout_free"])
+    scheduler.load_state_dict(state["scheduler"])
+    if data_state is not None and hasattr(data_loader, "load_state_dict"):
+        data_loader.load_state_dict(data_state)
+        if hasattr(data_loader, "describe_position"):
+            notify(data_loader.describe_position())
+    return TrainState(**state["train_state"])
+
+
+def _writer_rank_data_state(folder: Path, writer: dict, dp_rank: int):
+    """The data position a rank of data-parallel rank `dp_rank` continues from: that of the writer's rank with the
+    same data-parallel rank (first stage, first TP rank), or rank 0's when the writer had fewer (the loader then
+    decides whether the position maps onto this layout)."""
+    tp, dp = writer.get("tensor_parallel") or 1, writer.get("data_parallel") or 1
+    rank = dp_rank * tp if dp_rank < dp else 0
+    return _read_torch_file(folder / f"trainer_state_rank{rank}.pt", folder)["data"]
 
 
 def check_same_writer(folder: Path, current: dict) -> None:

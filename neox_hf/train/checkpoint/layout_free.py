@@ -1,0 +1,115 @@
+"""The layout-free part of a training checkpoint: `step_…/layout_free/`, written and read with
+`torch.distributed.checkpoint` (DCP).
+
+What it holds, per parameter under its transformers name and full shape: `model/<name>` (the fp32 master value),
+`exp_avg/<name>`, `exp_avg_sq/<name>` (Adam's moments). The Adam step count, the loss scaler, the LR schedule, the
+counters and the data position are plain data in the trainer state beside it (`trainer_state_rank{r}.pt`, key
+`layout_free`). The engine decides how its rank's tensors map onto the full ones (`Engine.layout_free_state`):
+DTensor views of its tensor-parallel shard, split further over the data-parallel ranks, on a (tensor × data) device
+mesh of its pipeline stage.
+
+Why DCP and not DeepSpeed's universal checkpoint: the universal format is produced offline by `ds_to_universal.py`
+from a finished ZeRO checkpoint (every rank's optimizer files read by one process), does not cover a run without
+DeepSpeed (our one-process runs) nor ZeRO-3 into ZeRO-1/2, and knows nothing of our TP plan. DCP writes every rank's
+chunks in parallel, deduplicates replicated chunks (each written once), and on load plans reads of only the
+chunks overlapping what each rank asks for — the resharding the issue asks for, from the library.
+
+Gap filled: DCP's `FileSystemReader.read_metadata` unpickles `.metadata` with `pickle.load`, which can run code. We
+read it with an unpickler that admits only DCP's own metadata classes, `torch.Size`, dtypes and builtins
+(`PlainDataReader`); tensor data DCP already reads with `weights_only=True`, and we store no non-tensor items there.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+
+from neox_hf.errors import CheckpointError
+
+FOLDER = "layout_free"
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.",)
+_ALLOWED_BUILTINS = {"builtins": {"set", "frozenset", "dict", "list", "tuple", "slice", "int", "float", "str",
+                                  "bytes", "bool", "NoneType"},
+                     "collections": {"OrderedDict", "defaultdict"}, "torch": {"Size"},
+                     "copyreg": {"_reconstructor"}, "enum": {"Enum"},
+                     # torch pickles a tensor layout as `_get_layout("torch.strided")` (a lookup in a fixed table;
+                     # torch's own weights_only unpickler admits it) and DCP the relative file names as paths.
+                     "torch.serialization": {"_get_layout"}, "pathlib": {"PosixPath", "PurePosixPath"}}
+
+
+class _PlainDataUnpickler(pickle.Unpickler):
+    """Refuses any global but DCP's metadata dataclasses and the plain types they hold."""
+
+    def find_class(self, module, name):
+        import torch
+
+        if module.startswith(_ALLOWED_MODULES) or name in _ALLOWED_BUILTINS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not plain checkpoint metadata")
+
+
+def _reader_class():
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class PlainDataReader(FileSystemReader):
+        """DCP's reader with `.metadata` unpickled as plain data only (see the module docstring)."""
+
+        def read_metadata(self, *args, **kwargs):
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as handle:
+                try:
+                    metadata = _PlainDataUnpickler(io.BytesIO(handle.read())).load()
+                except pickle.UnpicklingError as err:
+                    raise CheckpointError(f"{path} was refused: {err}; it could run code when read") from err
+                except Exception as err:  # truncated / corrupt
+                    raise CheckpointError(f"cannot read {path} ({err}): the file is truncated or corrupt") from err
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return PlainDataReader
+
+
+def has_layout_free_state(folder: Path) -> bool:
+    return (Path(folder) / FOLDER / ".metadata").is_file()
+
+
+def save_layout_free(tensors: dict, folder: Path) -> None:
+    """Write this rank's chunks of `tensors` (plain tensors or DTensors) under `folder/layout_free`. Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(Path(folder) / FOLDER)))
+
+
+def load_layout_free(targets: dict, folder: Path) -> None:
+    """Fill `targets` (tensors or DTensors of this run's layout) in place from `folder/layout_free`, reading only the
+    chunks each rank's targets overlap. A tensor missing there, or of another full shape, is refused before any read,
+    naming the first difference. Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = _reader_class()(str(Path(folder) / FOLDER))
+    check_same_tensors(reader.read_metadata().state_dict_metadata, targets, folder)
+    dcp.load(targets, storage_reader=reader)
+
+
+def check_same_tensors(stored: dict, targets: dict, folder: Path) -> None:
+    """Refuse a checkpoint of another model shape: the first key missing either side or with another full shape."""
+    for key, target in targets.items():
+        if key not in stored:
+            raise CheckpointError(f"{folder} holds no {key}: it was written for another model (this run builds "
+                                  f"{key} {list(target.shape)}); resume with the recipe it was written with")
+        shape = list(getattr(stored[key], "size", []))
+        if shape != list(target.shape):
+            raise CheckpointError(f"{folder} holds {key} of shape {shape}; this run builds {list(target.shape)}: "
+                                  "resume with the model settings it was written with (the vocabulary is padded to "
+                                  "model.make_vocab_size_divisible_by × tensor_parallel; set model.vocab_size to keep "
+                                  "it)")
+    extra = sorted(set(k for k in stored if k.startswith("model/")) - set(targets))
+    if extra:
+        raise CheckpointError(f"{folder} holds {extra[0]}, which this run's model lacks: it was written for another "
+                              "model; resume with the recipe it was written with")

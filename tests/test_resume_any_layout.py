@@ -1,0 +1,119 @@
+"""Resume on another layout through `run_clm_neox.py`: a run of 6 steps on layout A saves at step 3 (and is the
+uninterrupted reference); layout B resumes from that checkpoint's layout-free state and trains to 6: steps 4–6 match
+A's losses within 1e-4 and the final weights within 1e-3 (fp32, dropout 0). Every source run is a module fixture
+shared by the pairs that start from it.
+
+Pack mode reads GPT-NeoX's order (`data.order: gpt-neox`, whose position is layout-free) and so may change the
+data-parallel size at an equal global batch; pad mode reads the streamed sources, whose position is kept per
+data-parallel rank: those pairs keep the data-parallel size (a change is refused, tested below)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import REPO, free_port, launch_env, shared
+from tests.test_resume import step_losses
+
+pytestmark = pytest.mark.distributed
+
+TINY = ["--model.hidden_size", "64", "--model.num_layers", "2", "--model.seq_length", "64",
+        "--model.vocab_size", "50432",  # one padded vocabulary for TP 1, 2 and 4 (50,277 tokens)
+        "--train.micro_batch_size", "2", "--train.train_iters", "6", "--train.save_interval", "3",
+        "--train.eval_iters", "0", "--train.log_interval", "1", "--output.tensorboard", "false",
+        "--train.precision", "fp32", "--model.hidden_dropout", "0", "--model.attention_dropout", "0"]
+GLOBAL_BATCH = 4
+
+
+def layout_args(processes: int, *, zero: int = 0, tp: int = 1, pp: int = 1, sp: bool = False) -> list[str]:
+    """Recipe options of a layout at the global batch of every run here."""
+    dp = processes // (tp * pp)
+    return ["--parallel.zero_stage", str(zero), "--parallel.tensor_parallel", str(tp),
+            "--parallel.pipeline_parallel", str(pp), "--parallel.sequence_parallel", str(sp).lower(),
+            "--train.gradient_accumulation_steps", str(GLOBAL_BATCH // (2 * dp))]
+
+
+def run(out: Path, processes: int, data: list[str], *args: str, **layout) -> subprocess.CompletedProcess:
+    recipe = [str(REPO / "recipes" / "tiny.yaml"), *TINY, *data, *layout_args(processes, **layout),
+              "--output.dir", str(out), *args]
+    if processes == 1:
+        command = [sys.executable, str(REPO / "run_clm_neox.py"), *recipe]
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed",
+                   "--main_process_port", str(free_port()), str(REPO / "run_clm_neox.py"), *recipe]
+    started = time.time()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=launch_env(), timeout=900)
+    print(f"{out.name}: {time.time() - started:.1f}s")
+    return done
+
+
+def ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def pack_data(tmp_path_factory) -> list[str]:
+    """A GPT-NeoX .bin/.idx corpus of random documents (ending in the tokenizer's EOD, id 0)."""
+    from tests.test_neox_order import write_corpus
+
+    rng = np.random.default_rng(0)
+    docs = [np.append(rng.integers(1, 50000, size=int(rng.integers(20, 200))), 0) for _ in range(400)]
+    prefix = write_corpus(tmp_path_factory.mktemp("corpus") / "corpus_text_document", docs)
+    return ["--data.order", "gpt-neox", "--data.sources", f"[{{path: {prefix}}}]", "--data.split", "969,30,1",
+            "--data.mode", "pack"]
+
+
+@pytest.fixture(scope="module")
+def pad_data() -> list[str]:
+    return ["--data.sources", f"[{{path: {shared('corpora/tinyshakespeare/input.txt')}}}]", "--data.mode", "pad"]
+
+
+def assert_continues(source: Path, resumed: Path) -> None:
+    reference, after = step_losses(source), step_losses(resumed)
+    for step in (4, 5, 6):
+        assert abs(after[step] - reference[step]) <= 1e-4, (step, after[step], reference[step])
+    from safetensors.torch import load_file
+
+    want, got = load_file(source / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert want.keys() == got.keys()
+    worst = max((want[k] - got[k]).abs().max().item() for k in want)
+    assert worst <= 1e-3, worst
+
+
+def resume(source: Path, out: Path, processes: int, data, **layout) -> subprocess.CompletedProcess:
+    done = ok(run(out, processes, data, "--train.resume", str(source / "checkpoints" / "step_00000003"), **layout))
+    assert_continues(source, out)
+    return done
+
+
+@pytest.fixture(scope="module")
+def one_process_pack(tmp_path_factory, pack_data) -> Path:
+    out = tmp_path_factory.mktemp("src") / "one_process_pack"
+    ok(run(out, 1, pack_data))
+    return out
+
+
+@pytest.fixture(scope="module")
+def dp2_zero2_pack(tmp_path_factory, pack_data) -> Path:
+    out = tmp_path_factory.mktemp("src") / "dp2_zero2_pack"
+    ok(run(out, 2, pack_data, zero=2))
+    return out
+
+
+def test_one_process_to_dp2_zero2(one_process_pack, pack_data, tmp_path):
+    done = resume(one_process_pack, tmp_path / "b", 2, pack_data, zero=2)
+    assert ("resuming step 3 written by 1 process without DeepSpeed on DeepSpeed ZeRO-2 on 2 processes"
+            in done.stdout), done.stdout[-2000:]
+    assert "data position: sample 12 of GPT-NeoX's order" in done.stdout
+
+
+def test_dp2_zero2_to_tp2(dp2_zero2_pack, pack_data, tmp_path):
+    resume(dp2_zero2_pack, tmp_path / "b", 2, pack_data, zero=1, tp=2)
