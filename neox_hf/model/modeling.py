@@ -5,6 +5,9 @@ What we add over `transformers.GPTNeoXForCausalLM`:
   training from scratch; transformers only knows one `initializer_range` for every layer.
 - Files we save are stock GPTNeoX files (`model_type: gpt_neox`, `architectures: ["GPTNeoXForCausalLM"]`,
   `embed_out.weight`), so stock transformers loads them without `trust_remote_code`.
+- A layout-free init (`initial_tensor`): each parameter drawn from a generator seeded by the run's seed and the
+  parameter's name, so a run from scratch starts from the same weights whole, as pipeline stages or as TP shards
+  (transformers' init walks modules in order on one global generator, so its draws depend on what a rank builds).
 - transformers renames the stored `embed_out.weight` to `lm_head.weight` with a conversion mapping keyed by the
   class name `GPTNeoXForCausalLM`; a subclass of another name would silently get a random `lm_head`, so we register
   the same mapping for our class names.
@@ -14,8 +17,10 @@ The model knows nothing of distribution: tensor parallelism and ZeRO are applied
 
 from __future__ import annotations
 
+import hashlib
 import math
 
+import torch
 from huggingface_hub.dataclasses import strict
 from torch import nn
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXModel
@@ -63,6 +68,31 @@ def init_std(method: str, *, hidden_size: int, num_layers: int, sigma: float = 0
     if method == "wang_init":  # Wang (2021), as in GPT-J / GPT-NeoX: 2 / (L sqrt(d))
         return 2.0 / num_layers / math.sqrt(hidden_size)
     raise ValueError(f"unknown init method {method!r}; choose one of {', '.join(INIT_METHODS)}")
+
+
+def parameter_generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator seeded by (run seed, parameter name) through SHA-256: the same stream in every process and
+    Python version (Python's `hash` of a string is salted per process)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def initial_tensor(config, name: str, shape, seed: int) -> torch.Tensor:
+    """The full-size fp32 initial value of the parameter `name` (its key in the family's CausalLM, e.g.
+    `gpt_neox.layers.3.attention.dense.weight`): GPT-NeoX's per-role normal for matrices (Linear and Embedding weights,
+    the only 2-D parameters of our families), zeros for biases, ones for norm gains — as `_init_weights` gives, but
+    independent of which modules a rank builds and in which order."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if len(shape) == 1:
+        return torch.ones(shape)
+    from neox_hf.model.spec import spec_for_config
+
+    output_layer = name.rsplit(".", 1)[0].endswith(spec_for_config(config).output_layers)
+    method = config.output_layer_init_method if output_layer else config.init_method
+    std = init_std(method, hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
+                   sigma=config.initializer_range)
+    return torch.empty(shape).normal_(0.0, std, generator=parameter_generator(seed, name))
 
 
 class _NeoXInitMixin:

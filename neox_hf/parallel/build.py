@@ -21,8 +21,9 @@ def build_model_plain(recipe, tokenizer, layout: Layout):
     """From a pretrained folder, or from scratch with GPT-NeoX init and the padded vocabulary.
 
     With tensor parallelism a local safetensors folder is loaded slice by slice, already split (and its vocabulary
-    zero-padded GPT-NeoX style if TP does not divide it); otherwise the model is built whole and split by
-    `parallelize`.
+    zero-padded GPT-NeoX style if TP does not divide it); a pretrained folder otherwise is built whole and split by
+    `parallelize`. From scratch the model is layout-free (`model_from_seed`): each parameter drawn from the seed and
+    its name, and under TP only this rank's shards ever exist.
     """
     from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, padded_vocab_size
     from neox_hf.model.spec import config_class_for_folder, config_from_recipe, model_class_for_config
@@ -50,9 +51,43 @@ def build_model_plain(recipe, tokenizer, layout: Layout):
         config = config_from_recipe(m, vocab_size=vocab, bos_token_id=tokenizer.bos_token_id,
                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         config._attn_implementation = m.attn_implementation
-        # _from_config builds under deepspeed.zero.Init when ZeRO-3 is active, so a 20B never sits whole on one rank.
-        model = model_class_for_config(config)._from_config(config, dtype=torch.float32)
+        model = model_from_seed(model_class_for_config(config), config, recipe.train.seed, layout,
+                                sequence_parallel=recipe.parallel.sequence_parallel)
     model.config.use_cache = False
+    return model
+
+
+def model_from_seed(model_class, config, seed: int, layout: Layout | None = None, *, sequence_parallel: bool = False):
+    """A model from scratch whose initial weights depend on `seed` and nothing else (not the layout): built on the
+    meta device, split for TP there when `layout.tp > 1`, then only this rank's tensors are materialised, each filled
+    by `init_from_seed_`. Under ZeRO-3 transformers' `_from_config` builds under `deepspeed.zero.Init` (so a 20B
+    never sits whole on one rank) and each parameter is then overwritten, gathered one at a time.
+    Gap filled: `_from_config` materialises and initialises the whole model on every rank, with draws that depend on
+    the modules built."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    from neox_hf.parallel.tensor_parallel import apply_tensor_parallel, init_from_seed_, materialise
+
+    if is_deepspeed_zero3_enabled():
+        return _reinit_zero3_from_seed(model_class._from_config(config, dtype=torch.float32), config, seed)
+    with torch.device("meta"):
+        model = model_class._from_config(config, dtype=torch.float32)
+    tp = layout.tp if layout is not None else 1
+    if tp > 1:
+        model = apply_tensor_parallel(model, layout.tp_group, sequence_parallel=sequence_parallel)
+    return init_from_seed_(materialise(model), config, seed, tp_rank=layout.tp_rank if tp > 1 else 0, tp_size=tp)
+
+
+def _reinit_zero3_from_seed(model, config, seed: int):
+    """`model`'s ZeRO-3 partitions overwritten by the layout-free init: each parameter gathered whole on its own (one
+    tensor's memory at a time), written (every rank draws the same values) and re-partitioned from the first rank."""
+    import deepspeed
+
+    from neox_hf.model.modeling import initial_tensor
+
+    for name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+            param.copy_(initial_tensor(config, name, param.shape, seed))
     return model
 
 

@@ -220,20 +220,50 @@ def from_pretrained_tensor_parallel(model_class, folder: str, groups: ParallelGr
         config.vocab_size = padded_vocab
     with torch.device("meta"):
         model = model_class(config)
-    model = apply_tensor_parallel(model, groups.tp_group, sequence_parallel=sequence_parallel)
+    model = materialise(apply_tensor_parallel(model, groups.tp_group, sequence_parallel=sequence_parallel))
+    model.load_state_dict(load_tp_shard_state_dict(folder, config, groups.tp_rank, groups.tp_size), strict=True)
+    return model.eval()
+
+
+def materialise(model: nn.Module, device="cpu") -> nn.Module:
+    """A whole CausalLM built on the meta device (split or not), moved to `device` uninitialised, to be filled by a
+    loader or `init_from_seed_`; the rotary buffers (not in any checkpoint) are rebuilt.
+
+    Materialising meta parameters creates new Parameter objects: the TP flags DeepSpeed reads for gradient clipping
+    (`tensor_model_parallel`, `partition_dim`) and the head's tie to the embedding are restored, or clipping would
+    count shards wrongly and a tied head would train apart."""
     head = model.get_output_embeddings()  # None for a reward model: its scalar `score` head stays replicated
     tied = head is not None and head.weight is model.get_input_embeddings().weight
-    # Materialising meta parameters creates new Parameter objects: keep the TP flags DeepSpeed reads for gradient
-    # clipping (`tensor_model_parallel`, `partition_dim`) and the tie, or clipping would count shards wrongly.
-    flags = {name: dict(vars(param)) for name, param in model.named_parameters()}
-    model.to_empty(device="cpu")  # shard-sized, uninitialised; filled just below
-    for name, param in model.named_parameters():
-        for key, value in flags[name].items():
+    flags = {name: {k: v for k, v in vars(p).items() if k != "_is_hf_initialized"}
+             for name, p in model.named_parameters()}
+    model.to_empty(device=device)
+    for name, param in model.named_parameters():  # the tie is broken until restored below: a head of its own here
+        for key, value in flags.get(name, {}).items():
             setattr(param, key, value)
     if tied:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
-    model.load_state_dict(load_tp_shard_state_dict(folder, config, groups.tp_rank, groups.tp_size), strict=True)
-    # Non-persistent buffers (the rotary inv_freq) were built on meta and are not in the checkpoint: rebuild them.
     rotary = model.base_model.rotary_emb
-    model.base_model.rotary_emb = type(rotary)(config=config)
-    return model.eval()
+    model.base_model.rotary_emb = type(rotary)(config=model.config).to(device)
+    return model
+
+
+def init_from_seed_(module: nn.Module, config, seed: int, *, prefix: str = "", tp_rank: int = 0,
+                    tp_size: int = 1) -> nn.Module:
+    """`module` (found at `prefix` in the CausalLM; materialised, contents undefined) with every parameter set to its
+    layout-free initial value (`neox_hf.model.modeling.initial_tensor`). A TP shard (`partition_dim` set by the TP
+    layers) draws its parameter's full tensor, keeps its slice and frees the rest, so a rank's peak is its own shards
+    plus the largest single tensor, and the values are those of the whole model on one process.
+    Gap filled: transformers' init (and torchtitan's `init_weights`) draw on one global generator in module order,
+    so the values depend on which modules, and which slices, a rank builds."""
+    from neox_hf.model.modeling import initial_tensor
+
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            key = f"{prefix}.{name}" if prefix else name
+            dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+            shape = list(param.shape)
+            if dim is not None:
+                shape[dim] *= tp_size
+            full = initial_tensor(config, key, shape, seed)
+            param.copy_(full if dim is None else full.chunk(tp_size, dim=dim)[tp_rank])
+    return module

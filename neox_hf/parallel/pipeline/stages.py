@@ -9,8 +9,9 @@ as `GPTNeoXModel.forward` does once. A missing padding mask travels as a 1-D sen
 `create_causal_mask` with no mask so that document-isolating position ids are honoured).
 
 Each rank materialises only its stage: the model is described on the meta device, the stage's modules are split
-for TP while still on meta, and only this rank's slices of its layers are read from safetensors. From scratch, a
-stage's layers are initialised GPT-NeoX style at full size (one stage, not the model) and then split.
+for TP while still on meta, and only this rank's slices of its layers are read from safetensors. From scratch, each
+slice is filled with the layout-free init (`init_from_seed_`: drawn from the run's seed and the parameter's HF name),
+so a stage holds exactly the values the whole model on one process starts from.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from torch import nn
 
 from neox_hf.errors import CheckpointError
 from neox_hf.parallel.layout import Layout
+from neox_hf.recipe import TrainConfig
 from neox_hf.parallel.pipeline.loss import StageLoss
 from neox_hf.parallel.pipeline.partition import partition_stages
-from neox_hf.parallel.tensor_parallel import apply_tensor_parallel_to_part
+from neox_hf.parallel.tensor_parallel import apply_tensor_parallel_to_part, init_from_seed_
 from neox_hf.parallel.tp_checkpoint import load_tp_shard_state_dict
 from neox_hf.parallel.tp_layers import VocabParallelEmbedding, VocabParallelLMHead
 
@@ -120,13 +122,14 @@ NO_PADDING_MASK_SHAPE = (1,)
 
 class StageBuilder:
     """Builds the modules a stage holds at their HF paths: this rank's TP slices, read from a safetensors folder
-    (only the stage's tensors) or initialised with GPT-NeoX's init. The full model exists only on the meta device.
+    (only the stage's tensors) or initialised from `seed` (the run's `train.seed`) with GPT-NeoX's layout-free init.
+    The full model exists only on the meta device.
     Gap filled: transformers' `from_pretrained` materialises every layer on every rank."""
 
-    def __init__(self, config, layout: Layout, folder: str | None = None):
+    def __init__(self, config, layout: Layout, folder: str | None = None, seed: int = TrainConfig.seed):
         from neox_hf.model.spec import model_class_for_config, spec_for_config
 
-        self.config, self.layout, self.folder = config, layout, folder
+        self.config, self.layout, self.folder, self.seed = config, layout, folder, seed
         self.spec = spec_for_config(config)
         with torch.device("meta"):
             self.meta_model = model_class_for_config(config)(config)
@@ -149,11 +152,9 @@ class StageBuilder:
         return part
 
     def _initialised(self, part: nn.Module, path: str) -> nn.Module:
-        part = _materialise(part)
-        with torch.no_grad():
-            for module in part.modules():
-                self.meta_model._init_weights(module)  # GPT-NeoX's per-role std (the roles were tagged on meta)
-        return apply_tensor_parallel_to_part(part, path, self.layout.tp_group)
+        part = _materialise(apply_tensor_parallel_to_part(part, path, self.layout.tp_group))
+        return init_from_seed_(part, self.config, self.seed, prefix=path, tp_rank=self.layout.tp_rank,
+                               tp_size=self.layout.tp)
 
 def _materialise(part: nn.Module) -> nn.Module:
     """`part` moved off the meta device (uninitialised), keeping the TP flags DeepSpeed reads for clipping."""
@@ -192,13 +193,13 @@ def _pipeline_module_class():
 
     return NeoXPipelineModule
 
-def build_pipeline_module(config, layout: Layout, *, folder: str | None = None,
+def build_pipeline_module(config, layout: Layout, *, folder: str | None = None, seed: int = TrainConfig.seed,
                           partition_method: str = "type:transformer", activation_checkpointing: bool = False,
                           loss_normalization: str = "token", fused_cross_entropy: bool = True):
     """The `PipelineModule` of this rank's stage (collective: every rank calls it, after the Accelerator exists).
 
     `folder`: a safetensors HF folder to read this stage's slices from (`config.vocab_size` may exceed the stored
-    vocabulary: zero rows are added, GPT-NeoX padding); None initialises the stage from scratch.
+    vocabulary: zero rows are added, GPT-NeoX padding); None initialises the stage from scratch, from `seed`.
     Hand the result to `accelerator.prepare(module, optimizer)` (no `deepspeed_initialize_with_mpu`: the module's
     grid is DeepSpeed's mpu) to get a `PipelineEngine`.
     """
@@ -206,7 +207,7 @@ def build_pipeline_module(config, layout: Layout, *, folder: str | None = None,
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     parts = partition_stages(config, layout.pp, partition_method)
-    builder = StageBuilder(config, layout, folder)
+    builder = StageBuilder(config, layout, folder, seed=seed)
     tied = config.tie_word_embeddings
     embedding = (TiedLayerSpec(TIED_KEY, EmbeddingPipe, builder, tied_weight_attr=["embed_in.weight"]) if tied
                  else LayerSpec(EmbeddingPipe, builder))
@@ -254,7 +255,8 @@ def build_pipeline_model(recipe, tokenizer, layout: Layout):
                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     config._attn_implementation = m.attn_implementation
     config.use_cache = False
-    return build_pipeline_module(config, layout, folder=folder, partition_method=p.pipe_partition_method,
+    return build_pipeline_module(config, layout, folder=folder, seed=recipe.train.seed,
+                                 partition_method=p.pipe_partition_method,
                                  activation_checkpointing=p.activation_checkpointing,
                                  loss_normalization=recipe.train.loss_normalization,
                                  fused_cross_entropy=recipe.train.fused_cross_entropy)

@@ -1,0 +1,41 @@
+"""Several runs of the real entry point (`neox_hf.train.main`, what `run_clm_neox.py` calls) in one launch, one
+after the other, resetting Accelerate between them: a launch costs ~15 s of start-up on 2 cores, a tiny run a few.
+
+    accelerate launch --use_deepspeed --num_processes 2 ... tests/workers/init_layouts.py OUT_DIR \
+        NAME="--parallel.tensor_parallel 2" ... -- RUN_ARGS...
+
+Each NAME runs `RUN_ARGS` plus its own overrides with `--output.dir OUT_DIR/NAME`. A run that fails stops the
+launch with its exit status. Pipeline runs go last: DeepSpeed's pipeline engine leaves its topology behind.
+"""
+
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the suite-wide conftest helpers
+from conftest import reset_accelerate_state  # noqa: E402
+
+
+def main(argv: list[str]) -> int:
+    import torch.distributed as dist
+    from accelerate.state import PartialState
+
+    from neox_hf.train import main as run
+
+    # A run ends with `accelerator.end_training()`, which destroys the process group; a second group on torchrun's
+    # agent store would hang at its rendezvous. The runs share the launch's group instead, destroyed at the end.
+    PartialState.destroy_process_group = lambda self, group=None: None
+    split = argv.index("--")
+    out_dir, layouts, common = Path(argv[0]), argv[1:split], argv[split + 1:]
+    for layout in layouts:
+        name, _, overrides = layout.partition("=")
+        status = run([*common, *shlex.split(overrides), "--output.dir", str(out_dir / name)])
+        if status:
+            return status
+        reset_accelerate_state()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
