@@ -117,3 +117,36 @@ def test_one_process_to_dp2_zero2(one_process_pack, pack_data, tmp_path):
 
 def test_dp2_zero2_to_tp2(dp2_zero2_pack, pack_data, tmp_path):
     resume(dp2_zero2_pack, tmp_path / "b", 2, pack_data, zero=1, tp=2)
+
+
+@pytest.fixture(scope="module")
+def dp2_zero3_pad(tmp_path_factory, pad_data) -> Path:
+    out = tmp_path_factory.mktemp("src") / "dp2_zero3_pad"
+    ok(run(out, 2, pad_data, zero=3))
+    return out
+
+
+def test_dp2_zero3_to_dp2_zero1(dp2_zero3_pad, pad_data, tmp_path):
+    resume(dp2_zero3_pad, tmp_path / "b", 2, pad_data, zero=1)
+
+
+@pytest.fixture(scope="module")
+def tp2_sp_pad(tmp_path_factory, pad_data) -> Path:
+    out = tmp_path_factory.mktemp("src") / "tp2_sp_pad"
+    ok(run(out, 2, pad_data, zero=1, tp=2, sp=True))
+    return out
+
+
+def test_tp2_sequence_parallel_to_one_process(tp2_sp_pad, pad_data, tmp_path):
+    resume(tp2_sp_pad, tmp_path / "b", 1, pad_data)
+
+
+def test_streamed_position_refuses_another_data_parallel_size(tp2_sp_pad, pad_data, tmp_path):
+    """TP2 (1 data-parallel rank) → DP2: the streamed position is per data-parallel rank, refused in one line."""
+    done = run(tmp_path / "b", 2, pad_data, "--train.resume", str(tp2_sp_pad / "checkpoints" / "step_00000003"),
+               zero=1)
+    assert done.returncode != 0
+    errors = sorted({line for line in done.stdout.splitlines() + done.stderr.splitlines() if line.startswith("error:")})
+    assert errors == ["error: the streamed data position was saved by 1 data-parallel rank(s) and this run has 2: "
+                      "resume with 1 data-parallel rank(s) (tensor / pipeline sizes and ZeRO stage may change), or "
+                      "use `data.order: gpt-neox`, whose position is layout-free"], errors

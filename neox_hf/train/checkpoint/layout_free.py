@@ -81,20 +81,26 @@ def has_layout_free_state(folder: Path) -> bool:
 
 def save_layout_free(tensors: dict, folder: Path) -> None:
     """Write this rank's chunks of `tensors` (plain tensors or DTensors) under `folder/layout_free`. Collective."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(Path(folder) / FOLDER)))
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(Path(folder) / FOLDER)), no_dist=not _distributed(dist))
 
 
 def load_layout_free(targets: dict, folder: Path) -> None:
     """Fill `targets` (tensors or DTensors of this run's layout) in place from `folder/layout_free`, reading only the
     chunks each rank's targets overlap. A tensor missing there, or of another full shape, is refused before any read,
     naming the first difference. Collective."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     reader = _reader_class()(str(Path(folder) / FOLDER))
     check_same_tensors(reader.read_metadata().state_dict_metadata, targets, folder)
-    dcp.load(targets, storage_reader=reader)
+    dcp.load(targets, storage_reader=reader, no_dist=not _distributed(dist))
+
+
+def _distributed(dist) -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def check_same_tensors(stored: dict, targets: dict, folder: Path) -> None:
