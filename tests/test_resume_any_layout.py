@@ -150,3 +150,19 @@ def test_streamed_position_refuses_another_data_parallel_size(tp2_sp_pad, pad_da
     assert errors == ["error: the streamed data position was saved by 1 data-parallel rank(s) and this run has 2: "
                       "resume with 1 data-parallel rank(s) (tensor / pipeline sizes and ZeRO stage may change), or "
                       "use `data.order: gpt-neox`, whose position is layout-free"], errors
+
+
+def test_tp2_to_pipeline2(tp2_sp_pad, pad_data, tmp_path):
+    """The TP2 source (with sequence parallelism, which changes no parameter) resumed on 2 pipeline stages."""
+    resume(tp2_sp_pad, tmp_path / "b", 2, pad_data, pp=2)
+
+
+@pytest.fixture(scope="module")
+def pp2_tp2_pack(tmp_path_factory, pack_data) -> Path:
+    out = tmp_path_factory.mktemp("src") / "pp2_tp2_pack"
+    ok(run(out, 4, pack_data, zero=1, tp=2, pp=2))
+    return out
+
+
+def test_pipeline2_tp2_to_one_process(pp2_tp2_pack, pack_data, tmp_path):
+    resume(pp2_tp2_pack, tmp_path / "b", 1, pack_data)

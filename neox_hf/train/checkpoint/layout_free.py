@@ -89,14 +89,54 @@ def save_layout_free(tensors: dict, folder: Path) -> None:
 
 def load_layout_free(targets: dict, folder: Path) -> None:
     """Fill `targets` (tensors or DTensors of this run's layout) in place from `folder/layout_free`, reading only the
-    chunks each rank's targets overlap. A tensor missing there, or of another full shape, is refused before any read,
-    naming the first difference. Collective."""
+    chunks each rank's targets overlap. A tensor missing there, or of another full shape, is refused on every rank
+    (the ranks agree first, so none is left waiting in a collective) before any read, naming the first difference.
+    Collective."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     reader = _reader_class()(str(Path(folder) / FOLDER))
-    check_same_tensors(reader.read_metadata().state_dict_metadata, targets, folder)
+    stored = reader.read_metadata().state_dict_metadata
+    every = _gather([sorted(targets), shape_difference(stored, targets, folder)])
+    problems = [problem for _, problem in every if problem] or [
+        extra_tensor(stored, set().union(*(keys for keys, _ in every)), folder)]
+    if problems[0]:
+        raise CheckpointError(problems[0])
     dcp.load(targets, storage_reader=reader, no_dist=not _distributed(dist))
+
+
+def shape_difference(stored: dict, targets: dict, folder: Path) -> str | None:
+    """The first of this rank's tensors the checkpoint lacks or holds in another full shape, said in one line."""
+    for key, target in targets.items():
+        if key not in stored:
+            return (f"{folder} holds no {key}: it was written for another model (this run builds {key} "
+                    f"{list(target.shape)}); resume with the recipe it was written with")
+        shape = list(getattr(stored[key], "size", []))
+        if shape != list(target.shape):
+            return (f"{folder} holds {key} of shape {shape}; this run builds {list(target.shape)}: resume with the "
+                    "model settings it was written with (the vocabulary is padded to "
+                    "model.make_vocab_size_divisible_by × tensor_parallel; set model.vocab_size to keep it)")
+    return None
+
+
+def extra_tensor(stored: dict, wanted: set, folder: Path) -> str | None:
+    """A parameter the checkpoint holds that no rank of this run asks for (a model with fewer layers)."""
+    extra = sorted(k for k in stored if k.startswith("model/") and k not in wanted)
+    if not extra:
+        return None
+    return (f"{folder} holds {extra[0]}, which this run's model lacks: it was written for another model; resume "
+            "with the recipe it was written with")
+
+
+def _gather(value) -> list:
+    """`value` of every rank (a pipeline stage holds only its layers). Collective when distributed."""
+    import torch.distributed as dist
+
+    if not _distributed(dist):
+        return [value]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
 
 
 def _distributed(dist) -> bool:
@@ -115,7 +155,7 @@ def check_same_tensors(stored: dict, targets: dict, folder: Path) -> None:
                                   "resume with the model settings it was written with (the vocabulary is padded to "
                                   "model.make_vocab_size_divisible_by × tensor_parallel; set model.vocab_size to keep "
                                   "it)")
-    extra = sorted(set(k for k in stored if k.startswith("model/")) - set(targets))
+    extra = sorted(set(k for k in stored if k.startswith("model/")) - _every_rank_keys(targets))
     if extra:
         raise CheckpointError(f"{folder} holds {extra[0]}, which this run's model lacks: it was written for another "
                               "model; resume with the recipe it was written with")
