@@ -21,8 +21,6 @@ import pytest
 from tests.conftest import REPO, free_port, launch_env, shared
 from tests.test_resume import step_losses
 
-pytestmark = pytest.mark.distributed
-
 TINY = ["--model.hidden_size", "64", "--model.num_layers", "2", "--model.seq_length", "64",
         "--model.vocab_size", "50432",  # one padded vocabulary for TP 1, 2 and 4 (50,277 tokens)
         "--train.micro_batch_size", "2", "--train.train_iters", "6", "--train.save_interval", "3",
@@ -108,6 +106,7 @@ def dp2_zero2_pack(tmp_path_factory, pack_data) -> Path:
     return out
 
 
+@pytest.mark.distributed
 def test_one_process_to_dp2_zero2(one_process_pack, pack_data, tmp_path):
     done = resume(one_process_pack, tmp_path / "b", 2, pack_data, zero=2)
     assert ("resuming step 3 written by 1 process without DeepSpeed on DeepSpeed ZeRO-2 on 2 processes"
@@ -115,6 +114,7 @@ def test_one_process_to_dp2_zero2(one_process_pack, pack_data, tmp_path):
     assert "data position: sample 12 of GPT-NeoX's order" in done.stdout
 
 
+@pytest.mark.distributed
 def test_dp2_zero2_to_tp2(dp2_zero2_pack, pack_data, tmp_path):
     resume(dp2_zero2_pack, tmp_path / "b", 2, pack_data, zero=1, tp=2)
 
@@ -126,6 +126,7 @@ def dp2_zero3_pad(tmp_path_factory, pad_data) -> Path:
     return out
 
 
+@pytest.mark.distributed
 def test_dp2_zero3_to_dp2_zero1(dp2_zero3_pad, pad_data, tmp_path):
     resume(dp2_zero3_pad, tmp_path / "b", 2, pad_data, zero=1)
 
@@ -137,10 +138,12 @@ def tp2_sp_pad(tmp_path_factory, pad_data) -> Path:
     return out
 
 
+@pytest.mark.distributed
 def test_tp2_sequence_parallel_to_one_process(tp2_sp_pad, pad_data, tmp_path):
     resume(tp2_sp_pad, tmp_path / "b", 1, pad_data)
 
 
+@pytest.mark.distributed
 def test_streamed_position_refuses_another_data_parallel_size(tp2_sp_pad, pad_data, tmp_path):
     """TP2 (1 data-parallel rank) → DP2: the streamed position is per data-parallel rank, refused in one line."""
     done = run(tmp_path / "b", 2, pad_data, "--train.resume", str(tp2_sp_pad / "checkpoints" / "step_00000003"),
@@ -152,6 +155,7 @@ def test_streamed_position_refuses_another_data_parallel_size(tp2_sp_pad, pad_da
                       "use `data.order: gpt-neox`, whose position is layout-free"], errors
 
 
+@pytest.mark.distributed
 def test_tp2_to_pipeline2(tp2_sp_pad, pad_data, tmp_path):
     """The TP2 source (with sequence parallelism, which changes no parameter) resumed on 2 pipeline stages."""
     resume(tp2_sp_pad, tmp_path / "b", 2, pad_data, pp=2)
@@ -164,5 +168,56 @@ def pp2_tp2_pack(tmp_path_factory, pack_data) -> Path:
     return out
 
 
+@pytest.mark.distributed
 def test_pipeline2_tp2_to_one_process(pp2_tp2_pack, pack_data, tmp_path):
     resume(pp2_tp2_pack, tmp_path / "b", 1, pack_data)
+
+
+def _saved_tiny_state(folder: Path) -> dict:
+    import torch
+
+    from neox_hf.train.checkpoint.layout_free import save_layout_free
+
+    state = {"model/w": torch.arange(12.0).reshape(3, 4), "exp_avg/w": torch.ones(3, 4)}
+    save_layout_free(state, folder)
+    return state
+
+
+def test_layout_free_metadata_that_could_run_code_is_refused(tmp_path):
+    """DCP unpickles `.metadata` with pickle.load; ours admits plain metadata only."""
+    import os
+    import pickle
+
+    import torch
+
+    from neox_hf.errors import CheckpointError
+    from neox_hf.train.checkpoint.layout_free import FOLDER, load_layout_free
+
+    state = _saved_tiny_state(tmp_path)
+    targets = {key: torch.zeros_like(value) for key, value in state.items()}
+    load_layout_free(targets, tmp_path)  # plain metadata reads
+    assert all(torch.equal(targets[k], state[k]) for k in state)
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, ("touch " + str(tmp_path / "ran"),)
+
+    (tmp_path / FOLDER / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError, match=r"\.metadata was refused: posix\.system is not plain checkpoint metadata"):
+        load_layout_free(targets, tmp_path)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_layout_free_damage_and_another_shape_are_named(tmp_path):
+    import torch
+
+    from neox_hf.errors import CheckpointError
+    from neox_hf.train.checkpoint.layout_free import FOLDER, load_layout_free
+
+    _saved_tiny_state(tmp_path)
+    with pytest.raises(CheckpointError, match=r"holds model/w of shape \[3, 4\]; this run builds \[4, 4\]"):
+        load_layout_free({"model/w": torch.zeros(4, 4)}, tmp_path)
+    data = next((tmp_path / FOLDER).glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:40])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_layout_free({"model/w": torch.zeros(3, 4), "exp_avg/w": torch.zeros(3, 4)}, tmp_path)

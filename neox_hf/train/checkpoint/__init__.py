@@ -360,7 +360,12 @@ def load_layout_free_checkpoint(engine, folder: Path, *, writer: dict, scheduler
     notify = notify or engine.accelerator.print
     notify(f"resuming step {state['train_state']['step']} written by {describe_run(writer)} on "
            f"{describe_run(current)}")
-    engine.load_layout_free_state(lambda targets: load_layout_free(targets, folder), state["layout_free"])
+    try:
+        engine.load_layout_free_state(lambda targets: load_layout_free(targets, folder), state["layout_free"])
+    except CheckpointError as err:
+        if "truncated or corrupt" not in str(err):  # another model: an earlier checkpoint would be refused alike
+            raise
+        raise CheckpointError(f"{err}; {_resume_hint(folder)}") from err
     scheduler.load_state_dict(state["scheduler"])
     if data_state is not None and hasattr(data_loader, "load_state_dict"):
         data_loader.load_state_dict(data_state)

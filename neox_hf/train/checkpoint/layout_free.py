@@ -102,7 +102,17 @@ def load_layout_free(targets: dict, folder: Path) -> None:
         extra_tensor(stored, set().union(*(keys for keys, _ in every)), folder)]
     if problems[0]:
         raise CheckpointError(problems[0])
-    dcp.load(targets, storage_reader=reader, no_dist=not _distributed(dist))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(targets, storage_reader=reader, no_dist=not _distributed(dist))
+    except (Exception, CheckpointException) as err:  # DCP's exception for a rank's failed read is a BaseException
+        raise CheckpointError(f"cannot read {Path(folder) / FOLDER} ({_first_line(err)}): a file of it is truncated "
+                              "or corrupt") from err
+
+
+def _first_line(err: BaseException) -> str:
+    return next(iter(str(err).strip().splitlines()), type(err).__name__)
 
 
 def shape_difference(stored: dict, targets: dict, folder: Path) -> str | None:
