@@ -357,9 +357,18 @@ def load_layout_free_checkpoint(engine, folder: Path, *, writer: dict, scheduler
     current = run_description(engine.accelerator)
     state = _read_torch_file(folder / "trainer_state_rank0.pt", folder)
     data_state = _writer_rank_data_state(folder, writer, engine.layout.dp_rank)
+    if data_state is not None and hasattr(data_loader, "load_state_dict"):
+        from neox_hf.errors import DataError
+
+        try:  # first: a position that cannot move refuses the resume before any tensor is read
+            data_loader.load_state_dict(data_state)
+        except DataError as err:
+            raise CheckpointError(other_launch_message(folder, writer, current, why=str(err))) from err
     notify = notify or engine.accelerator.print
     notify(f"resuming step {state['train_state']['step']} written by {describe_run(writer)} on "
            f"{describe_run(current)}")
+    if data_state is not None and hasattr(data_loader, "describe_position"):
+        notify(data_loader.describe_position())
     try:
         engine.load_layout_free_state(lambda targets: load_layout_free(targets, folder), state["layout_free"])
     except CheckpointError as err:
@@ -367,10 +376,6 @@ def load_layout_free_checkpoint(engine, folder: Path, *, writer: dict, scheduler
             raise
         raise CheckpointError(f"{err}; {_resume_hint(folder)}") from err
     scheduler.load_state_dict(state["scheduler"])
-    if data_state is not None and hasattr(data_loader, "load_state_dict"):
-        data_loader.load_state_dict(data_state)
-        if hasattr(data_loader, "describe_position"):
-            notify(data_loader.describe_position())
     return TrainState(**state["train_state"])
 
 
@@ -393,11 +398,16 @@ def check_same_writer(folder: Path, current: dict) -> None:
               and _comparable(k, writer[k]) != _comparable(k, current[k])]
     if not differ:
         return
-    raise CheckpointError(
-        f"{folder} was written by {describe_run(writer)}; this run is {describe_run(current)}, which cannot read it "
-        f"(the checkpoint is intact): resume with the launch that wrote it, {launch_command(writer)}, or "
-        f"export its weights with `neox_hf export {folder} OUT` and start a new run from them with "
-        "`--model.from_pretrained OUT`")
+    raise CheckpointError(other_launch_message(folder, writer, current))
+
+
+def other_launch_message(folder: Path, writer: dict, current: dict, *, why: str = "") -> str:
+    """One line: what wrote `folder`, what this run is, why it cannot continue it, and what to do instead."""
+    reason = f" ({why})" if why else ""
+    return (f"{folder} was written by {describe_run(writer)}; this run is {describe_run(current)}, which cannot read "
+            f"it{reason} (the checkpoint is intact): resume with the launch that wrote it, {launch_command(writer)}, "
+            f"or export its weights with `neox_hf export {folder} OUT` and start a new run from them with "
+            "`--model.from_pretrained OUT`")
 
 
 def _comparable(key: str, value):
