@@ -131,7 +131,9 @@ RUN = ["recipes/tiny.yaml", "--model.hidden_size", "64", "--model.num_layers", "
        "--output.tensorboard", "false", "--data.validation_fraction", "0"]
 LAYOUTS = {"dp2": "--parallel.zero_stage 2 --train.micro_batch_size 2",
            "tp2": "--parallel.tensor_parallel 2 --parallel.zero_stage 1 --train.micro_batch_size 4",
-           "pp2": "--parallel.pipeline_parallel 2 --parallel.zero_stage 1 --train.micro_batch_size 4"}
+           "pp2": "--parallel.pipeline_parallel 2 --parallel.zero_stage 1 --train.micro_batch_size 4",
+           # last: transformers keeps treating later models as ZeRO-3 partitioned while a ZeRO-3 config lives
+           "zero3": "--parallel.zero_stage 3 --train.micro_batch_size 2"}
 
 
 def _periodic_validation(path) -> str:
@@ -149,7 +151,7 @@ def _periodic_validation(path) -> str:
 
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory):
-    """One process (`python run_clm_neox.py`) beside one 2-process launch running DP2 ZeRO-2, TP2 and pipeline 2
+    """One process (`python run_clm_neox.py`) beside one 2-process launch running DP2 ZeRO-2, TP2, pipeline 2, DP2 ZeRO-3
     through the same entry point (tests/workers/init_layouts.py), all from scratch with the same seed."""
     tmp = tmp_path_factory.mktemp("layout_free_init")
     # the same small file trains too: the tiny step at lr 1e-9 needs no real text, and tokenizing it costs nothing

@@ -5,7 +5,7 @@ after the other, resetting Accelerate between them: a launch costs ~15 s of star
         NAME="--parallel.tensor_parallel 2" ... -- RUN_ARGS...
 
 Each NAME runs `RUN_ARGS` plus its own overrides with `--output.dir OUT_DIR/NAME`. A run that fails stops the
-launch with its exit status. Pipeline runs go last: DeepSpeed's pipeline engine leaves its topology behind.
+launch with its exit status. A ZeRO-3 run goes last (transformers keeps its ZeRO-3 config for later models).
 """
 
 import shlex
