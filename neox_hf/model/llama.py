@@ -20,8 +20,6 @@ from transformers.models.mistral.modeling_mistral import MistralPreTrainedModel
 
 from neox_hf.model.modeling import _NeoXInitMixin, family_config_kwargs
 
-# Llama's row-parallel output projections (GPT-NeoX's attention.dense and mlp.linear2): output_layer_init_method.
-LLAMA_OUTPUT_LAYERS = ("self_attn.o_proj", "mlp.down_proj")
 _STOCK_ARCHITECTURES = {"NeoXLlamaForCausalLM": "LlamaForCausalLM", "NeoXLlamaModel": "LlamaModel",
                         "NeoXMistralForCausalLM": "MistralForCausalLM", "NeoXMistralModel": "MistralModel"}
 
@@ -74,14 +72,12 @@ class NeoXMistralConfig(MistralConfig):
 
 class NeoXLlamaModel(_NeoXInitMixin, LlamaModel):
     config_class = NeoXLlamaConfig
-    _neox_output_layers = LLAMA_OUTPUT_LAYERS
 
 
 class NeoXLlamaForCausalLM(_NeoXInitMixin, LlamaForCausalLM):
     """`LlamaForCausalLM` with GPT-NeoX initialisation; same weights, keys, config and forward."""
 
     config_class = NeoXLlamaConfig
-    _neox_output_layers = LLAMA_OUTPUT_LAYERS
 
     def __init__(self, config):
         # The trunk is NeoXLlamaModel so that transformers' per-submodel init reaches our `_init_weights`.
@@ -94,14 +90,12 @@ class NeoXLlamaForCausalLM(_NeoXInitMixin, LlamaForCausalLM):
 
 class NeoXMistralModel(_NeoXInitMixin, MistralModel):
     config_class = NeoXMistralConfig
-    _neox_output_layers = LLAMA_OUTPUT_LAYERS
 
 
 class NeoXMistralForCausalLM(_NeoXInitMixin, MistralForCausalLM):
     """`MistralForCausalLM` (Llama + a sliding attention window) with GPT-NeoX initialisation."""
 
     config_class = NeoXMistralConfig
-    _neox_output_layers = LLAMA_OUTPUT_LAYERS
 
     def __init__(self, config):
         MistralPreTrainedModel.__init__(self, config)

@@ -36,9 +36,6 @@ INIT_METHODS = ("normal", "scaled_normal", "small_init", "wang_init")
 # Our class name → the stock class name written into config.json `architectures`.
 _STOCK_ARCHITECTURES = {"NeoXForCausalLM": "GPTNeoXForCausalLM", "NeoXModel": "GPTNeoXModel"}
 
-# GPT-NeoX's row-parallel output projections, initialised with `output_layer_init_method`.
-_OUTPUT_LAYER_SUFFIXES = ("attention.dense", "mlp.dense_4h_to_h")
-
 
 @strict
 class NeoXConfig(GPTNeoXConfig):
@@ -99,15 +96,17 @@ class _NeoXInitMixin:
     """Replaces transformers' single-std init by GPT-NeoX's per-role init.
 
     Roles are tagged by module path before transformers runs its init, because `_init_weights` only sees the module.
-    A family's row-parallel output projections are `_neox_output_layers` (module-path suffixes).
+    A family's row-parallel output projections are its spec's `output_layers` (module-path suffixes), as for
+    `initial_tensor`.
     """
 
-    _neox_output_layers: tuple[str, ...] = _OUTPUT_LAYER_SUFFIXES
-
     def post_init(self):
+        from neox_hf.model.spec import spec_for_config
+
+        output_layers = spec_for_config(self.config).output_layers
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                module._neox_output_layer = name.endswith(self._neox_output_layers)
+                module._neox_output_layer = name.endswith(output_layers)
         super().post_init()
 
     def _init_weights(self, module):

@@ -90,6 +90,7 @@ LLAMA = ModelSpec(
         "model.layers.*.post_attention_layernorm": "sequence_norm",
         "model.norm": "sequence_norm",
     },
+    # GPT-NeoX's attention.dense and mlp.linear2
     output_layers=("self_attn.o_proj", "mlp.down_proj"),
     kv_heads_attr="num_key_value_heads",
     from_gpt_neox_names={"query_key_value": ("q_proj", "k_proj", "v_proj"), "dense": ("o_proj",),
