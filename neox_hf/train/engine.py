@@ -332,7 +332,8 @@ class _ShardViews:
         placements = self._placements(full, tp_dim, split_dp=True)
         local = shard
         if str(placements[1]).startswith("S"):
-            local = shard.chunk(self.layout.dp, dim=0)[self.layout.dp_rank]
+            # a copy: a view would keep the whole gathered shard alive until the save ends
+            local = shard.chunk(self.layout.dp, dim=0)[self.layout.dp_rank].clone()
         return DTensor.from_local(local.contiguous(), self.mesh, placements, run_check=False, shape=full,
                                   stride=torch.empty(full, device="meta").stride())
 
