@@ -112,6 +112,8 @@ def test_one_process_to_dp2_zero2(one_process_pack, pack_data, tmp_path):
     assert ("resuming step 3 written by 1 process without DeepSpeed on DeepSpeed ZeRO-2 on 2 processes"
             in done.stdout), done.stdout[-2000:]
     assert "data position: sample 12 of GPT-NeoX's order" in done.stdout
+    # one process without DeepSpeed: accelerate's model.safetensors + optimizer.bin are the layout-free state
+    assert not (one_process_pack / "checkpoints" / "step_00000003" / "layout_free").exists()
 
 
 @pytest.mark.distributed

@@ -7,7 +7,9 @@ whether the layout has pipeline stages.
   schedule, whose last stage computes the `lm` loss (`objectives` says what it runs).
 
 Each gives the loop what it needs: build the model, parallelize it (optimizer included), one optimizer step for the
-run's objective, evaluation sums, the full state dict, the parameter count, the fp16 loss scale. The loop never
+run's objective, evaluation sums, the full state dict, the parameter count, the fp16 loss scale, and this rank's
+part of the layout-free checkpoint state (`layout_free_state` / `load_layout_free_state`: each parameter under its
+transformers name and full shape, so `train/checkpoint` never learns the layout). The loop never
 learns what a stage, a TP group or a ZeRO partition is (torchtitan's `ModelSpec`/`train_step` split, one level up).
 """
 
@@ -330,8 +332,10 @@ class _ShardViews:
 
         full = self.full_shape(shard.shape, tp_dim)
         placements = self._placements(full, tp_dim, split_dp=True)
+        from torch.distributed.tensor import Shard
+
         local = shard
-        if str(placements[1]).startswith("S"):
+        if isinstance(placements[1], Shard):
             # a copy: a view would keep the whole gathered shard alive until the save ends
             local = shard.chunk(self.layout.dp, dim=0)[self.layout.dp_rank].clone()
         return DTensor.from_local(local.contiguous(), self.mesh, placements, run_check=False, shape=full,

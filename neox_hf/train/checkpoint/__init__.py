@@ -3,7 +3,9 @@
 Layout under `output.dir/checkpoints/`:
     step_00000010/            accelerator.save_state (model, optimizer, loss scaler, RNG of every rank; under
                               DeepSpeed its engine checkpoint, ZeRO partitions included)
-        trainer_state_rank{r}.pt   step, consumed samples, LR scheduler, this rank's data position
+        trainer_state_rank{r}.pt   step, consumed samples, LR scheduler, this rank's data position, Adam's step
+        layout_free/          the same training state on no layout (torch.distributed.checkpoint; see layout_free.py):
+                              what a launch of another layout resumes from
     latest                    the name of the newest complete checkpoint
 
 A checkpoint is written to a `.tmp-step_…` folder and renamed only after every rank finished, then `latest` is
@@ -14,8 +16,9 @@ complete checkpoints, and by name, so after a resume from an earlier step it del
 Pruning keeps the newest `keep_last_n` checkpoints of the current timeline only (see `prune_checkpoints`); a
 missing or dangling `latest` falls back, with a notice, to the most recently written complete checkpoint; damaged
 files raise `CheckpointError` naming the file and the previous checkpoint. The trainer state records what wrote the
-checkpoint (`writer`: DeepSpeed or not, ZeRO stage, data / tensor / pipeline sizes), read before loading, so a
-checkpoint of another kind of launch is refused as such, never called damaged. A save that fills the disk removes its
+checkpoint (`writer`: DeepSpeed or not, ZeRO stage, data / tensor / pipeline sizes), read before loading: the same
+launch reads accelerate's files (RNG included), another one the layout-free state, and a checkpoint without one (older,
+or PEFT) of another kind of launch is refused as such, never called damaged. A save that fills the disk removes its
 staging folder and says which checkpoint is intact.
 
 Nothing a checkpoint holds runs code when read: the trainer state is plain data, the RNG state tensors and numpy arrays,
@@ -33,7 +36,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from neox_hf.errors import CheckpointError
-from neox_hf.train.checkpoint.layout_free import has_layout_free_state, load_layout_free, save_layout_free
+from neox_hf.train.checkpoint.layout_free import (has_layout_free_state, load_from_accelerate_files, load_layout_free,
+                                                  save_layout_free)
 from neox_hf.io import (TMP_PREFIX, atomic_torch_save, atomic_write_text, folder_refusal_message, give_umask_modes,
                         is_weights_only_refusal, load_torch_safely, weights_only_loads)
 
@@ -76,7 +80,8 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
         layout_free = None
         if engine is not None:
             tensors, layout_free = engine.layout_free_state()
-            save_layout_free(tensors, staging)
+            if _uses_deepspeed(accelerator) or accelerator.num_processes > 1:  # else accelerate's files are it
+                save_layout_free(tensors, staging)
         trainer_state = {
             "layout_free": layout_free,
             "train_state": asdict(state),
@@ -274,7 +279,7 @@ def load_checkpoint(accelerator, folder: Path, *, scheduler, data_loader, engine
     the run's `engine` is given; `notify` says what changed), else refused saying which, before anything is read."""
     current = run_description(accelerator)
     writer = checkpoint_writer(folder)
-    if engine is not None and writer_differs(writer, current) and has_layout_free_state(folder):
+    if engine is not None and writer_differs(writer, current) and _layout_free_reader(folder, writer):
         return load_layout_free_checkpoint(engine, folder, writer=writer, scheduler=scheduler,
                                            data_loader=data_loader, notify=notify)
     check_same_writer(folder, current)
@@ -370,13 +375,23 @@ def load_layout_free_checkpoint(engine, folder: Path, *, writer: dict, scheduler
     if data_state is not None and hasattr(data_loader, "describe_position"):
         notify(data_loader.describe_position())
     try:
-        engine.load_layout_free_state(lambda targets: load_layout_free(targets, folder), state["layout_free"])
+        engine.load_layout_free_state(_layout_free_reader(folder, writer), state["layout_free"])
     except CheckpointError as err:
         if "truncated or corrupt" not in str(err):  # another model: an earlier checkpoint would be refused alike
             raise
         raise CheckpointError(f"{err}; {_resume_hint(folder)}") from err
     scheduler.load_state_dict(state["scheduler"])
     return TrainState(**state["train_state"])
+
+
+def _layout_free_reader(folder: Path, writer: dict | None):
+    """How to fill an engine's layout-free targets from `folder`, or None when it holds no layout-free state."""
+    if has_layout_free_state(folder):
+        return lambda targets: load_layout_free(targets, folder)
+    one_plain_process = writer and not writer.get("deepspeed") and writer.get("processes") == 1
+    if one_plain_process and (folder / "optimizer.bin").is_file() and (folder / "model.safetensors").is_file():
+        return lambda targets: load_from_accelerate_files(targets, folder)
+    return None
 
 
 def _writer_rank_data_state(folder: Path, writer: dict, dp_rank: int):

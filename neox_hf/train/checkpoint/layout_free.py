@@ -79,12 +79,86 @@ def has_layout_free_state(folder: Path) -> bool:
     return (Path(folder) / FOLDER / ".metadata").is_file()
 
 
+def load_from_accelerate_files(targets: dict, folder: Path) -> None:
+    """Fill `targets` from what accelerate's save_state wrote for one process without DeepSpeed: its
+    `model.safetensors` and `optimizer.bin` already are the layout-free state (transformers names, full shapes, fp32),
+    so such a run writes no second copy. Every rank reads the files whole (they fit one process) and keeps its
+    chunk of each tensor. Adam's state is keyed by position: `build_optimizer`'s groups (matrices, then vectors) over
+    the model's parameters in order, which the checkpoint's config rebuilds on the meta device."""
+    from safetensors.torch import load_file
+
+    from neox_hf.io import load_torch_safely
+
+    folder = Path(folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    optimizer = load_torch_safely(folder / "optimizer.bin")
+    name_of = _optimizer_index_names(folder, optimizer)
+    full = {f"model/{name}": tensor for name, tensor in weights.items()}
+    for index, state in optimizer["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            full[f"{key}/{name_of[index]}"] = state[key]
+    check = shape_difference({k: _Shape(v.shape) for k, v in full.items()}, targets, folder)
+    if check:
+        raise CheckpointError(check)
+    for key, target in targets.items():
+        _copy_chunk(full[key], target)
+
+
+class _Shape:
+    def __init__(self, size):
+        self.size = size
+
+
+def _optimizer_index_names(folder: Path, optimizer: dict) -> dict[int, str]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(folder))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    ordered = [n for n, p in params if p.ndim >= 2] + [n for n, p in params if p.ndim < 2]
+    indices = [index for group in optimizer["param_groups"] for index in group["params"]]
+    if len(indices) != len(ordered):
+        raise CheckpointError(f"{folder / 'optimizer.bin'} holds {len(indices)} parameters' state and its config "
+                              f"builds {len(ordered)}: it was written by another version of neox_hf; resume it on "
+                              "the layout that wrote it")
+    return dict(zip(indices, ordered))
+
+
+def _copy_chunk(full, target) -> None:
+    """Copy the part of `full` that `target` (a tensor or a DTensor's local chunk) stands for."""
+    import torch
+
+    if not hasattr(target, "to_local"):
+        target.copy_(full)
+        return
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(full.shape, target.device_mesh, target.placements)
+    chunk = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    with torch.no_grad():
+        target.to_local().copy_(chunk)
+
+
 def save_layout_free(tensors: dict, folder: Path) -> None:
     """Write this rank's chunks of `tensors` (plain tensors or DTensors) under `folder/layout_free`. Collective."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(Path(folder) / FOLDER)), no_dist=not _distributed(dist))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(Path(folder) / FOLDER)),
+                 no_dist=not _distributed(dist))
+    except CheckpointException as err:  # a BaseException, which `except Exception` (a full disk's report) misses
+        raise _first_failure(err) from err
+
+
+def _first_failure(err) -> Exception:
+    """The exception a rank's failed write raised (e.g. OSError ENOSPC), as an ordinary exception."""
+    failure = next(iter(getattr(err, "failures", {}).values()), None)
+    return failure if isinstance(failure, Exception) else RuntimeError(str(err))
 
 
 def load_layout_free(targets: dict, folder: Path) -> None:
