@@ -89,6 +89,10 @@ class Engine:
         parameter this rank holds."""
         raise NotImplementedError
 
+    def has_layout_free_state(self) -> bool:
+        """Whether `layout_free_state` can describe this rank's model (see PipelineEngine's exception)."""
+        return True
+
     def layout_free_state(self) -> tuple[dict, dict]:
         """This rank's part of the layout-free training state: (tensors keyed `model|exp_avg|exp_avg_sq/<name>`,
         each this rank's chunk of the full tensor; plain data: Adam's step, the loss scaler). Collective."""
@@ -235,6 +239,12 @@ class PipelineEngine(Engine):
         from neox_hf.parallel.pipeline import gather_pipeline_state_dict
 
         return gather_pipeline_state_dict(self.model, self.layout)
+
+    def has_layout_free_state(self) -> bool:
+        """Not with tied embeddings: the first and last stages each hold a copy of the tied embedding under
+        DeepSpeed's `tied_modules`, which has no single owner to write it and no mapping yet. Such a checkpoint resumes
+        on its own layout; another layout refuses it as a checkpoint without a layout-free state."""
+        return not self.model.module.config.tie_word_embeddings
 
     def named_full_parameters(self):
         from neox_hf.parallel.pipeline.checkpoint_files import stage_parameter_names

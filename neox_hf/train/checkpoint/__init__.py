@@ -78,7 +78,7 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
     try:
         accelerator.save_state(str(staging))
         layout_free = None
-        if engine is not None:
+        if engine is not None and engine.has_layout_free_state():
             tensors, layout_free = engine.layout_free_state()
             if _uses_deepspeed(accelerator) or accelerator.num_processes > 1:  # else accelerate's files are it
                 save_layout_free(tensors, staging)
