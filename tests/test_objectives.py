@@ -23,6 +23,7 @@ from neox_hf.objectives import ObjectiveLoss, build_objective
 from neox_hf.objectives.dpo import DPOObjective, attach_reference_logps, reference_logps
 from neox_hf.objectives.rm import build_reward_model, sequence_rewards
 from neox_hf.recipe import DataConfig, DataSource, Recipe, TrainConfig
+from tests.conftest import reset_accelerate_state
 
 REPO = Path(__file__).resolve().parents[1]
 PAIRS_FILE = REPO / "examples" / "data" / "gsm8k-pairs.jsonl"
@@ -92,7 +93,8 @@ def trl_dpo(tokenizer, tmp_path_factory):
                      use_cpu=True, bf16=False, per_device_train_batch_size=4, dataloader_num_workers=0)
     trainer = DPOTrainer(model=copy.deepcopy(policy), ref_model=copy.deepcopy(reference), args=args,
                          train_dataset=Dataset.from_list(_pairs()), processing_class=tokenizer)
-    return trainer, policy, reference
+    yield trainer, policy, reference
+    reset_accelerate_state()  # TRL's Accelerator (fp32) would refuse a later in-process bf16 run on this worker
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +110,8 @@ def trl_rm(tokenizer, tmp_path_factory):
     ours = copy.deepcopy(model)
     trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(_pairs()),
                             processing_class=tokenizer)
-    return trainer, ours
+    yield trainer, ours
+    reset_accelerate_state()
 
 
 def _our_loader(tmp_path, tokenizer, objective, micro_batch_size=4):
