@@ -18,6 +18,7 @@ LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt$")
 def is_pipeline_checkpoint(deepspeed_dir: Path) -> bool:
     return any(LAYER_FILE.search(p.name) for p in Path(deepspeed_dir).glob("layer_*-model_states.pt"))
 
+
 def _layer_attributes(config):
     """Per pipeline layer: its module attribute → the transformers path it stands for."""
     from neox_hf.model.spec import spec_for_config
@@ -46,14 +47,8 @@ def pipeline_checkpoint_state_dict(deepspeed_dir: Path, config) -> dict[str, tor
     """Stock GPTNeoX state dict from DeepSpeed pipeline layer files (`layer_XX-model_YY-model_states.pt`: one per
     pipeline layer and tensor-parallel rank), TP shards concatenated along the plan's dimensions."""
     from neox_hf.model.spec import spec_for_config
-    from neox_hf.parallel.pipeline.stages import embedding_paths
 
-    spec = spec_for_config(config)
-    attributes_of = {"EmbeddingPipe": lambda info: embedding_paths(spec),
-                     "TransformerLayerPipe": lambda info: {"layer": info.paths[0]},
-                     "FinalNormPipe": lambda info: {"final_layer_norm": spec.final_norm},
-                     "HeadPipe": lambda info: {"lm_head": spec.head}}
-    infos = pipeline_layer_infos(config)
+    infos, layer_attributes = pipeline_layer_infos(config), _layer_attributes(config)
     shards: dict[int, dict[int, Path]] = {}
     for path in Path(deepspeed_dir).glob("layer_*-model_states.pt"):
         match = LAYER_FILE.search(path.name)
@@ -67,12 +62,12 @@ def pipeline_checkpoint_state_dict(deepspeed_dir: Path, config) -> dict[str, tor
             raise CheckpointError(f"{deepspeed_dir} lacks layer_{index:02d}-model_*-model_states.pt ({info.name}); "
                                   "the pipeline checkpoint is incomplete or was written for another model config")
         ranks = [load_torch_safely(shards[index][r]) for r in sorted(shards[index])]
-        attributes = attributes_of[info.name](info)
+        attributes = layer_attributes[index]
         for key in ranks[0]:
             attribute, _, rest = key.partition(".")
             hf_key = f"{attributes[attribute]}.{rest}"
             dim = partition_dim(hf_key)
             full[hf_key] = ranks[0][key] if dim is None else torch.cat([r[key] for r in ranks], dim=dim)
     if config.tie_word_embeddings:
-        full["lm_head.weight"] = full[f"{spec.embedding}.weight"]
+        full["lm_head.weight"] = full[f"{spec_for_config(config).embedding}.weight"]
     return full
