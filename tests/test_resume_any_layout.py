@@ -92,18 +92,21 @@ def resume(source: Path, out: Path, processes: int, data, **layout) -> subproces
     return done
 
 
+def source_run(tmp_path_factory, name: str, processes: int, data, **layout) -> Path:
+    """Layout A's uninterrupted 6 steps, checkpoint at step 3: the reference and the checkpoint the pairs resume."""
+    out = tmp_path_factory.mktemp("src") / name
+    ok(run(out, processes, data, **layout))
+    return out
+
+
 @pytest.fixture(scope="module")
 def one_process_pack(tmp_path_factory, pack_data) -> Path:
-    out = tmp_path_factory.mktemp("src") / "one_process_pack"
-    ok(run(out, 1, pack_data))
-    return out
+    return source_run(tmp_path_factory, "one_process_pack", 1, pack_data)
 
 
 @pytest.fixture(scope="module")
 def dp2_zero2_pack(tmp_path_factory, pack_data) -> Path:
-    out = tmp_path_factory.mktemp("src") / "dp2_zero2_pack"
-    ok(run(out, 2, pack_data, zero=2))
-    return out
+    return source_run(tmp_path_factory, "dp2_zero2_pack", 2, pack_data, zero=2)
 
 
 @pytest.mark.distributed
@@ -123,9 +126,7 @@ def test_dp2_zero2_to_tp2(dp2_zero2_pack, pack_data, tmp_path):
 
 @pytest.fixture(scope="module")
 def dp2_zero3_pad(tmp_path_factory, pad_data) -> Path:
-    out = tmp_path_factory.mktemp("src") / "dp2_zero3_pad"
-    ok(run(out, 2, pad_data, zero=3))
-    return out
+    return source_run(tmp_path_factory, "dp2_zero3_pad", 2, pad_data, zero=3)
 
 
 @pytest.mark.distributed
@@ -135,9 +136,7 @@ def test_dp2_zero3_to_dp2_zero1(dp2_zero3_pad, pad_data, tmp_path):
 
 @pytest.fixture(scope="module")
 def tp2_sp_pad(tmp_path_factory, pad_data) -> Path:
-    out = tmp_path_factory.mktemp("src") / "tp2_sp_pad"
-    ok(run(out, 2, pad_data, zero=1, tp=2, sp=True))
-    return out
+    return source_run(tmp_path_factory, "tp2_sp_pad", 2, pad_data, zero=1, tp=2, sp=True)
 
 
 @pytest.mark.distributed
@@ -168,9 +167,7 @@ def test_tp2_to_pipeline2(tp2_sp_pad, pad_data, tmp_path):
 
 @pytest.fixture(scope="module")
 def pp2_tp2_pack(tmp_path_factory, pack_data) -> Path:
-    out = tmp_path_factory.mktemp("src") / "pp2_tp2_pack"
-    ok(run(out, 4, pack_data, zero=1, tp=2, pp=2))
-    return out
+    return source_run(tmp_path_factory, "pp2_tp2_pack", 4, pack_data, zero=1, tp=2, pp=2)
 
 
 @pytest.mark.distributed
