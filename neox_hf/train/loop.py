@@ -71,6 +71,42 @@ def train(recipe: Recipe, *, notices: list[str] | None = None, overwrite: bool =
 
 def _train(recipe: Recipe, notices: list[str] | None) -> RunResult:
     notices = [*(notices or []), *getattr(recipe, "settled_notices", [])]
+    run, state = build_run(recipe)
+    accelerator, tokenizer, model = run.accelerator, run.tokenizer, run.model
+    if accelerator.is_main_process:
+        accelerator.print(startup_report(run, notices))
+    if tracker_names(recipe):
+        accelerator.init_trackers(**init_tracker_kwargs(recipe))  # the resolved recipe, secrets redacted
+    history = History()
+    if run.has_eval and state.step == 0:
+        history.eval_losses.append((0, evaluate(run)))
+        accelerator.print(f"step 0: eval loss {history.eval_losses[-1][1]:.4f}")
+        record_evaluation(accelerator, recipe.output.dir, 0, history.eval_losses[-1][1], {},
+                      perplexity=recipe.train.objective == "lm")
+    run_steps(run, state, history)
+    final_eval = evaluate(run) if run.has_eval else None
+    if final_eval is not None:
+        history.eval_losses.append((state.step, final_eval))
+        perplexity = f"  perplexity {math.exp(min(final_eval, 50)):.2f}" if recipe.train.objective == "lm" else ""
+        accelerator.print(f"final eval loss {final_eval:.4f}{perplexity}")
+    record_evaluation(accelerator, recipe.output.dir, state.step, final_eval, eval_task_scores(run),
+                      perplexity=recipe.train.objective == "lm")
+    out = save_finetuned(accelerator, model, tokenizer, recipe) if recipe.peft.method else save_final_model(run)
+    if accelerator.is_main_process:
+        write_run_plot(recipe.output.dir)
+        _write_card(run, state, final_eval, Path(recipe.output.dir))
+        if run.pusher is not None:
+            run.pusher.push_final(recipe.output.dir)
+            run.pusher.close()  # waits for every queued upload; re-raises the first failure
+    accelerator.end_training()
+    accelerator.print(f"model saved to {out.resolve()}")
+    return RunResult(out, state.step, history.train_losses, history.eval_losses, final_eval)
+
+
+def build_run(recipe: Recipe) -> tuple["TrainingRun", TrainState]:
+    """Everything `train` builds before its first step (distributed set-up, model, optimizer, data, the resumed
+    state): the run and the state it starts from. Also the entry of `benchmarks/checkpoint_save.py`, which times
+    saves of exactly the run a launch trains."""
     accelerator, layout = init_distributed(recipe, log_with=tracker_names(recipe) or None)
     _set_seed(recipe.train.seed)
     check_peft_recipe(recipe)
@@ -106,34 +142,7 @@ def _train(recipe: Recipe, notices: list[str] | None) -> RunResult:
         truncate_train_log(recipe.output.dir, state.step)  # steps after the resume point are redone
     run = TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, tokenizer, layout,
                       _hub_pusher(recipe) if accelerator.is_main_process else None, engine=engine)
-    if accelerator.is_main_process:
-        accelerator.print(startup_report(run, notices))
-    if tracker_names(recipe):
-        accelerator.init_trackers(**init_tracker_kwargs(recipe))  # the resolved recipe, secrets redacted
-    history = History()
-    if run.has_eval and state.step == 0:
-        history.eval_losses.append((0, evaluate(run)))
-        accelerator.print(f"step 0: eval loss {history.eval_losses[-1][1]:.4f}")
-        record_evaluation(accelerator, recipe.output.dir, 0, history.eval_losses[-1][1], {},
-                      perplexity=recipe.train.objective == "lm")
-    run_steps(run, state, history)
-    final_eval = evaluate(run) if run.has_eval else None
-    if final_eval is not None:
-        history.eval_losses.append((state.step, final_eval))
-        perplexity = f"  perplexity {math.exp(min(final_eval, 50)):.2f}" if recipe.train.objective == "lm" else ""
-        accelerator.print(f"final eval loss {final_eval:.4f}{perplexity}")
-    record_evaluation(accelerator, recipe.output.dir, state.step, final_eval, eval_task_scores(run),
-                      perplexity=recipe.train.objective == "lm")
-    out = save_finetuned(accelerator, model, tokenizer, recipe) if recipe.peft.method else save_final_model(run)
-    if accelerator.is_main_process:
-        write_run_plot(recipe.output.dir)
-        _write_card(run, state, final_eval, Path(recipe.output.dir))
-        if run.pusher is not None:
-            run.pusher.push_final(recipe.output.dir)
-            run.pusher.close()  # waits for every queued upload; re-raises the first failure
-    accelerator.end_training()
-    accelerator.print(f"model saved to {out.resolve()}")
-    return RunResult(out, state.step, history.train_losses, history.eval_losses, final_eval)
+    return run, state
 
 
 def _set_seed(seed: int) -> None:
