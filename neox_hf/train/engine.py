@@ -100,8 +100,9 @@ class Engine:
         _link_zero_fragments(self.optimizer)
         tensors = {}
         for name, param, tp_dim in self.named_full_parameters():
-            for key, value in _master_and_moments(param, base).items():
+            for key, value in _master_and_moments(param, base):
                 tensors[f"{key}/{name}"] = views.for_save(value, tp_dim)
+                del value  # under ZeRO a whole gathered tensor: one alive at a time, not three
         return tensors, {"adam_step": _optimizer_step(base), "loss_scaler": self._loss_scaler_state()}
 
     def load_layout_free_state(self, read, plain: dict) -> None:
@@ -375,19 +376,21 @@ def _local_shape(param):
     return param.ds_shape if hasattr(param, "ds_id") else param.shape  # ZeRO-3 leaves an empty placeholder
 
 
-def _master_and_moments(param, base_optimizer) -> dict[str, torch.Tensor]:
-    """fp32 master value and Adam moments of this rank's TP shard of `param` (collective over its data-parallel group
-    under ZeRO, one parameter at a time)."""
+def _master_and_moments(param, base_optimizer):
+    """(key, value) of the fp32 master value and Adam moments of this rank's TP shard of `param`, one at a time
+    (under ZeRO each is gathered whole over the data-parallel group, a collective: the caller keeps only its chunk
+    before the next is gathered, so a save holds one whole tensor at a time, not three)."""
     if _zero_managed(param):
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-        values = {"model": safe_get_full_fp32_param(param)}
-        values.update({key: safe_get_full_optimizer_state(param, key) for key in MOMENTS})
-        return {key: value.detach().float() for key, value in values.items()}
+        yield "model", safe_get_full_fp32_param(param).detach().float()
+        for key in MOMENTS:
+            yield key, safe_get_full_optimizer_state(param, key).detach().float()
+        return
     state = base_optimizer.state.get(param, {})
-    values = {"model": param.detach()}
-    values.update({key: state.get(key, torch.zeros_like(param)) for key in MOMENTS})
-    return {key: value.detach().float() for key, value in values.items()}
+    yield "model", param.detach().float()
+    for key in MOMENTS:
+        yield key, state.get(key, torch.zeros_like(param)).detach().float()
 
 
 def _set_master_and_moments(param, base_optimizer, values: dict[str, torch.Tensor], step: float) -> None:
