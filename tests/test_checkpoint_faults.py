@@ -116,14 +116,21 @@ def test_a_runs_files_get_the_umasks_mode(small_text, tmp_path, capsys, fresh_ac
     assert set(modes.values()) == {"0o644"}, modes
 
 
-@pytest.mark.parametrize("kind", ["plain", "zero2"])
+@pytest.mark.parametrize("kind", ["plain", "zero2", "zero2-before-layout-free"])
 def test_export_of_a_truncated_checkpoint_names_the_file(kind, request, tmp_path, capsys):
-    run = request.getfixturevalue(f"{kind}_run")
+    """Export reads one process's accelerate files, a DeepSpeed run's layout-free state, or (a checkpoint written
+    before there was one) DeepSpeed's files: a truncated file is named, with the previous checkpoint to use."""
+    run = request.getfixturevalue("plain_run" if kind == "plain" else "zero2_run")
     out = tmp_path / "run"
     shutil.copytree(run, out)
     step = out / "checkpoints" / checkpoint_name(2)
-    (damaged,) = step.glob("model.safetensors") if kind == "plain" else (step / "pytorch_model").glob(
-        "zero_pp_rank_1_*optim_states.pt")
+    if kind == "plain":
+        (damaged,) = step.glob("model.safetensors")
+    elif kind == "zero2":
+        damaged = sorted((step / "layout_free").glob("*.distcp"))[-1]
+    else:
+        shutil.rmtree(step / "layout_free")
+        (damaged,) = (step / "pytorch_model").glob("zero_pp_rank_1_*optim_states.pt")
     damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
     code, err = export(out / "checkpoints", tmp_path / "hf", capsys)
     assert_refused(code, err, f"{damaged} is truncated or corrupt", checkpoint_name(1))

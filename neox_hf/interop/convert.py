@@ -100,8 +100,14 @@ def _is_llama_folder(folder) -> bool:
 
 
 def training_checkpoint_state_dict(checkpoint_dir: Path, config=None) -> dict[str, torch.Tensor]:
-    """Full weights from an accelerate/DeepSpeed training checkpoint (ZeRO partitions gathered on CPU; pipeline
-    stages' layer files and their tensor-parallel shards merged, which needs the checkpoint's `config`)."""
+    """Full weights from a training checkpoint: its layout-free state where it has one (fp32 masters under their
+    transformers names, whatever layout wrote them), else the accelerate/DeepSpeed files (ZeRO partitions gathered on
+    CPU; pipeline stages' layer files and their tensor-parallel shards merged, which needs the checkpoint's
+    `config`)."""
+    from neox_hf.train.checkpoint.layout_free import has_layout_free_state, read_model_weights
+
+    if has_layout_free_state(checkpoint_dir):
+        return read_model_weights(checkpoint_dir)
     deepspeed_tag = checkpoint_dir / "pytorch_model"
     if deepspeed_tag.is_dir():
         from neox_hf.parallel.pipeline import is_pipeline_checkpoint, pipeline_checkpoint_state_dict
@@ -184,6 +190,7 @@ def export_training_checkpoint(checkpoint_dir, out_dir) -> Path:
         raise CheckpointError(f"{checkpoint_dir / 'config.json'} is missing: not a neox_hf training checkpoint")
     config = config_class_for_folder(str(checkpoint_dir)).from_pretrained(checkpoint_dir)
     model = model_class_for_config(config)(config)
+    _refuse_truncated_layout_free_state(checkpoint_dir)
     try:
         state = training_checkpoint_state_dict(checkpoint_dir, config)
     except CheckpointError:
@@ -202,6 +209,17 @@ def export_training_checkpoint(checkpoint_dir, out_dir) -> Path:
         raise CheckpointError(f"{checkpoint_dir}: weights do not match its config (missing {missing[:5]}, unexpected {unexpected[:5]})")
     tokenizer = load_tokenizer(str(checkpoint_dir)) if (checkpoint_dir / "tokenizer.json").is_file() else None
     return save_hf_folder(model, out_dir, tokenizer=tokenizer)
+
+
+def _refuse_truncated_layout_free_state(checkpoint_dir: Path) -> None:
+    from neox_hf.train.checkpoint import previous_checkpoint
+    from neox_hf.train.checkpoint.layout_free import has_layout_free_state, truncated_file
+
+    damaged = truncated_file(checkpoint_dir) if has_layout_free_state(checkpoint_dir) else None
+    if damaged is not None:
+        previous = previous_checkpoint(checkpoint_dir)
+        raise CheckpointError(f"cannot export {checkpoint_dir}: {damaged} is truncated or corrupt"
+                              + (f"; export the previous checkpoint, {previous}" if previous else ""))
 
 
 def _first_line(err: BaseException) -> str:

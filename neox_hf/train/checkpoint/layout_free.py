@@ -79,6 +79,46 @@ def has_layout_free_state(folder: Path) -> bool:
     return (Path(folder) / FOLDER / ".metadata").is_file()
 
 
+def truncated_file(folder: Path) -> Path | None:
+    """The first data file of `folder/layout_free` shorter than its metadata says (a write cut short), else None.
+    DCP's own read of such a file fails without naming it."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    root = Path(folder) / FOLDER
+    ends: dict[str, int] = {}
+    for info in (_reader_class()(str(root)).read_metadata().storage_data or {}).values():
+        if isinstance(info, _StorageInfo):
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name in sorted(ends):
+        path = root / name
+        if not path.is_file() or path.stat().st_size < ends[name]:
+            return path
+    return None
+
+
+def read_model_weights(folder: Path) -> dict:
+    """Every parameter's fp32 value under its transformers name, whole, from `folder/layout_free`, in this one
+    process (no process group): what `neox_hf export` writes whatever layout saved the checkpoint. Check
+    `truncated_file` first to name a damaged file."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = _reader_class()(str(Path(folder) / FOLDER))
+    stored = reader.read_metadata().state_dict_metadata
+    targets = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in stored.items()
+               if key.startswith("model/") and isinstance(meta, TensorStorageMetadata)}
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(targets, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        raise CheckpointError(f"cannot read {Path(folder) / FOLDER} ({_first_line(err)}): a file of it is truncated "
+                              "or corrupt") from err
+    return {key.removeprefix("model/"): value for key, value in targets.items()}
+
+
 def load_from_accelerate_files(targets: dict, folder: Path) -> None:
     """Fill `targets` from what accelerate's save_state wrote for one process without DeepSpeed: its
     `model.safetensors` and `optimizer.bin` already are the layout-free state (transformers names, full shapes, fp32),
@@ -181,8 +221,9 @@ def load_layout_free(targets: dict, folder: Path) -> None:
     try:
         dcp.load(targets, storage_reader=reader, no_dist=not _distributed(dist))
     except (Exception, CheckpointException) as err:  # DCP's exception for a rank's failed read is a BaseException
-        raise CheckpointError(f"cannot read {Path(folder) / FOLDER} ({_first_line(err)}): a file of it is truncated "
-                              "or corrupt") from err
+        damaged = truncated_file(folder)
+        which = f"{damaged} is truncated or corrupt" if damaged else "a file of it is truncated or corrupt"
+        raise CheckpointError(f"cannot read {Path(folder) / FOLDER} ({_first_line(err)}): {which}") from err
 
 
 def _first_line(err: BaseException) -> str:
