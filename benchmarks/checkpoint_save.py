@@ -14,6 +14,8 @@ Each layout is one `accelerate launch` of this file's worker, which builds exact
   are several processes; one process without DeepSpeed writes only the old files, which are layout-free already),
   plus trainer state, config and tokenizer.
 
+"of which state" is the part of the layout-free save spent in `layout_free_state` (under ZeRO-1/2/3, DeepSpeed's
+`safe_get_full_*` gathering each parameter and moment whole, one at a time), the rest being DCP's write.
 Peak memory is the largest, over ranks, of the peak resident set during that save (VmHWM, reset through
 /proc/self/clear_refs before it) minus the resident set just before it: what the save itself needed on top of the
 run. Size is the bytes the save left on disk. Times on a shared 2-core CPU: compare rows of one invocation.
@@ -82,7 +84,7 @@ def _measured(phase: str, save, folder: Path, accelerator) -> dict:
             "disk_mb": _folder_mb(folder) if accelerator.is_main_process else 0.0}
 
 
-def _savers(run, state) -> dict:
+def _savers(run, state, gather_seconds: list) -> dict:
     from neox_hf.train.checkpoint import save_checkpoint
     from neox_hf.train.checkpoint.layout_free import save_layout_free
 
@@ -90,7 +92,9 @@ def _savers(run, state) -> dict:
         run.accelerator.save_state(str(folder))
 
     def layout_free(folder: Path) -> None:
+        started = time.perf_counter()
         tensors, _ = run.engine.layout_free_state()
+        gather_seconds.append(time.perf_counter() - started)
         save_layout_free(tensors, folder)
 
     def checkpoint(folder: Path) -> None:
@@ -111,13 +115,14 @@ def worker(argv: list[str], scratch: Path, result: Path) -> None:
     run, state = build_run(recipe)
     run_steps(run, state)  # one step: Adam's moments exist, as at any real checkpoint
     rank = run.accelerator.process_index
-    rows = []
-    for phase, save in _savers(run, state).items():
+    rows, gather_seconds = [], []
+    for phase, save in _savers(run, state, gather_seconds).items():
         folder = scratch / phase
         if run.accelerator.is_main_process:
             folder.mkdir(parents=True, exist_ok=True)
         run.accelerator.wait_for_everyone()
         rows.append(_measured(phase, save, folder, run.accelerator))
+        rows[-1]["gather_seconds"] = gather_seconds.pop() if gather_seconds else None
     result.with_name(f"{result.name}.rank{rank}").write_text(json.dumps(rows))
     run.accelerator.end_training()
 
@@ -164,8 +169,8 @@ def measure(args, layout: str, scratch: Path) -> list[list[dict]]:
 
 
 def table(measured: dict[str, list[list[dict]]]) -> str:
-    head = (f"{'layout':<18} {'save':<12} {'seconds':>8} {'peak added MB (max rank)':>25} {'on disk MB':>11} "
-            f"{'time vs old':>12}")
+    head = (f"{'layout':<18} {'save':<12} {'seconds':>8} {'of which state':>15} {'peak added MB (max rank)':>25} "
+            f"{'on disk MB':>11} {'time vs old':>12}")
     lines = [head, "-" * len(head)]
     for layout, ranks in measured.items():
         old_seconds = ranks[0][0]["seconds"]
@@ -173,8 +178,10 @@ def table(measured: dict[str, list[list[dict]]]) -> str:
             seconds = ranks[0][i]["seconds"]
             peak = max(rank[i]["peak_added_mb"] for rank in ranks)
             disk = sum(rank[i]["disk_mb"] for rank in ranks)
-            lines.append(f"{layout if i == 0 else '':<18} {phase:<12} {seconds:>8.2f} {peak:>25.0f} {disk:>11.0f} "
-                         f"{seconds / old_seconds:>11.2f}×")
+            gather = ranks[0][i].get("gather_seconds")
+            gather = f"{gather:>15.2f}" if gather is not None else f"{'':>15}"
+            lines.append(f"{layout if i == 0 else '':<18} {phase:<12} {seconds:>8.2f} {gather} {peak:>25.0f} "
+                         f"{disk:>11.0f} {seconds / old_seconds:>11.2f}×")
     return "\n".join(lines)
 
 
