@@ -77,6 +77,26 @@ def test_resume_gives_the_uninterrupted_batches(tok, gsm120, mode, dp_size):
             assert_same_batches([next(resumed) for _ in range(5)], uninterrupted[n: n + 5])
 
 
+@pytest.mark.parametrize("mode", ["pad", "pack"])
+def test_a_resumed_run_checkpointed_again_in_its_first_chunk_resumes_exactly(tok, gsm120, mode):
+    """The position of the chunk a resume rebuilt is where that chunk started, not the start of the pass (datasets'
+    state_dict() says "start" until a row is pulled after load_state_dict)."""
+    cfg = DataConfig(sources=[gsm8k_source(path=str(gsm120))], buffer_size=32, **MODES[mode])
+    seq, batch = (256, 4) if mode == "pad" else (128, 2)
+    build = lambda: build_train_loader(cfg, tok, seq_length=seq, micro_batch_size=batch)  # noqa: E731
+    run = build()
+    uninterrupted = [next(run) for _ in range(14)]
+    first = build()
+    for _ in range(10):
+        next(first)
+    second = build()
+    second.load_state_dict(round_trip(first.state_dict()))
+    next(second)  # the 11th batch, same chunk
+    third = build()
+    third.load_state_dict(round_trip(second.state_dict()))
+    assert_same_batches([next(third) for _ in range(3)], uninterrupted[11:14])
+
+
 def test_resume_reproduces_the_stats(tok, gsm120):
     cfg = DataConfig(sources=[gsm8k_source(path=str(gsm120))], mode="pad", buffer_size=32)
     run = build_train_loader(cfg, tok, seq_length=256, micro_batch_size=4)

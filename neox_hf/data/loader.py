@@ -66,11 +66,13 @@ class _DocumentReader:
         if upstream is not None:
             self._stream.load_state_dict(upstream)
         self._rows = iter(self._stream)
-        self._pulled = upstream is not None
+        # `IterableDataset.state_dict()` says "start of the epoch" until the first row after `load_state_dict` is
+        # pulled: until then the position is the one this stream was opened at
+        self._opened_at, self._fresh = copy.deepcopy(upstream), True
 
     def position(self) -> dict:
         """Where the next document comes from (None upstream = the start of the epoch)."""
-        upstream = copy.deepcopy(self._stream.state_dict()) if self._pulled else None
+        upstream = copy.deepcopy(self._opened_at if self._fresh else self._stream.state_dict())
         return {"epoch": self.epoch, "upstream": upstream, "usable_in_epoch": self.usable_in_epoch,
                 "tallies": copy.deepcopy(self.tallies)}
 
@@ -90,7 +92,7 @@ class _DocumentReader:
                 if docs:
                     break
                 continue
-            self._pulled = True
+            self._fresh = False
             usable = self._count(row)
             tally = self.tallies[row["source"]]
             if tally["answered"] == 0 and self._counted(tally) >= PROBE_DOCUMENTS:
@@ -233,7 +235,34 @@ class DataLoader:
         self.stats = {**empty_stats(), **self._position["stats"]}
         self._batches = None
 
+    def load_resized_states(self, states: list[dict]) -> None:
+        """Continue from the states of ALL the data-parallel ranks of a run on another number of them (index = old
+        data-parallel rank): the rest of their current pass is dealt out to this run's ranks, then every rank reads
+        the next pass on its own split (see `resize`). micro_batch_size may differ; other data settings may not."""
+        from neox_hf.data.resize import resized_position
+
+        self._position, self._emitted = resized_position(self, states), 0
+        self.stats = {**empty_stats(), **self._position["stats"]}
+        self._batches = None
+
+    def describe_position(self) -> str:
+        """One line for the resume log: what the loaded position means."""
+        position = self._position
+        if "dealt" in position:
+            from neox_hf.data.resize import describe_dealt
+
+            return describe_dealt(position["dealt"], self.cfg.mode, self.dp_size)
+        return (f"data position: pass {position['epoch'] + 1} of this rank's streamed share on {self.dp_size} "
+                f"data-parallel rank(s), chunk {position['chunk_index']} with {self._emitted} of its batches trained")
+
     # -- internals --------------------------------------------------------------------------------------------
+
+    def _old_rank_loader(self, fingerprint: dict) -> "DataLoader":
+        """A loader of the same data as this one on the rank and layout a saved position names."""
+        return DataLoader(self.cfg, self.tokenizer, seq_length=self.seq_length,
+                          micro_batch_size=fingerprint["micro_batch_size"], dp_rank=fingerprint["dp_rank"],
+                          dp_size=fingerprint["dp_size"], seed=self.seed, role=self.role, cycle=self.cycle,
+                          sources=self.sources)
 
     def _fingerprint(self) -> dict:
         c = self.cfg
@@ -249,19 +278,16 @@ class DataLoader:
 
     def _generate(self, start: dict, skip: int) -> Iterator[dict]:
         self.stats = {**empty_stats(), **start["stats"]}
-        reader = _DocumentReader(self._make_stream, epoch=start["epoch"], upstream=start["upstream"],
-                                 usable_in_epoch=start["usable_in_epoch"], stats=self.stats, cycle=self.cycle,
-                                 sources=self.sources, role=self.role, dp_size=self.dp_size,
-                                 append_eod=self.cfg.append_eod, tallies=start.get("tallies"))
+        source = self._open_source(start)
         chunk_index, carry = start["chunk_index"], start["carry"]
         while True:
-            self._position = {**reader.position(), "chunk_index": chunk_index, "carry": carry,
+            self._position = {**source.position(), "chunk_index": chunk_index, "carry": carry,
                               "stats": dict(self.stats)}
             self._emitted = 0
-            docs = reader.take(self.cfg.buffer_size, **self._chunk_limits)
+            items = self._take(source, self.cfg.buffer_size)
             rng = np.random.default_rng([self.seed, chunk_index]) if self.shuffle else None
-            last = reader.exhausted  # only a finite (eval) stream ends
-            makers, carry = self._chunk(docs, carry, rng, flush=last, first=chunk_index == 0)
+            last = source.exhausted  # only a finite (eval) stream ends
+            makers, carry = self._chunk(items, carry, rng, flush=last, first=chunk_index == 0)
             for i, make in enumerate(makers):
                 batch = make()
                 self._count(batch)
@@ -272,17 +298,43 @@ class DataLoader:
             if last:
                 return
 
-    def _chunk(self, docs, carry, rng, flush: bool, first: bool = False):
+    def _reader_at(self, position: dict) -> _DocumentReader:
+        return _DocumentReader(self._make_stream, epoch=position["epoch"], upstream=position["upstream"],
+                               usable_in_epoch=position["usable_in_epoch"], stats=self.stats, cycle=self.cycle,
+                               sources=self.sources, role=self.role, dp_size=self.dp_size,
+                               append_eod=self.cfg.append_eod, tallies=position.get("tallies"))
+
+    def _open_source(self, position: dict):
+        """Where this rank's items come from: its own split of the documents, or, inside a pass resized onto another
+        number of data-parallel ranks, its dealt share of the old ranks' streams first (`resize.ResizedPass`)."""
+        if "dealt" in position:
+            from neox_hf.data.resize import ResizedPass
+
+            return ResizedPass(self, position)
+        return self._reader_at(position)
+
+    def _take(self, source, n: int) -> list:
+        """Up to n items (pad: (inputs, labels) examples; pack: TokenStream pieces) for one chunk."""
+        if hasattr(source, "take_items"):
+            return source.take_items(n, **self._chunk_limits)
+        return self._items_of_docs(source.take(n, **self._chunk_limits))
+
+    def _items_of_docs(self, docs) -> list:
+        if self.cfg.mode == "pack":
+            return [packing.concat_documents(TokenStream.empty(), [doc]) for doc in docs]
+        return [padding.example_from_document(ids, n) for ids, n in self._whole_examples(docs)]
+
+    def _chunk(self, items, carry, rng, flush: bool, first: bool = False):
         """(batch makers for this chunk, carry state for the next); makers are lazy so a resume skips cheaply."""
-        makers, carry = self._pack_chunk(docs, carry, rng) if self.cfg.mode == "pack" else \
-            self._pad_chunk(docs, carry, rng, flush, first)
+        makers, carry = self._pack_chunk(items, carry, rng) if self.cfg.mode == "pack" else \
+            self._pad_chunk(items, carry, rng, flush, first)
         if self.cfg.eod_mask_loss:
             makers = [lambda make=make: mask_eod_predictions(make(), self.tokenizer.eos_token_id) for make in makers]
         return makers, carry
 
-    def _pad_chunk(self, docs, carry, rng, flush: bool, first: bool = False):
-        examples = [(np.asarray(i, np.int64), np.asarray(l, np.int64)) for i, l in (carry or [])]
-        examples += [padding.example_from_document(ids, n) for ids, n in self._whole_examples(docs)]
+    def _pad_plan(self, items, carry, rng, flush: bool, first: bool = False):
+        """(examples, their batches as index lists in emission order, indices carried to the next chunk)."""
+        examples = [(np.asarray(i, np.int64), np.asarray(l, np.int64)) for i, l in (carry or [])] + list(items)
         lengths = [len(inputs) for inputs, _ in examples]
         if self.cfg.max_tokens_per_batch:
             groups, leftover = padding.token_budget_batches(
@@ -295,8 +347,15 @@ class DataLoader:
             groups = [groups[i] for i in rng.permutation(len(groups))]
             if first and groups:
                 groups = _longest_first(groups, lengths)
+        return examples, groups, leftover
+
+    def _pad_maker(self, examples, group):
         pad = dict(pad_id=self.tokenizer.pad_token_id, multiple=self.cfg.pad_to_multiple_of, max_length=self.max_length)
-        makers = [lambda g=g: padding.pad_batch([examples[i] for i in g], **pad) for g in groups]
+        return lambda: padding.pad_batch([examples[i] for i in group], **pad)
+
+    def _pad_chunk(self, items, carry, rng, flush: bool, first: bool = False):
+        examples, groups, leftover = self._pad_plan(items, carry, rng, flush, first)
+        makers = [self._pad_maker(examples, g) for g in groups]
         next_carry = [(examples[i][0].tolist(), examples[i][1].tolist()) for i in leftover]
         return makers, next_carry
 
@@ -310,14 +369,48 @@ class DataLoader:
                 continue
             yield ids, prompt_length
 
-    def _pack_chunk(self, docs, carry, rng):
+    def _pack_plan(self, items, carry, rng):
+        """(the chunk's token stream: carry + items, its windows in batches, the rest)."""
         if rng is not None:
-            docs = [docs[i] for i in rng.permutation(len(docs))]
-        stream = packing.concat_documents(TokenStream.from_state(carry) if carry else TokenStream.empty(), docs)
+            items = [items[i] for i in rng.permutation(len(items))]
+        start = TokenStream.from_state(carry) if carry else TokenStream.empty()
+        parts = [start, *items]
+        stream = TokenStream(*(np.concatenate([getattr(p, k) for p in parts]) for k in ("ids", "learn", "starts")))
         windows, rest = packing.cut_batches(stream, self.seq_length, self.batch_size)
+        return stream, windows, rest
+
+    def _pack_chunk(self, items, carry, rng):
+        stream, windows, rest = self._pack_plan(items, carry, rng)
         isolate = self.cfg.isolate_documents
         makers = [lambda w=w: packing.pack_batch(w, isolate_documents=isolate) for w in windows]
-        return makers, rest.to_state()
+        rest_state = rest.to_state()
+        # whether the rest's first token was already a target (the last window's final token, shared with the next)
+        rest_state["overlap"] = bool(windows) or _overlaps(carry, self.stats)
+        return makers, rest_state
+
+    def _rest_of_chunk(self) -> tuple[list, object]:
+        """(the items of the loaded position's chunk read but not trained, the source right after that chunk),
+        the stats counted as the uninterrupted loader had them after its `emitted` batches. Pad: the examples of the
+        groups not emitted, then the leftover carried on; pack: the chunk's tokens after the emitted windows, as one
+        piece per document (the first one from its first token not yet a target: windows share their last token with
+        the next), so that the rest is dealt to the new ranks document by document."""
+        start, emitted = self._position, self._emitted
+        self.stats = {**empty_stats(), **start["stats"]}
+        source = self._open_source(start)
+        items = self._take(source, self.cfg.buffer_size)
+        rng = np.random.default_rng([self.seed, start["chunk_index"]]) if self.shuffle else None
+        if self.cfg.mode == "pack":
+            stream, windows, _ = self._pack_plan(items, start["carry"], rng)
+            for window in windows[:emitted]:
+                self._count(packing.pack_batch(window, isolate_documents=False))
+            cut = emitted * self.batch_size * self.seq_length
+            cut += 1 if emitted or _overlaps(start["carry"], start["stats"]) else 0
+            return _document_pieces(TokenStream(stream.ids[cut:], stream.learn[cut:], stream.starts[cut:])), source
+        examples, groups, leftover = self._pad_plan(items, start["carry"], rng, flush=source.exhausted,
+                                                    first=start["chunk_index"] == 0)
+        for group in groups[:emitted]:
+            self._count(self._pad_maker(examples, group)())
+        return [examples[i] for group in groups[emitted:] for i in group] + [examples[i] for i in leftover], source
 
     def _count(self, batch: dict) -> None:
         total = batch["input_ids"].numel()
@@ -538,3 +631,17 @@ def validation_sources(data_cfg: DataConfig) -> tuple[list, str] | None:
     if data_cfg.validation_fraction > 0 and data_cfg.sources:
         return data_cfg.sources, "validation"
     return None
+
+
+def _overlaps(carry, stats: dict) -> bool:
+    """Whether a pack-mode carry's first token was already a target: it is then the final token of the last window
+    emitted, which the next window shares. Carries saved before this was recorded: whether any window was emitted."""
+    if not carry or not carry.get("ids"):
+        return False
+    return bool(carry["overlap"]) if "overlap" in carry else stats.get("real_tokens", 0) > 0
+
+
+def _document_pieces(stream: TokenStream) -> list[TokenStream]:
+    """A token stream cut where documents start (the first piece may be a document's end)."""
+    cuts = [0, *np.flatnonzero(stream.starts[1:]) + 1, len(stream)]
+    return [TokenStream(stream.ids[a:b], stream.learn[a:b], stream.starts[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
