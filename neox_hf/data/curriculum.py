@@ -65,3 +65,15 @@ class CurriculumLoader:
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state["loader"])
         self.micro_batches = int(state["curriculum_micro_batches"])
+
+    def load_resized_states(self, states: list[dict]) -> None:
+        """Every old data-parallel rank's state (see `DataLoader.load_resized_states`); the curriculum goes on from
+        the same step, counted in this run's micro-batches (the global batch is the same, the accumulation may not)."""
+        self.loader.load_resized_states([state["loader"] for state in states])
+        old = states[0]["loader"]["fingerprint"]
+        global_batch = self.loader.batch_size * self.loader.dp_size * self.accumulation
+        old_accumulation = max(global_batch // (old["micro_batch_size"] * old["dp_size"]), 1)
+        self.micro_batches = int(states[0]["curriculum_micro_batches"]) // old_accumulation * self.accumulation
+
+    def describe_position(self) -> str:
+        return self.loader.describe_position()

@@ -45,7 +45,7 @@ def resized_position(loader, states: list[dict]) -> dict:
     """The position of `loader` (a new rank) that continues the old ranks' `states` (index = old dp rank)."""
     _check_states(loader, states)
     old_loaders = [loader._old_rank_loader(state["fingerprint"]) for state in states]
-    streams, stats, chunks, unread = [], _zero_stats(loader), [], 0
+    streams, stats, chunks, unread = [], _zero_stats(), [], 0
     for old, state in zip(old_loaders, states):
         old.load_state_dict(state)
         rest, source = old._rest_of_chunk()
@@ -59,12 +59,13 @@ def resized_position(loader, states: list[dict]) -> dict:
              "streams": streams, "read_not_trained": unread}
     return {"dealt": dealt, "epoch": last_pass, "upstream": None, "usable_in_epoch": 0, "tallies": None,
             "chunk_index": max(chunks) + 1, "carry": None,
-            "stats": stats if loader.dp_rank == 0 else _zero_stats(loader)}
+            "stats": stats if loader.dp_rank == 0 else _zero_stats()}
 
 
 def describe_dealt(dealt: dict, mode: str, new_size: int) -> str:
     unit = "tokens" if mode == "pack" else "documents"
-    return (f"data position: the rest of pass {dealt['pass'] + 1} of {dealt['old_size']} data-parallel ranks' "
+    ranks = "data-parallel rank's" if dealt["old_size"] == 1 else "data-parallel ranks'"
+    return (f"data position: the rest of pass {dealt['pass'] + 1} of {dealt['old_size']} {ranks} "
             f"streamed shares ({dealt['read_not_trained']:,} {unit} read but not yet trained), dealt to {new_size} "
             f"ranks; pass {dealt['pass'] + 2} on {new_size} ranks")
 
@@ -99,7 +100,7 @@ def _current_pass(position: dict) -> int:
     return position["epoch"] if started else position["epoch"] - 1
 
 
-def _zero_stats(loader) -> dict:
+def _zero_stats() -> dict:
     from neox_hf.data.loader import empty_stats
 
     return empty_stats()

@@ -357,16 +357,22 @@ def writer_differs(writer: dict | None, current: dict) -> bool:
 def load_layout_free_checkpoint(engine, folder: Path, *, writer: dict, scheduler, data_loader, notify=None
                                 ) -> TrainState:
     """Resume from `folder/layout_free` on this run's layout: parameters, Adam's state, loss scaler, LR schedule,
-    counters and the data position (each rank reads the trainer state of a writer rank of its data-parallel rank;
-    the loader maps it onto this layout or refuses). Collective."""
+    counters and the data position (each rank reads the trainer state of a writer rank of its data-parallel rank; on
+    another data-parallel size a streamed loader reads every writer data-parallel rank's, to deal out the rest of
+    their pass; the loader maps it onto this layout or refuses). Collective."""
     current = run_description(engine.accelerator)
     state = _read_torch_file(folder / "trainer_state_rank0.pt", folder)
-    data_state = _writer_rank_data_state(folder, writer, engine.layout.dp_rank)
+    resized = _resizes_data_position(writer, engine.layout.dp, data_loader)
+    data_state = (_writer_data_states(folder, writer) if resized else
+                  _writer_rank_data_state(folder, writer, engine.layout.dp_rank))
     if data_state is not None and hasattr(data_loader, "load_state_dict"):
         from neox_hf.errors import DataError
 
         try:  # first: a position that cannot move refuses the resume before any tensor is read
-            data_loader.load_state_dict(data_state)
+            if resized:
+                data_loader.load_resized_states(data_state)
+            else:
+                data_loader.load_state_dict(data_state)
         except DataError as err:
             raise CheckpointError(other_launch_message(folder, writer, current, why=str(err))) from err
     notify = notify or engine.accelerator.print
@@ -392,6 +398,22 @@ def _layout_free_reader(folder: Path, writer: dict | None):
     if one_plain_process and (folder / "optimizer.bin").is_file() and (folder / "model.safetensors").is_file():
         return lambda targets: load_from_accelerate_files(targets, folder)
     return None
+
+
+def _resizes_data_position(writer: dict, dp_size: int, data_loader) -> bool:
+    """Whether this run has another data-parallel size than the writer and a loader that deals the old ranks'
+    streamed positions out to its ranks (the gpt-neox order's position is layout-free and needs no dealing)."""
+    old = writer.get("data_parallel")
+    return bool(old) and old != dp_size and hasattr(data_loader, "load_resized_states")
+
+
+def _writer_data_states(folder: Path, writer: dict):
+    """Every writer data-parallel rank's data position, index = its data-parallel rank (read from its first stage's
+    first TP rank: rank = dp_rank × tp), or None when the writer saved none."""
+    tp = writer.get("tensor_parallel") or 1
+    states = [_read_torch_file(folder / f"trainer_state_rank{dp_rank * tp}.pt", folder)["data"]
+              for dp_rank in range(writer["data_parallel"])]
+    return None if any(state is None for state in states) else states
 
 
 def _writer_rank_data_state(folder: Path, writer: dict, dp_rank: int):
