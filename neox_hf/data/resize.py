@@ -49,7 +49,7 @@ def resized_position(loader, states: list[dict]) -> dict:
     for old, state in zip(old_loaders, states):
         old.load_state_dict(state)
         rest, source = old._rest_of_chunk()
-        streams.append({"fingerprint": state["fingerprint"], "leftover": [item_state(i) for i in rest],
+        streams.append({"fingerprint": state["fingerprint"], "leftover": packed_items(rest), "leftover_taken": 0,
                         "position": source.position(), "finished": False, "tallies": None})
         stats = {key: stats.get(key, 0) + value for key, value in old.stats.items()}
         chunks.append(state["position"]["chunk_index"])
@@ -124,6 +124,31 @@ def item_from_state(state):
     return np.asarray(state[0], np.int64), np.asarray(state[1], np.int64)
 
 
+def packed_items(items: list) -> dict:
+    """Items as a few flat tensors and their lengths: a position is deep-copied with every batch (the prefetcher keeps
+    the one of the last batch consumed), and thousands of token lists would make that slow."""
+    import torch
+
+    def flat(arrays, dtype):
+        return torch.from_numpy(np.concatenate([np.asarray(a, dtype) for a in arrays]) if arrays else np.zeros(0, dtype))
+
+    if items and isinstance(items[0], TokenStream):
+        return {"ids": flat([i.ids for i in items], np.int64), "learn": flat([i.learn for i in items], bool),
+                "starts": flat([i.starts for i in items], bool), "lengths": flat([[len(i)] for i in items], np.int64)}
+    return {"inputs": flat([i[0] for i in items], np.int64), "labels": flat([i[1] for i in items], np.int64),
+            "lengths": flat([[len(i[0])] for i in items], np.int64)}
+
+
+def packed_item(packed: dict, index: int):
+    """Item `index` of `packed_items`."""
+    lengths = packed["lengths"].numpy()
+    start = int(lengths[:index].sum())
+    end = start + int(lengths[index])
+    if "ids" in packed:
+        return TokenStream(*(packed[k][start:end].numpy().copy() for k in ("ids", "learn", "starts")))
+    return packed["inputs"][start:end].numpy().copy(), packed["labels"][start:end].numpy().copy()  # as many of each
+
+
 def item_size(item) -> int:
     """Tokens of a pack piece; 1 for a pad-mode example (a document)."""
     return len(item) if isinstance(item, TokenStream) else 1
@@ -144,13 +169,14 @@ class _OldStream:
 
     def __init__(self, state: dict, old_loader, last_pass: int):
         self.fingerprint, self.finished, self.tallies = state["fingerprint"], state["finished"], state["tallies"]
-        self._leftover = list(state["leftover"])
+        self._leftover, self._taken = state["leftover"], state["leftover_taken"]  # the packed items stay as saved
         self._loader, self._last_pass = old_loader, last_pass
         self._source = None if self.finished else old_loader._open_source(state["position"])
 
     def next_item(self):
-        if self._leftover:
-            return item_from_state(self._leftover.pop(0))
+        if self._taken < len(self._leftover["lengths"]):
+            self._taken += 1
+            return packed_item(self._leftover, self._taken - 1)
         while not self.finished:
             stats, tallies = dict(self._loader.stats), copy.deepcopy(getattr(self._source, "tallies", None))
             items = self._loader._take(self._source, 1)
@@ -166,7 +192,7 @@ class _OldStream:
         self.finished, self.tallies, self._source = True, tallies, None
 
     def state(self) -> dict:
-        return {"fingerprint": self.fingerprint, "leftover": copy.deepcopy(self._leftover),
+        return {"fingerprint": self.fingerprint, "leftover": self._leftover, "leftover_taken": self._taken,
                 "position": None if self.finished else self._source.position(), "finished": self.finished,
                 "tallies": self.tallies}
 
