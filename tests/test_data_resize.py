@@ -34,8 +34,8 @@ def gsm120(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("resize") / "gsm120.jsonl", gsm8k_rows(120))
 
 
-def config(path, mode: str) -> DataConfig:
-    return DataConfig(sources=[gsm8k_source(path=str(path))], mode=mode, buffer_size=32)
+def config(path, mode: str, **settings) -> DataConfig:
+    return DataConfig(sources=[gsm8k_source(path=str(path))], mode=mode, buffer_size=32, **settings)
 
 
 def round_trip(state: dict) -> dict:
@@ -85,7 +85,7 @@ def covered(cfg, batches: list, carry=None, *, fresh: bool = True) -> Counter:
     tokens, windows = Counter(), 0
     for batch in batches:
         for ids, labels in zip(batch["input_ids"], batch["labels"]):
-            window = ids.tolist() + [int(labels[-1])]
+            window = ids.tolist() + [int(labels[-1])]  # (no prompt masking, no isolation: every label is the token)
             tokens.update(window[1:] if windows or not fresh else window)
             windows += 1
     if carry:
@@ -123,13 +123,14 @@ def summed_stats(loaders) -> Counter:
 
 
 CASES = [(1, 2, (9,)), (2, 1, (0, 20)), (2, 3, (5, 17))]  # old size, new size, batches each old rank trained
+VARIANTS = {"pad_budget": dict(max_tokens_per_batch=1024)}
 
 
-@pytest.mark.parametrize("old_size,new_size,takes", CASES)
-@pytest.mark.parametrize("mode", ["pad", "pack"])
+@pytest.mark.parametrize("mode,old_size,new_size,takes", [(mode, *case) for mode in ("pad", "pack") for case in CASES]
+                         + [("pad_budget", *CASES[2])])
 def test_resize_covers_the_pass_exactly_once(tok, gsm120, mode, old_size, new_size, takes):
-    cfg = config(gsm120, mode)
-    if mode == "pack":
+    cfg = config(gsm120, mode.split("_")[0], **VARIANTS.get(mode, {}))
+    if cfg.mode == "pack":
         takes = tuple(3 * k for k in takes)  # pack windows are ~3× as many: the same spread of positions
     old = [build(cfg, tok, rank, old_size) for rank in range(old_size)]
     before, states = train(old, takes)
@@ -183,3 +184,19 @@ def test_a_resize_may_change_the_micro_batch_and_no_data_setting(tok, gsm120):
         other.load_resized_states(states)
     with pytest.raises(DataError, match="not those of data-parallel ranks 0..0"):
         build(cfg, tok, 0, 1).load_resized_states(states[1:])
+
+
+def test_the_curriculum_goes_on_from_the_same_step(tok, gsm120):
+    """2 ranks × accumulation 1 → 1 rank × accumulation 2 (the same global batch): step 5 stays step 5."""
+    from neox_hf.recipe import CurriculumConfig
+
+    cfg = DataConfig(sources=[gsm8k_source(path=str(gsm120))], mode="pad", buffer_size=32,
+                     curriculum=CurriculumConfig(min_difficulty=16, max_difficulty=256, total_curriculum_step=10))
+    old = [build_train_loader(cfg, tok, seq_length=256, micro_batch_size=4, dp_rank=r, dp_size=2) for r in range(2)]
+    _, states = train(old, [5, 5])
+    new = build_train_loader(cfg, tok, seq_length=256, micro_batch_size=4, gradient_accumulation_steps=2)
+    new.load_resized_states(states)
+    assert new.micro_batches == 10
+    next(new)
+    assert new.curriculum_seq_length == old[0].curriculum.seq_length_at(5)
+    assert new.describe_position().startswith("data position: the rest of pass 1 of 2 data-parallel ranks'")
