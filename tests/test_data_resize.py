@@ -184,6 +184,8 @@ def test_a_resize_may_change_the_micro_batch_and_no_data_setting(tok, gsm120):
         other.load_resized_states(states)
     with pytest.raises(DataError, match="not those of data-parallel ranks 0..0"):
         build(cfg, tok, 0, 1).load_resized_states(states[1:])
+    with pytest.raises(DataError, match="give every old rank's state to `load_resized_states`"):
+        build(cfg, tok, 0, 1).load_state_dict(states[0])  # one rank's position alone cannot move
 
 
 def test_the_curriculum_goes_on_from_the_same_step(tok, gsm120):

@@ -6,7 +6,8 @@ because nothing upstream of us buffers: no `datasets` shuffle buffer is used, sh
 chunks with RNGs seeded by (seed, chunk index)), the examples or tokens carried over from the previous
 chunk, the stats so far and the number of batches of this chunk already emitted. `load_state_dict` rebuilds
 the chunk from that position, which is deterministic, and skips the emitted batches — at most one
-buffer of work, independent of how far into the epoch training is.
+buffer of work, independent of how far into the epoch training is. On another number of data-parallel ranks
+`load_resized_states` takes every old rank's state and deals the rest of their pass out (`resize`).
 
 Gap filled: `datasets`' state_dict loses shuffle-buffer contents, and torchdata's StatefulDataLoader
 restores worker iterators but not a length-bucketing buffer; neither packs.
@@ -225,9 +226,9 @@ class DataLoader:
             # Each data-parallel rank streams its own share of the documents from its own position: on another
             # number of ranks no position of the new shares is known to neither repeat nor skip a document.
             raise DataError(f"the streamed data position was saved by {saved.get('dp_size')} data-parallel rank(s) "
-                            f"and this run has {self.dp_size}: resume with {saved.get('dp_size')} data-parallel "
-                            "rank(s) (tensor / pipeline sizes and ZeRO stage may change), or use `data.order: gpt-neox`, "
-                            "whose position is layout-free")
+                            f"and this run has {self.dp_size}: give every old rank's state to `load_resized_states` "
+                            f"(a resume from a checkpoint's layout-free state does), or resume with "
+                            f"{saved.get('dp_size')} data-parallel rank(s)")
         if saved != self._fingerprint():
             raise DataError(f"data loader state was saved with {saved} but this run has "
                             f"{self._fingerprint()}; resume with the same data settings (or start fresh)")
