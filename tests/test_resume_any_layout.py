@@ -156,7 +156,8 @@ def test_streamed_position_resumes_on_another_data_parallel_size(tp2_sp_pad, pad
     assert "resuming step 3 written by DeepSpeed ZeRO-1 on 2 processes (1 data-parallel × tensor parallel 2)" in \
         done.stdout, done.stdout[-2000:]
     assert ("data position: the rest of pass 1 of 1 data-parallel rank's streamed shares (" in done.stdout and
-            "documents read but not yet trained), dealt to 2 ranks; pass 2 on 2 ranks" in done.stdout), done.stdout[-2000:]
+            "documents read but not yet trained), dealt to 2 ranks; pass 2 on 2 ranks" in done.stdout), \
+        done.stdout[-2000:]
     losses = step_losses(out)
     assert set(losses) >= {4, 5, 6} and all(np.isfinite(losses[step]) for step in (4, 5, 6)), losses
 

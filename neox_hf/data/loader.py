@@ -645,4 +645,5 @@ def _overlaps(carry, stats: dict) -> bool:
 def _document_pieces(stream: TokenStream) -> list[TokenStream]:
     """A token stream cut where documents start (the first piece may be a document's end)."""
     cuts = [0, *np.flatnonzero(stream.starts[1:]) + 1, len(stream)]
-    return [TokenStream(stream.ids[a:b], stream.learn[a:b], stream.starts[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
+    return [TokenStream(stream.ids[a:b], stream.learn[a:b], stream.starts[a:b])
+            for a, b in zip(cuts, cuts[1:]) if b > a]

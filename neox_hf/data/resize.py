@@ -30,6 +30,7 @@ from typing import Optional
 
 import numpy as np
 
+from neox_hf.data.loader import STATE_VERSION, empty_stats
 from neox_hf.data.packing import TokenStream
 from neox_hf.errors import DataError
 
@@ -45,7 +46,7 @@ def resized_position(loader, states: list[dict]) -> dict:
     """The position of `loader` (a new rank) that continues the old ranks' `states` (index = old dp rank)."""
     _check_states(loader, states)
     old_loaders = [loader._old_rank_loader(state["fingerprint"]) for state in states]
-    streams, stats, chunks, unread = [], _zero_stats(), [], 0
+    streams, stats, chunks, unread = [], empty_stats(), [], 0
     for old, state in zip(old_loaders, states):
         old.load_state_dict(state)
         rest, source = old._rest_of_chunk()
@@ -59,7 +60,7 @@ def resized_position(loader, states: list[dict]) -> dict:
              "streams": streams, "read_not_trained": unread}
     return {"dealt": dealt, "epoch": last_pass, "upstream": None, "usable_in_epoch": 0, "tallies": None,
             "chunk_index": max(chunks) + 1, "carry": None,
-            "stats": stats if loader.dp_rank == 0 else _zero_stats()}
+            "stats": stats if loader.dp_rank == 0 else empty_stats()}
 
 
 def describe_dealt(dealt: dict, mode: str, new_size: int) -> str:
@@ -71,8 +72,6 @@ def describe_dealt(dealt: dict, mode: str, new_size: int) -> str:
 
 
 def _check_states(loader, states: list[dict]) -> None:
-    from neox_hf.data.loader import STATE_VERSION
-
     mine = _data_settings(loader._fingerprint())
     for rank, state in enumerate(states):
         if state is None or state.get("version") != STATE_VERSION or "fingerprint" not in state:
@@ -100,12 +99,6 @@ def _current_pass(position: dict) -> int:
     return position["epoch"] if started else position["epoch"] - 1
 
 
-def _zero_stats() -> dict:
-    from neox_hf.data.loader import empty_stats
-
-    return empty_stats()
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Items: pad-mode examples (inputs, labels) and pack-mode token pieces, as kept in a position
 # ----------------------------------------------------------------------------------------------------------------
@@ -130,7 +123,8 @@ def packed_items(items: list) -> dict:
     import torch
 
     def flat(arrays, dtype):
-        return torch.from_numpy(np.concatenate([np.asarray(a, dtype) for a in arrays]) if arrays else np.zeros(0, dtype))
+        joined = np.concatenate([np.asarray(a, dtype) for a in arrays]) if arrays else np.zeros(0, dtype)
+        return torch.from_numpy(joined)
 
     if items and isinstance(items[0], TokenStream):
         return {"ids": flat([i.ids for i in items], np.int64), "learn": flat([i.learn for i in items], bool),
