@@ -189,7 +189,11 @@ def save_layout_free(tensors: dict, folder: Path) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(Path(folder) / FOLDER)),
+        # sync_files=False: DCP fsyncs every file by default, which made the save 2-3x slower than the per-rank files
+        # beside it (1.6 GB: 6.2 s vs 1.3 s here); those (accelerate's, DeepSpeed's) are not fsynced either. A killed
+        # process loses nothing (the page cache outlives it); a machine that loses power right after a save can
+        # lose this checkpoint as it would the others, and resume from the one before.
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(Path(folder) / FOLDER), sync_files=False),
                  no_dist=not _distributed(dist))
     except CheckpointException as err:  # a BaseException, which `except Exception` (a full disk's report) misses
         raise _first_failure(err) from err
