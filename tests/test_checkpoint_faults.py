@@ -77,22 +77,36 @@ def test_every_zero2_step_folder_exports_not_only_the_latest(zero2_run, tmp_path
     assert_every_checkpoint_exports(zero2_run, tmp_path, capsys)
 
 
-def test_a_zero_checkpoint_resumed_by_one_plain_process_is_refused_naming_both_launches(
+def test_a_zero_checkpoint_resumes_on_one_plain_process_and_one_without_layout_free_state_is_refused(
         zero2_run, small_text, tmp_path, capsys, fresh_accelerate_state):
-    """It was called truncated or corrupt, with advice (start again with --overwrite) that deletes a good checkpoint."""
+    """DP2 ZeRO-2 → one process without DeepSpeed, in process: the layout-free state resumes it (streamed data: the
+    rest of both ranks' pass dealt to the one rank). A checkpoint without that state (written before it existed) is
+    refused naming both launches: it was once called truncated or corrupt, with advice (start again with
+    --overwrite) that deletes a good checkpoint."""
     from neox_hf.train import main
 
     out = tmp_path / "run"
     shutil.copytree(zero2_run, out)
-    before = {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()}
-    code = main(tiny_args(out, small_text, "--parallel.zero_stage", "0", "--train.precision", "fp32", "--resume",
+    args = tiny_args(out, small_text, "--parallel.zero_stage", "0", "--train.precision", "fp32",
+                     "--train.gradient_accumulation_steps", "2", "--resume", steps=3, save=3)
+    assert main(args) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "resuming step 2 written by DeepSpeed ZeRO-2 on 2 processes on 1 process without DeepSpeed" in printed
+    assert (out / "checkpoints" / checkpoint_name(3)).is_dir()
+
+    reset_accelerate_state()
+    older = tmp_path / "older"
+    shutil.copytree(zero2_run, older)
+    shutil.rmtree(older / "checkpoints" / checkpoint_name(2) / "layout_free")
+    before = {p: p.read_bytes() for p in (older / "checkpoints").rglob("*") if p.is_file()}
+    code = main(tiny_args(older, small_text, "--parallel.zero_stage", "0", "--train.precision", "fp32", "--resume",
                           steps=3, save=3))
     err = capsys.readouterr().err
-    assert_refused(code, err, f"{out / 'checkpoints' / checkpoint_name(2)} was written by DeepSpeed ZeRO-2 on 2 "
-                   "processes; this run is 1 process without DeepSpeed", "--num_processes 2",
-                   "--parallel.zero_stage 2", f"neox_hf export {out / 'checkpoints' / checkpoint_name(2)} OUT")
+    step = older / "checkpoints" / checkpoint_name(2)
+    assert_refused(code, err, f"{step} was written by DeepSpeed ZeRO-2 on 2 processes; this run is 1 process without "
+                   "DeepSpeed", "--num_processes 2", "--parallel.zero_stage 2", f"neox_hf export {step} OUT")
     assert "corrupt" not in err and "--overwrite" not in err
-    assert {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()} == before
+    assert {p: p.read_bytes() for p in (older / "checkpoints").rglob("*") if p.is_file()} == before
 
 
 def test_a_runs_files_get_the_umasks_mode(small_text, tmp_path, capsys, fresh_accelerate_state):

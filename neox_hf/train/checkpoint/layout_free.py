@@ -21,8 +21,10 @@ read it with an unpickler that admits only DCP's own metadata classes, `torch.Si
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
+import warnings
 from pathlib import Path
 
 from neox_hf.errors import CheckpointError
@@ -75,6 +77,15 @@ def _reader_class():
     return PlainDataReader
 
 
+@contextlib.contextmanager
+def _one_process_is_meant():
+    """DCP warns on every save or load without a process group that it assumes one process: here that is the
+    case meant (one process, or `neox_hf export`), not a mistake to report."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def has_layout_free_state(folder: Path) -> bool:
     return (Path(folder) / FOLDER / ".metadata").is_file()
 
@@ -112,7 +123,8 @@ def read_model_weights(folder: Path) -> dict:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(targets, storage_reader=reader, no_dist=True)
+        with _one_process_is_meant():
+            dcp.load(targets, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         raise CheckpointError(f"cannot read {Path(folder) / FOLDER} ({_first_line(err)}): a file of it is truncated "
                               "or corrupt") from err
@@ -193,8 +205,9 @@ def save_layout_free(tensors: dict, folder: Path) -> None:
         # beside it (1.6 GB: 6.2 s vs 1.3 s here); those (accelerate's, DeepSpeed's) are not fsynced either. A killed
         # process loses nothing (the page cache outlives it); a machine that loses power right after a save can
         # lose this checkpoint as it would the others, and resume from the one before.
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(Path(folder) / FOLDER), sync_files=False),
-                 no_dist=not _distributed(dist))
+        with _one_process_is_meant():
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(Path(folder) / FOLDER), sync_files=False),
+                     no_dist=not _distributed(dist))
     except CheckpointException as err:  # a BaseException, which `except Exception` (a full disk's report) misses
         raise _first_failure(err) from err
 
@@ -223,7 +236,8 @@ def load_layout_free(targets: dict, folder: Path) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(targets, storage_reader=reader, no_dist=not _distributed(dist))
+        with _one_process_is_meant():
+            dcp.load(targets, storage_reader=reader, no_dist=not _distributed(dist))
     except (Exception, CheckpointException) as err:  # DCP's exception for a rank's failed read is a BaseException
         damaged = truncated_file(folder)
         which = f"{damaged} is truncated or corrupt" if damaged else "a file of it is truncated or corrupt"
