@@ -214,8 +214,13 @@ class DataLoader:
 
     def state_dict(self) -> dict:
         """Plain, picklable position: the current chunk's start, how many of its batches were emitted."""
+        memo = {}
+        if "dealt" in self._position:  # its leftovers never change: shared, not copied with every batch
+            from neox_hf.data.resize import unchanging_tensors
+
+            memo = {id(tensor): tensor for tensor in unchanging_tensors(self._position)}
         return copy.deepcopy({"version": STATE_VERSION, "fingerprint": self._fingerprint(),
-                              "position": self._position, "emitted": self._emitted})
+                              "position": self._position, "emitted": self._emitted}, memo)
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:

@@ -63,6 +63,16 @@ def resized_position(loader, states: list[dict]) -> dict:
             "stats": stats if loader.dp_rank == 0 else empty_stats()}
 
 
+def unchanging_tensors(position: dict) -> list:
+    """The packed leftovers of a dealt position and of the dealt positions inside it (read, never written)."""
+    if "dealt" not in (position or {}):
+        return []
+    found = []
+    for stream in position["dealt"]["streams"]:
+        found += list(stream["leftover"].values()) + unchanging_tensors(stream["position"])
+    return found
+
+
 def describe_dealt(dealt: dict, mode: str, new_size: int) -> str:
     unit = "tokens" if mode == "pack" else "documents"
     ranks = "data-parallel rank's" if dealt["old_size"] == 1 else "data-parallel ranks'"
