@@ -93,12 +93,12 @@ def covered(cfg, batches: list, carry=None, *, fresh: bool = True) -> Counter:
     return tokens
 
 
-def shares(cfg, tok, size: int, last_pass: int) -> tuple[Counter, int]:
-    """Every rank's share of passes 0..last_pass, as `covered` counts them, and how many documents that is."""
+def shares(cfg, tok, size: int, last_pass: int, first_pass: int = 0) -> tuple[Counter, int]:
+    """Every rank's share of passes first_pass..last_pass, as `covered` counts them, and how many documents."""
     seq, _ = SHAPES[cfg.mode]
     want, documents = Counter(), 0
     for rank in range(size):
-        for epoch in range(last_pass + 1):
+        for epoch in range(first_pass, last_pass + 1):
             rows = document_stream(cfg.sources, tok, epoch=epoch, seed=1234, dp_rank=rank, dp_size=size)
             for row in rows:
                 if row["skip"] != "":
@@ -202,3 +202,23 @@ def test_the_curriculum_goes_on_from_the_same_step(tok, gsm120):
     next(new)
     assert new.curriculum_seq_length == old[0].curriculum.seq_length_at(5)
     assert new.describe_position().startswith("data position: the rest of pass 1 of 2 data-parallel ranks'")
+
+
+@pytest.mark.parametrize("mode", ["pad", "pack"])
+def test_a_resize_from_ranks_inside_and_past_a_dealt_pass(tok, gsm120, mode):
+    """1 → 2 ranks; rank 0 still in the dealt pass 0, rank 1 already in pass 1 on the 2-rank split; → 3 ranks: pass 0
+    (of the 1-rank split) and pass 1 (of the 2-rank split) are each covered exactly once."""
+    cfg = config(gsm120, mode)
+    scale = 2 if mode == "pack" else 1
+    before, states = train([build(cfg, tok, 0, 1)], [11 * scale])
+    middle_batches, middle_states = train(resized(cfg, tok, states, 2), [2 * scale, 20 * scale - 5 * (scale - 1)])
+    assert "dealt" in middle_states[0]["position"] and middle_states[1]["position"]["epoch"] == 1
+    last = resized(cfg, tok, middle_states, 3)
+    assert dealt_pass(last) == 1
+    after = [read_dealt_pass(loader) for loader in last]
+    got = (covered(cfg, before[0]) + sum((covered(cfg, b) for b in middle_batches), Counter())
+           + sum((covered(cfg, b, c) for b, c, _ in after), Counter()))
+    first, first_documents = shares(cfg, tok, 1, 0)
+    second, second_documents = shares(cfg, tok, 2, 1, first_pass=1)
+    assert got == first + second, (sum((got - first - second).values()), sum((first + second - got).values()))
+    assert sum(stats["documents"] for _, _, stats in after) == first_documents + second_documents
