@@ -200,6 +200,9 @@ class TrainConfig:
     eval_iters: int = 10
     save_interval: Optional[int] = None  # resumable checkpoint every N steps
     keep_last_n: int = 2
+    # every checkpoint also holds the state any layout resumes (`layout_free/`); false: the per-rank files only, about
+    # half the disk and save time under DeepSpeed (benchmarks/checkpoint_save.py), resumable on the same layout only
+    layout_free_checkpoint: bool = True
     resume: Optional[str] = None  # "auto" (latest under output.dir) or a checkpoint path
     push_to_hub: Optional[PushToHubConfig] = None
     # token: every labelled token of an optimizer step weighs the same, whatever micro-batch or data-parallel rank

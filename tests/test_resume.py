@@ -66,6 +66,8 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, capsys, zero_s
     common = [str(REPO / "recipes" / "tiny.yaml"), *SMALL, "--train.train_iters", "10", "--train.save_interval", "5",
               "--train.eval_iters", "0", "--data.sources", shakespeare_sources(), "--parallel.zero_stage", str(zero_stage),
               "--parallel.tensor_parallel", str(tensor_parallel)]
+    if zero_stage == 2:  # per-rank files only: the same-layout resume and the export must not need the layout-free state
+        common += ["--train.layout_free_checkpoint", "false"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     # lm-eval at the end of the TP2 reference only: it runs after the last step, so the losses compared are untouched.
     # Imported here: tests.test_eval_tasks skips its whole module without lm_eval, and would skip every module that
@@ -84,6 +86,8 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, capsys, zero_s
     else:
         assert_saved_weights_are_full(straight)
     assert_every_checkpoint_exports(straight, tmp_path / "exports", capsys)  # step 5 (not the latest) and step 10
+    written = sorted(p.parent.name for p in (straight / "checkpoints").glob("step_*/layout_free"))
+    assert written == ([] if zero_stage == 2 else ["step_00000005", "step_00000010"]), written
     launch_and_kill_after_checkpoint([*common, "--output.dir", str(resumed)], resumed, zero_stage=zero_stage)
     assert (resumed / "checkpoints" / "latest").read_text() == "step_00000005"
     assert not (resumed / "config.json").exists()  # the killed run never reached its final save

@@ -418,7 +418,8 @@ def _save_checkpoint_and_push(run: TrainingRun, state: TrainState) -> None:
     save_checkpoint(run.accelerator, output_dir=run.recipe.output.dir, state=state, scheduler=run.scheduler,
                     data_loader=run.loader_position or run.loader, keep_last_n=t.keep_last_n,
                     model_config=run.accelerator.unwrap_model(run.model).config, tokenizer=run.tokenizer,
-                    precision=t.precision, engine=_layout_free_engine(run.engine, run.recipe))
+                    precision=t.precision, engine=_layout_free_engine(run.engine, run.recipe),
+                    write_layout_free=t.layout_free_checkpoint)
     if t.push_to_hub is not None and t.push_to_hub.revision_per_step and run.recipe.peft.method is None:
         # Pythia convention: an HF folder of step N on branch `step{N}`, uploaded in the background.
         folder = Path(run.recipe.output.dir) / "hub_steps" / f"step{state.step}"

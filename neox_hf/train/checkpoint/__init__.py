@@ -64,10 +64,12 @@ def checkpoint_name(step: int) -> str:
 
 
 def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, data_loader, keep_last_n: int,
-                    model_config=None, tokenizer=None, precision: str | None = None, engine=None) -> Path:
+                    model_config=None, tokenizer=None, precision: str | None = None, engine=None,
+                    write_layout_free: bool = True) -> Path:
     """Write a complete checkpoint atomically; return its folder. Collective: every rank must call it. `precision`
     (what ran) is recorded so that a resumed `train.precision: auto` run keeps it (see `checkpoint_precision`).
-    With the run's `engine`, the layout-free state is written too (`layout_free/`), which any layout resumes."""
+    With the run's `engine`, the layout-free state is written too (`layout_free/`), which any layout resumes, unless
+    `write_layout_free` is False (`train.layout_free_checkpoint`; one process without DeepSpeed has it for free)."""
     root = checkpoint_root(output_dir)
     final = root / checkpoint_name(state.step)
     staging = root / f"{TMP_PREFIX}{final.name}"
@@ -78,9 +80,10 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
     try:
         accelerator.save_state(str(staging))
         layout_free = None
-        if engine is not None and engine.has_layout_free_state():
+        several = _uses_deepspeed(accelerator) or accelerator.num_processes > 1  # else accelerate's files are it
+        if engine is not None and engine.has_layout_free_state() and (write_layout_free or not several):
             tensors, layout_free = engine.layout_free_state()
-            if _uses_deepspeed(accelerator) or accelerator.num_processes > 1:  # else accelerate's files are it
+            if several:
                 save_layout_free(tensors, staging)
         trainer_state = {
             "layout_free": layout_free,
