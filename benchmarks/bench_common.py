@@ -11,6 +11,15 @@ from pathlib import Path
 import torch
 
 
+def status_mb(field: str) -> float:
+    """A /proc/self/status memory field (VmRSS, VmHWM, ...) in MB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
 def cpu_name() -> str:
     """The CPU model and its matrix extensions, from /proc/cpuinfo (Linux) or platform."""
     try:

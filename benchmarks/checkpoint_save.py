@@ -38,6 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the checkout's neox_hf, installed or not
 
+from bench_common import status_mb  # noqa: E402
+
 LAYOUTS = {  # name: (processes, zero stage, tensor parallel, pipeline stages)
     "1 process": (1, 0, 1, 1),
     "DP2 ZeRO-1": (2, 1, 1, 1),
@@ -51,14 +53,6 @@ PHASES = ("old", "layout-free", "checkpoint")
 
 
 # -- worker (one rank of one layout) ------------------------------------------------------------------------------
-
-
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(field)
 
 
 def _reset_peak() -> None:
@@ -75,12 +69,12 @@ def _measured(phase: str, save, folder: Path, accelerator) -> dict:
     gc.collect()
     accelerator.wait_for_everyone()
     _reset_peak()
-    before = _status_mb("VmRSS")
+    before = status_mb("VmRSS")
     started = time.perf_counter()
     save(folder)
     accelerator.wait_for_everyone()
     seconds = time.perf_counter() - started
-    return {"phase": phase, "seconds": seconds, "peak_added_mb": _status_mb("VmHWM") - before,
+    return {"phase": phase, "seconds": seconds, "peak_added_mb": status_mb("VmHWM") - before,
             "disk_mb": _folder_mb(folder) if accelerator.is_main_process else 0.0}
 
 

@@ -25,17 +25,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's neox_hf, installed or not
 
+from bench_common import status_mb  # noqa: E402
+
 PATHS = ("old", "new", "pp-stage0", "pp-stage1")
 LABELS = {"old": "TP2 whole then split (before)", "new": "TP2 meta + own shards (after)",
           "pp-stage0": "PP2 x TP2 stage 0 (after)", "pp-stage1": "PP2 x TP2 stage 1 (after)"}
-
-
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(field)
 
 
 def _config(layers: int, hidden: int, vocab: int):
@@ -80,10 +74,10 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=2)
     config = _config(args.layers, args.hidden, args.vocab)
-    before = _status_mb("VmRSS")
+    before = status_mb("VmRSS")
     built = _build(args.path, config, args.rank)
     dist.barrier()
-    print(json.dumps({"rank": args.rank, "peak_mb": _status_mb("VmHWM"), "build_mb": _status_mb("VmHWM") - before,
+    print(json.dumps({"rank": args.rank, "peak_mb": status_mb("VmHWM"), "build_mb": status_mb("VmHWM") - before,
                       "held_mb": _held_mb(built)}))
     dist.destroy_process_group()
 

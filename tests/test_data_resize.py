@@ -6,7 +6,6 @@ pack: the multiset of tokens, windows' shared tokens counted once). In process, 
 
 from __future__ import annotations
 
-import io
 import os
 import sys
 from collections import Counter
@@ -15,34 +14,18 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
-from data_common import gsm8k_rows, gsm8k_source, neox_tokenizer, write_jsonl  # noqa: E402
+from data_common import gsm8k_source  # noqa: E402
 
 from neox_hf.data import build_train_loader, document_stream  # noqa: E402
 from neox_hf.errors import DataError  # noqa: E402
 from neox_hf.recipe import DataConfig  # noqa: E402
+from tests.test_data_resume import gsm120, round_trip, tok  # noqa: E402,F401  (fixtures shared)
 
 SHAPES = {"pad": (256, 4), "pack": (128, 2)}  # seq_length, micro_batch_size of the old run
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return neox_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def gsm120(tmp_path_factory):
-    return write_jsonl(tmp_path_factory.mktemp("resize") / "gsm120.jsonl", gsm8k_rows(120))
-
-
 def config(path, mode: str, **settings) -> DataConfig:
     return DataConfig(sources=[gsm8k_source(path=str(path))], mode=mode, buffer_size=32, **settings)
-
-
-def round_trip(state: dict) -> dict:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
 
 
 def build(cfg, tok, rank: int, size: int, micro_batch_size=None):
