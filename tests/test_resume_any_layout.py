@@ -178,6 +178,25 @@ def test_pipeline2_tp2_to_one_process(pp2_tp2_pack, pack_data, tmp_path):
     resume(pp2_tp2_pack, tmp_path / "b", 1, pack_data)
 
 
+@pytest.mark.distributed
+def test_export_reads_the_layout_free_state_of_pipeline2_tp2(pp2_tp2_pack, tmp_path, capsys):
+    """`neox_hf export` of the last checkpoint of 4 processes (2 stages × 2 TP shards) is the run's final folder,
+    tensor for tensor, and stock transformers loads it."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import GPTNeoXForCausalLM
+
+    from neox_hf.cli import main
+
+    step = pp2_tp2_pack / "checkpoints" / "step_00000006"
+    assert (step / "layout_free" / ".metadata").is_file()
+    assert main(["export", str(step), str(tmp_path / "hf")]) == 0, capsys.readouterr().err
+    want, got = load_file(pp2_tp2_pack / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want), [k for k in want if not torch.equal(want[k], got[k])]
+    assert GPTNeoXForCausalLM.from_pretrained(tmp_path / "hf").config.vocab_size == 50432
+
+
 def _saved_tiny_state(folder: Path) -> dict:
     import torch
 
