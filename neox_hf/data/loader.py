@@ -381,7 +381,7 @@ class DataLoader:
             items = [items[i] for i in rng.permutation(len(items))]
         start = TokenStream.from_state(carry) if carry else TokenStream.empty()
         parts = [start, *items]
-        stream = TokenStream(*(np.concatenate([getattr(p, k) for p in parts]) for k in ("ids", "learn", "starts")))
+        stream = TokenStream.concat(parts)
         windows, rest = packing.cut_batches(stream, self.seq_length, self.batch_size)
         return stream, windows, rest
 
@@ -411,7 +411,7 @@ class DataLoader:
                 self._count(packing.pack_batch(window, isolate_documents=False))
             cut = emitted * self.batch_size * self.seq_length
             cut += 1 if emitted or _overlaps(start["carry"], start["stats"]) else 0
-            return _document_pieces(TokenStream(stream.ids[cut:], stream.learn[cut:], stream.starts[cut:])), source
+            return _document_pieces(stream[cut:]), source
         examples, groups, leftover = self._pad_plan(items, start["carry"], rng, flush=source.exhausted,
                                                     first=start["chunk_index"] == 0)
         for group in groups[:emitted]:
@@ -650,5 +650,4 @@ def _overlaps(carry, stats: dict) -> bool:
 def _document_pieces(stream: TokenStream) -> list[TokenStream]:
     """A token stream cut where documents start (the first piece may be a document's end)."""
     cuts = [0, *np.flatnonzero(stream.starts[1:]) + 1, len(stream)]
-    return [TokenStream(stream.ids[a:b], stream.learn[a:b], stream.starts[a:b])
-            for a, b in zip(cuts, cuts[1:]) if b > a]
+    return [stream[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]

@@ -38,6 +38,14 @@ class TokenStream:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def __getitem__(self, index) -> "TokenStream":
+        """The tokens at `index` (a slice or an index array), with their flags."""
+        return TokenStream(self.ids[index], self.learn[index], self.starts[index])
+
+    @classmethod
+    def concat(cls, parts: list["TokenStream"]) -> "TokenStream":
+        return cls(*(np.concatenate([getattr(p, k) for p in parts]) for k in ("ids", "learn", "starts")))
+
     def to_state(self) -> dict:
         return {"ids": self.ids.tolist(), "learn": self.learn.tolist(), "starts": self.starts.tolist()}
 
@@ -65,9 +73,9 @@ def cut_batches(stream: TokenStream, seq_length: int, batch_size: int) -> tuple[
     batches = []
     for b in range(n_batches):
         starts = (b * batch_size + np.arange(batch_size))[:, None] * seq_length + np.arange(seq_length + 1)
-        batches.append(TokenStream(stream.ids[starts], stream.learn[starts], stream.starts[starts]))
+        batches.append(stream[starts])
     used = n_batches * batch_size * seq_length
-    rest = TokenStream(stream.ids[used:], stream.learn[used:], stream.starts[used:])
+    rest = stream[used:]
     return batches, rest
 
 
