@@ -15,8 +15,10 @@
 # 4. measures training throughput (benchmarks/train_throughput.py) of the Pythia-160M and -410M shapes in bf16, the
 #    fused and the unfused loss, against stock transformers: tokens/s, MFU against the datasheet dense bf16 peak of
 #    the part torch names (or the measured GEMM rate for a part the table lacks), and peak GPU memory;
-# and prints that table and the pytest summary. Every part has its own time limit (pip 120 s, tests 200 s, benchmark
-# 140 s): under 8 minutes in all.
+# 5. profiles one Pythia-160M bf16 step of each (benchmarks/step_profile.py --peer stock): kernel time by category
+#    and the GPU's idle time, to say where neox_hf's gap to stock transformers at that shape comes from;
+# and prints those tables and the pytest summary. Every part has its own time limit (pip 90 s, tests 180 s, benchmark
+# 140 s, profile 60 s): under 8 minutes in all.
 # Outputs (pip log, pytest log, the table, a summary) go to "${OUT:-benchmarks/out}".
 #
 # What one GPU cannot show: NCCL between ranks. The single-process DeepSpeed runs here (ZeRO-1, the fp16 scaler)
@@ -97,7 +99,7 @@ if [ -n "${WHEELS:-}" ]; then
     # package runs from the checkout (tests and benchmarks start at the repository root).
     SITE="$WORK/site"
     echo "[$((SECONDS - START)) s] wheels from $WHEELS into $SITE"
-    if ! timeout 120 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    if ! timeout 90 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target "$SITE" "$WHEELS"/*.whl > "$OUT_DIR/pip.log" 2>&1; then
         echo "gpu_check: installing the wheels in $WHEELS failed ($OUT_DIR/pip.log):" >&2
         tail -n 20 "$OUT_DIR/pip.log" >&2
@@ -110,14 +112,14 @@ if [ -n "${WHEELS:-}" ]; then
     fi
 else
     echo "[$((SECONDS - START)) s] pip install -e .[test]"
-    if ! timeout 120 "$PYTHON" -m pip install -q --progress-bar off --retries 1 --timeout 15 -c "$CONSTRAINTS" \
+    if ! timeout 90 "$PYTHON" -m pip install -q --progress-bar off --retries 1 --timeout 15 -c "$CONSTRAINTS" \
             -e ".[test]" > "$OUT_DIR/pip.log" 2>&1; then
         # Without PyPI the checkout still runs where the dependencies are installed (from the repository root).
         if "$PYTHON" -c "$DEPENDENCIES" 2>/dev/null; then
             echo "gpu_check: pip install -e .[test] failed (no PyPI?); the dependencies are installed: running from" \
                 "the checkout ($OUT_DIR/pip.log)"
         else
-            echo "gpu_check: pip install -e .[test] failed or ran over 120 s ($OUT_DIR/pip.log); without PyPI, give" \
+            echo "gpu_check: pip install -e .[test] failed or ran over 90 s ($OUT_DIR/pip.log); without PyPI, give" \
                 "WHEELS=folder of wheels for the missing packages:" >&2
             tail -n 20 "$OUT_DIR/pip.log" >&2
             exit 2
@@ -127,7 +129,7 @@ fi
 
 # SIGINT first: pytest then stops and still prints what ran and its summary line.
 echo "[$((SECONDS - START)) s] python -m pytest tests -q -m cuda -n 0"
-timeout -s INT -k 10 200 "$PYTHON" -m pytest tests -q -m cuda -n 0 -p no:cacheprovider > "$OUT_DIR/pytest_cuda.log" 2>&1
+timeout -s INT -k 10 180 "$PYTHON" -m pytest tests -q -m cuda -n 0 -p no:cacheprovider > "$OUT_DIR/pytest_cuda.log" 2>&1
 PYTEST_STATUS=$?
 PYTEST_SUMMARY=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error|skipped|deselected)|no tests ran|Interrupted" \
     "$OUT_DIR/pytest_cuda.log" | tail -n 1)
@@ -137,6 +139,11 @@ timeout -s INT -k 5 140 "$PYTHON" benchmarks/train_throughput.py --device cuda -
     --batch 8 --seq 2048 --fused both --steps 8 --warmup 2 \
     > "$OUT_DIR/train_throughput.md" 2> "$OUT_DIR/train_throughput.err"
 BENCH_STATUS=$?
+
+echo "[$((SECONDS - START)) s] benchmarks/step_profile.py --peer stock --shape 160m --precision bf16"
+timeout -s INT -k 5 60 "$PYTHON" benchmarks/step_profile.py --peer stock --device cuda --shape 160m --batch 8 \
+    --seq 2048 --precision bf16 --steps 3 --warmup 3 > "$OUT_DIR/step_profile.md" 2> "$OUT_DIR/step_profile.err"
+PROFILE_STATUS=$?
 
 {
     echo "## GPU check ($(cat "$OUT_DIR/device.txt"), $((SECONDS - START)) s)"
@@ -149,8 +156,13 @@ BENCH_STATUS=$?
         tail -n 15 "$OUT_DIR/train_throughput.err"
     fi
     echo
+    echo "Where a Pythia-160M bf16 step's time goes (benchmarks/step_profile.py --peer stock):"
+    echo
+    cat "$OUT_DIR/step_profile.md"
+    [ "$PROFILE_STATUS" -eq 0 ] || { echo "profile exit status $PROFILE_STATUS:"; tail -n 15 "$OUT_DIR/step_profile.err"; }
+    echo
     echo "GPU tier (python -m pytest tests -q -m cuda -n 0): ${PYTEST_SUMMARY:-no summary, see pytest_cuda.log}"
     [ "$PYTEST_STATUS" -eq 0 ] || grep -E "^(FAILED|ERROR) " "$OUT_DIR/pytest_cuda.log" | head -n 20
 } | tee "$OUT_DIR/gpu_check.md"
-echo "(logs in $OUT_DIR: pip.log, pytest_cuda.log, train_throughput.md/.err, gpu_check.md)"
+echo "(logs in $OUT_DIR: pip.log, pytest_cuda.log, train_throughput.md/.err, step_profile.md/.err, gpu_check.md)"
 [ "$PYTEST_STATUS" -eq 0 ] && [ "$BENCH_STATUS" -eq 0 ]
