@@ -36,7 +36,7 @@ from neox_hf.train.guards import (
     claim_output_dir,
 )
 from neox_hf.train.mfu import Peak, device_peak, flops_per_token, mfu
-from neox_hf.train.prefetch import Prefetcher
+from neox_hf.train.prefetch import Prefetcher, pinned
 from neox_hf.train.run_log import RECIPE_NAME, append_step_entries, record_evaluation, truncate_train_log
 from neox_hf.train.schedule import build_lr_scheduler
 from neox_hf.train.engine import build_engine
@@ -212,7 +212,7 @@ class History:
 def run_steps(run: TrainingRun, state: TrainState, history: History | None = None) -> History:
     t = run.recipe.train
     history = history if history is not None else History()
-    batches = Prefetcher(run.loader)
+    batches = Prefetcher(run.loader, prepare=pinned if run.accelerator.device.type == "cuda" else None)
     run.loader_position = batches  # what a checkpoint records: the position of the last batch consumed
     step_log = StepLogger(run, state, history)
     overflows = OverflowGuard(t.max_skipped_steps_in_a_row, run.engine.loss_scale_floor(),

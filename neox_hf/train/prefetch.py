@@ -5,6 +5,10 @@ resume position (workers run ahead of training); Accelerate's loaders wrap the s
 packs and collates ahead of the step (tokenizers and torch release the GIL for the heavy parts), and every batch
 carries the loader's `state_dict()` taken right after it was produced, so a checkpoint records the position of
 the last batch the step *consumed*, not of the last one prefetched, and resume stays exact.
+
+For a GPU the thread also pins each batch (`pinned`): the loop's `non_blocking` copy to the device is asynchronous
+only from page-locked memory; from pageable memory CUDA copies synchronously, and the host stops running ahead of the
+queued step (torch's DataLoader does the same with `pin_memory=True`, in its own thread).
 """
 
 from __future__ import annotations
@@ -13,12 +17,24 @@ import queue
 import threading
 import time
 
+import torch
+
 _DONE = object()
 
 
+def pinned(batch):
+    """The batch (a dict) with its tensors in page-locked host memory; anything else unchanged."""
+    if not isinstance(batch, dict):
+        return batch
+    return {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
 class Prefetcher:
-    def __init__(self, loader, depth: int = 4):
+    """`prepare`, when given, is applied to each batch in the background thread (`pinned` for a GPU)."""
+
+    def __init__(self, loader, depth: int = 4, prepare=None):
         self.loader = loader
+        self._prepare = prepare
         self._consumed_state = loader.state_dict() if hasattr(loader, "state_dict") else None
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
@@ -32,6 +48,8 @@ class Prefetcher:
         try:
             while not self._stop.is_set():
                 batch = next(iterator)
+                if self._prepare is not None:
+                    batch = self._prepare(batch)
                 self._put((batch, self.loader.state_dict() if stateful else None))
         except StopIteration:
             self._put(_DONE)
