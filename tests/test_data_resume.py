@@ -98,6 +98,32 @@ def test_a_resumed_run_checkpointed_again_in_its_first_chunk_resumes_exactly(tok
     assert_same_batches([next(third) for _ in range(3)], uninterrupted[11:14])
 
 
+@pytest.mark.parametrize("mode", ["pad", "pack"])
+def test_a_state_taken_in_process_is_a_snapshot_the_loader_going_on_leaves_alone(tok, gsm120, mode):
+    """The prefetch thread keeps each batch's state while the loader runs ahead, and state_dict() shares the chunk's
+    carry instead of copying it: the kept state must still equal what it was when taken, chunks later, and resume
+    the batches after it."""
+    cfg = DataConfig(sources=[gsm8k_source(path=str(gsm120))], buffer_size=30, **MODES[mode])  # pad: 2 left over
+    seq, batch = (256, 4) if mode == "pad" else (128, 2)
+    build = lambda: build_train_loader(cfg, tok, seq_length=seq, micro_batch_size=batch)  # noqa: E731
+    run = build()
+    uninterrupted = [next(run) for _ in range(60)]
+    loader = build()
+    for taken_after in range(1, 40):  # into the first chunk that starts with a carry from the one before
+        next(loader)
+        state = loader.state_dict()
+        if state["position"]["carry"]:
+            break
+    assert state["position"]["carry"], "the check needs a chunk that carries something into the next"
+    taken = round_trip(state)
+    for _ in range(12):  # chunks on
+        next(loader)
+    assert round_trip(state) == taken
+    resumed = build()
+    resumed.load_state_dict(state)
+    assert_same_batches([next(resumed) for _ in range(5)], uninterrupted[taken_after:taken_after + 5])
+
+
 def test_resume_reproduces_the_stats(tok, gsm120):
     cfg = DataConfig(sources=[gsm8k_source(path=str(gsm120))], mode="pad", buffer_size=32)
     run = build_train_loader(cfg, tok, seq_length=256, micro_batch_size=4)
