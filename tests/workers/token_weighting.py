@@ -3,6 +3,14 @@ weighs the same whatever micro-batch / accumulation / data-parallel / tensor-par
 
     python tests/workers/token_weighting.py MODEL_DIR OUT_DIR --micro M --accumulation A [--tp T] [--sft] [--normalization N]
     accelerate launch --use_deepspeed --num_processes N ... token_weighting.py (same arguments)
+    python tests/workers/token_weighting.py MODEL_DIR OUT_DIR --runs NAME=micro=M,acc=A[,tp=T][,sft][,norm=N] ...
+    (or the same `--runs` under accelerate launch)
+
+`--runs` trains several configurations one after the other in the same process(es), each into OUT_DIR/NAME (its own
+train_log.jsonl and weights.pt, exactly as a single run writes them), resetting Accelerate between them: a process
+costs ~10 s of start-up on 2 cores, a launch of two ~20 s, the 3 steps themselves well under a second. Every run
+loads the same saved model and the loop seeds each run from the recipe, so each gives what it gives alone.
+Spec keys: micro, acc (required), tp (default 1), sft (flag, or sft=0/1), norm (loss_normalization, default token).
 
 Each step's global batch is 8 examples: 4 short ones then 4 long ones (token counts differ about 8×), dynamically
 padded per micro-batch as `data.mode: pad` pads. Micro-batch k of data-parallel rank r holds examples
@@ -12,6 +20,9 @@ Writes OUT_DIR/train_log.jsonl (the loop's per-step losses) and OUT_DIR/weights.
 """
 
 import argparse
+import os
+import sys
+from pathlib import Path
 
 import torch
 
@@ -20,6 +31,9 @@ from neox_hf.recipe import recipe_from_dict
 from neox_hf.train.checkpoint import TrainState
 from neox_hf.train.loop import TrainingRun, run_steps
 from neox_hf.train.schedule import build_lr_scheduler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the suite-wide conftest helpers
+from conftest import reset_accelerate_state  # noqa: E402
 
 VOCAB, STEPS, GLOBAL = 512, 3, 8
 SHORT, LONG = 6, 48
@@ -88,13 +102,53 @@ def main(args) -> None:
         torch.save({k: v.detach().float().cpu() for k, v in weights.items()}, f"{args.out_dir}/weights.pt")
 
 
-if __name__ == "__main__":
+def parse_args(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("model_dir")
     parser.add_argument("out_dir")
-    parser.add_argument("--micro", type=int, required=True)
-    parser.add_argument("--accumulation", type=int, required=True)
+    parser.add_argument("--micro", type=int)
+    parser.add_argument("--accumulation", type=int)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--sft", action="store_true")
     parser.add_argument("--normalization", default="token")
-    main(parser.parse_args())
+    parser.add_argument("--runs", nargs="+", default=[])
+    args = parser.parse_args(argv)
+    if not args.runs and (args.micro is None or args.accumulation is None):
+        parser.error("--micro and --accumulation are required without --runs")
+    return args
+
+
+_SPEC_KEYS = {"micro": "--micro", "acc": "--accumulation", "tp": "--tp", "norm": "--normalization"}
+
+
+def runs(args) -> list:
+    """The parsed arguments of each run: the command line's one, or one per `--runs` entry (OUT_DIR/NAME)."""
+    if not args.runs:
+        return [args]
+    parsed = []
+    for entry in args.runs:
+        name, spec = entry.split("=", 1)
+        argv = [args.model_dir, os.path.join(args.out_dir, name)]
+        for item in spec.split(","):
+            key, _, value = item.partition("=")
+            if key == "sft":
+                if value in ("", "1"):
+                    argv.append("--sft")
+                elif value != "0":
+                    raise SystemExit(f"{entry}: sft takes 0 or 1, not {value!r}")
+            elif key in _SPEC_KEYS and value:
+                argv += [_SPEC_KEYS[key], value]
+            else:
+                raise SystemExit(f"{entry}: unknown or empty spec item {item!r} (keys: micro, acc, tp, sft, norm)")
+        run = parse_args(argv)
+        if run.micro is None or run.accumulation is None:
+            raise SystemExit(f"{entry}: micro and acc are required")
+        parsed.append(run)
+    return parsed
+
+
+if __name__ == "__main__":
+    for run_args in runs(parse_args()):
+        os.makedirs(run_args.out_dir, exist_ok=True)
+        main(run_args)
+        reset_accelerate_state()
