@@ -17,7 +17,9 @@ the step waited for them is in "host, outside ops", and in `data_wait_s` of trai
 grad-norm clip, dtype casts, other ops). "host, outside ops" is the self time of the profiler's step record: the
 step's time in no op (Python, the framework, waiting for data or the device); on a GPU its first column is the
 step's wall time less its kernel time: the GPU idle, waiting for the host. On a CPU the table says what is left once matmuls are fast (AMX bf16); on a GPU,
-whether the gap to the peer is kernels or host time. Nothing here is asserted by the tests.
+whether the gap to the peer is kernels or host time. The last rows count the aten ops the Python code called per
+step (each costs host time to dispatch; on a GPU each launches kernels) and, on a GPU, the kernel launches. Nothing
+here is asserted by the tests.
 """
 
 from __future__ import annotations
@@ -58,6 +60,16 @@ OPTIMIZER_MARKS = ("Optimizer.step", "Optimizer.zero_grad")
 DATA_MARKS = ("enumerate(DataLoader)",)
 ORDER = ["matmul", "attention", "loss", "embedding", "optimizer", "grad-norm clip", "dtype casts / copies",
          "other ops", "data", "host, outside ops"]
+
+
+def _under_op(event) -> bool:
+    """Whether an aten op was called by another aten op (counted once, as the op the Python code called)."""
+    node = event.cpu_parent
+    while node is not None:
+        if node.name.startswith("aten::"):
+            return True
+        node = node.cpu_parent
+    return False
 
 
 def category(event) -> str:
@@ -103,6 +115,8 @@ class ProfiledSteps(StepClock):
         """{category: (ms per step of device or CPU time, ms per step of CPU time)}."""
         events = self.profiler.events()
         device, cpu = defaultdict(float), defaultdict(float)
+        ops = sum(1 for e in events if e.name.startswith("aten::") and not _under_op(e))
+        launches = sum(1 for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
         for event in events:
             where = category(event)
             cpu[where] += event.self_cpu_time_total
@@ -112,7 +126,9 @@ class ProfiledSteps(StepClock):
         if measure is device:  # the GPU's idle time: the host launching, syncing or waiting for data
             device["host, outside ops"] = max(wall - sum(device.values()), 0.0)
         return {c: (measure[c] / self.steps / 1e3, cpu[c] / self.steps / 1e3) for c in ORDER} | {
-            "wall": (wall / self.steps / 1e3, wall / self.steps / 1e3)}
+            "wall": (wall / self.steps / 1e3, wall / self.steps / 1e3),
+            "aten ops called": (ops / self.steps, ops / self.steps),
+            "kernel launches": (launches / self.steps, launches / self.steps)}
 
 
 @contextlib.contextmanager
@@ -180,6 +196,8 @@ def print_table(runs: list[tuple[str, ProfiledSteps]], cuda: bool) -> None:
             share = ms / table["wall"][0] if c != "wall" else 1.0
             cells.append(f"{ms:9.1f}" + (f" ({cpu_ms:.1f})" if cuda and c != "wall" else "") + f" | {share:6.1%}")
         print(f"| {c} | " + " | ".join(cells) + " |")
+    for c in ("aten ops called", "kernel launches") if cuda else ("aten ops called",):
+        print(f"| {c} per step | " + " | ".join(f"{table[c][0]:9.0f} |" for _, table in tables) + " |")
 
 
 def parse_args() -> argparse.Namespace:
