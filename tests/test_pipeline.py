@@ -3,12 +3,18 @@
 The multi-process runs are `accelerate launch --use_deepspeed` of tests/workers/pipe_train.py (DeepSpeed's pipeline
 engine on gloo); this process computes the one-process reference on the same micro-batches with stock transformers
 and plain AdamW: token-weighted loss over the step's 4 micro-batches, clipping 1.0, the recipe's LR schedule.
+
+A launch costs ~20 s (2 processes) to ~40 s (4) of start-up on 2 cores, a run a few seconds: the runs of one process
+count share one launch (`pipe_train.py --runs`, one after the other, each into its own folder), held by the
+module-scoped fixtures `two_process_runs` and `four_process_runs`. Only the kill/resume test (it kills a process) and
+the end-to-end test of the real entry point launch on their own.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -37,6 +43,28 @@ def launch(out_dir, model_dir, processes: int, *args, check: bool = True):
     if check:
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-5000:]
     return done
+
+
+class MergedLaunch:
+    """One launch of several pipe_train runs (`--runs`): `run(name)` is a run's folder, or a failure naming the run
+    and showing the launch's output."""
+
+    def __init__(self, out_dir, names: list[str], done: subprocess.CompletedProcess):
+        self.out_dir, self.names, self.done = out_dir, names, done
+
+    def run(self, name: str):
+        finished = f"pipe_train run {name}: done" in self.done.stdout and (self.out_dir / name / "eval.json").exists()
+        if name == self.names[-1]:
+            finished = finished and self.done.returncode == 0
+        assert finished, (f"run {name!r} of the launch of runs {self.names} did not finish (exit "
+                          f"{self.done.returncode}):\n" + self.done.stdout[-2000:] + self.done.stderr[-5000:])
+        return self.out_dir / name
+
+
+def launch_runs(out_dir, model_dir, processes: int, runs: dict[str, list]) -> MergedLaunch:
+    """The runs (name → pipe_train options) trained one after the other in one launch, each into out_dir/name."""
+    specs = [f"{name}={shlex.join(map(str, options))}" for name, options in runs.items()]
+    return MergedLaunch(out_dir, list(runs), launch(out_dir, model_dir, processes, "--runs", *specs, check=False))
 
 
 def step_log(out_dir) -> dict[int, dict]:
@@ -130,10 +158,28 @@ def assert_same_training(out_dir, reference, mode: str):
 
 
 @pytest.fixture(scope="module")
-def pp2_run(models, tmp_path_factory):
-    out = tmp_path_factory.mktemp("pp2")
-    launch(out, models / "untied", 2, "--pp", "2")
-    return out
+def two_process_runs(models, tmp_path_factory) -> MergedLaunch:
+    """The 2-process runs, in one launch: pipeline 2 in fp32 (`pp2`) and in bf16 (`bf16`, as launched with
+    `--mixed_precision bf16`)."""
+    return launch_runs(tmp_path_factory.mktemp("pipe_2proc"), models / "untied", 2, {
+        "pp2": ["--pp", "2"],
+        "bf16": ["--pp", "2", "--precision", "bf16", "--launcher-precision", "bf16"],
+    })
+
+
+@pytest.fixture(scope="module")
+def four_process_runs(models, tmp_path_factory) -> MergedLaunch:
+    """The 4-process runs, in one launch: pipeline 2 × tensor 2 in pad mode with activation checkpointing
+    (`pp2_tp2_pad`) and pipeline 2 × data 2 (ZeRO-1) on the tied model with isolated documents (`pp2_dp2_isolate`)."""
+    return launch_runs(tmp_path_factory.mktemp("pipe_4proc"), models / "untied", 4, {
+        "pp2_tp2_pad": ["--pp", "2", "--tp", "2", "--mode", "pad", "--activation-checkpointing"],
+        "pp2_dp2_isolate": ["--model-dir", models / "tied", "--pp", "2", "--mode", "isolate"],
+    })
+
+
+@pytest.fixture(scope="module")
+def pp2_run(two_process_runs):
+    return two_process_runs.run("pp2")
 
 
 def test_pipeline2_trains_as_one_process_and_saves_a_stock_folder(models, pp2_run, tmp_path):
@@ -144,17 +190,15 @@ def test_pipeline2_trains_as_one_process_and_saves_a_stock_folder(models, pp2_ru
     assert "bubble (p−1)/(m+p−1) = 0.200" in report  # (2 − 1) / (4 + 2 − 1)
 
 
-def test_pipeline2_x_tensor2_pad_mode_with_activation_checkpointing(models, tmp_path):
+def test_pipeline2_x_tensor2_pad_mode_with_activation_checkpointing(models, four_process_runs, tmp_path):
     """Padded micro-batches of varying length and row count (dynamic shapes between stages)."""
-    out = tmp_path / "run"
-    launch(out, models / "untied", 4, "--pp", "2", "--tp", "2", "--mode", "pad", "--activation-checkpointing")
+    out = four_process_runs.run("pp2_tp2_pad")
     assert_same_training(out, one_process(models / "untied", "pad", tmp_path), "pad")
     assert_export_equals_final(out, tmp_path / "exported")  # stages × TP shards of DeepSpeed's layer files merged
 
 
-def test_pipeline2_x_data2_zero1_tied_embeddings_isolated_documents(models, tmp_path):
-    out = tmp_path / "run"
-    launch(out, models / "tied", 4, "--pp", "2", "--mode", "isolate")
+def test_pipeline2_x_data2_zero1_tied_embeddings_isolated_documents(models, four_process_runs, tmp_path):
+    out = four_process_runs.run("pp2_dp2_isolate")
     assert_same_training(out, one_process(models / "tied", "isolate", tmp_path, dp_for_eval=2), "isolate")
 
 
@@ -274,13 +318,8 @@ def test_training_loop_runs_pipeline_stages_end_to_end(tmp_path):
     assert model.config.num_hidden_layers == 2 and model.config.vocab_size == 50304
 
 
-def test_pipeline2_bf16_trains_close_to_fp32(models, tmp_path):
-    out = tmp_path / "run"
-    command = accelerate_launch_command(WORKERS / "pipe_train.py", models / "untied", out, "--pp", "2",
-                                        "--precision", "bf16", zero_stage=1, num_processes=2)
-    command[command.index("--mixed_precision") + 1] = "bf16"
-    done = subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-5000:]
+def test_pipeline2_bf16_trains_close_to_fp32(models, two_process_runs, tmp_path):
+    out = two_process_runs.run("bf16")
     losses = one_process(models / "untied", "pack", tmp_path)[0]
     log = step_log(out)
     assert all(abs(log[s]["loss"] - losses[s]) <= 2e-2 for s in losses), (log, losses)

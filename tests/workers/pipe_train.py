@@ -7,13 +7,27 @@ fixed batches. Writes, from global rank 0: OUT_DIR/train_log.jsonl (the loop's p
 OUT_DIR/eval.json (token-weighted eval loss before and after training), OUT_DIR/final/ (the merged HF folder),
 OUT_DIR/report.txt (the start-up pipeline report). Options: --mode pack|pad|isolate, --activation-checkpointing,
 --kill-at-step K (SIGKILL rank 0 after step K's update, before its checkpoint), --resume (from OUT_DIR's latest checkpoint),
---scratch (initialise from scratch instead of reading MODEL_DIR's weights), --precision fp32|bf16.
+--scratch (initialise from scratch instead of reading MODEL_DIR's weights), --precision fp32|bf16,
+--launcher-precision no|bf16 (the `accelerate launch --mixed_precision` this run stands for: ACCELERATE_MIXED_PRECISION
+while it runs, so runs of different launcher precisions can share one launch).
+
+    accelerate launch ... pipe_train.py MODEL_DIR OUT_DIR --runs NAME="OPTIONS" [NAME="OPTIONS" ...]
+
+trains several runs one after the other in the same processes, each into OUT_DIR/NAME (exactly the files a single
+run writes), resetting Accelerate between them; OPTIONS are the options above (shell-quoted, split with shlex), plus
+`--model-dir DIR` for a run on another model than MODEL_DIR. A launch of 2 processes costs ~20 s of start-up on
+2 cores, of 4 ~40 s; the runs themselves a few seconds. Each run builds its own process groups (the layout's and the
+pipeline engine's), reseeds from its recipe and keeps the world's process group (only the last run ends it), so it
+gives what it gives launched alone. Each run prints `pipe_train run NAME: start` / `done`, and `FAILED` before the
+exception of a run that fails, so a failing launch names its run.
 """
 
 import argparse
 import json
 import os
+import shlex
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -29,8 +43,11 @@ from neox_hf.train.loop import TrainingRun, evaluate, run_steps, save_final_mode
 from neox_hf.train.schedule import build_lr_scheduler
 from pipe_common import FixedBatches, eval_batches, recipe_dict
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the suite-wide conftest helpers
+from conftest import reset_accelerate_state  # noqa: E402
 
-def parse_args():
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("model_dir")
     parser.add_argument("out_dir")
@@ -42,10 +59,60 @@ def parse_args():
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--scratch", action="store_true")
     parser.add_argument("--precision", default="fp32")
-    return parser.parse_args()
+    parser.add_argument("--launcher-precision")
+    parser.add_argument("--model-dir", dest="model_dir_override")
+    parser.add_argument("--runs", nargs="+", default=[])
+    args = parser.parse_args(argv)
+    if args.model_dir_override:
+        args.model_dir = args.model_dir_override
+    return args
 
 
-def main(args) -> None:
+def runs(args) -> list[tuple[str | None, argparse.Namespace]]:
+    """(name, parsed arguments) of each run: the command line's own, or one per `--runs NAME=OPTIONS` entry."""
+    if not args.runs:
+        return [(None, args)]
+    parsed = []
+    for entry in args.runs:
+        name, sep, options = entry.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--runs {entry!r}: expected NAME=OPTIONS")
+        run = parse_args([args.model_dir, os.path.join(args.out_dir, name), *shlex.split(options)])
+        if run.runs:
+            raise SystemExit(f"--runs {entry!r}: a run cannot hold --runs")
+        parsed.append((name, run))
+    if len({name for name, _ in parsed}) != len(parsed):
+        raise SystemExit("--runs: names must differ")
+    return parsed
+
+
+def run_all(args) -> None:
+    planned = runs(args)
+    for index, (name, run_args) in enumerate(planned):
+        last = index == len(planned) - 1
+        saved = os.environ.get("ACCELERATE_MIXED_PRECISION")
+        if run_args.launcher_precision is not None:
+            os.environ["ACCELERATE_MIXED_PRECISION"] = run_args.launcher_precision
+        if name is not None:
+            print(f"pipe_train run {name}: start", flush=True)
+        try:
+            main(run_args, end=last)
+        except BaseException:
+            if name is not None:
+                print(f"pipe_train run {name}: FAILED (rank {os.environ.get('RANK')})", file=sys.stderr, flush=True)
+            raise
+        finally:
+            if saved is None:
+                os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
+            else:
+                os.environ["ACCELERATE_MIXED_PRECISION"] = saved
+        if name is not None:
+            print(f"pipe_train run {name}: done", flush=True)
+        if not last:
+            reset_accelerate_state()
+
+
+def main(args, end: bool = True) -> None:
     world = int(os.environ["WORLD_SIZE"])
     dp = world // (args.pp * args.tp)
     out = Path(args.out_dir)
@@ -81,7 +148,10 @@ def main(args) -> None:
     save_final_model(run, out_dir=out / "final")
     if accelerator.is_main_process:
         (out / "eval.json").write_text(json.dumps(evals))
-    accelerator.end_training()
+    if end:
+        accelerator.end_training()
+    else:  # a next run in this launch keeps the world's process group (it builds its own subgroups)
+        accelerator.wait_for_everyone()
 
 
 def _kill_rank0_after_step(run, kill_step: int, state) -> None:
@@ -101,4 +171,4 @@ def _kill_rank0_after_step(run, kill_step: int, state) -> None:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    run_all(parse_args())
