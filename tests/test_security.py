@@ -166,8 +166,14 @@ def test_deepspeed_resume_refuses_an_engine_file_that_would_run_code(trained_zer
                               steps=3, save=3))
     assert_refused(done.returncode, done.stderr, str(crafted))
     assert not (tmp_path / "marker").exists()
-    # and the same checkpoint without the payload resumes (DeepSpeed's own classes are allow-listed)
-    shutil.copy(trained_zero1 / crafted.relative_to(out), crafted)
+
+
+@pytest.mark.distributed  # slow tier: DeepSpeed runs in subprocesses
+def test_deepspeed_resume_of_the_same_checkpoint_without_a_payload_goes_on(trained_zero1, small_text, tmp_path):
+    """The other side of the refusals above: the files they crafted, as DeepSpeed wrote them, resume (its own classes
+    are allow-listed). One resume reads both the engine's model states and the ZeRO optimizer states."""
+    out = tmp_path / "run"
+    shutil.copytree(trained_zero1, out)
     done = run_cli(*tiny_args(out, small_text, "--parallel.zero_stage", "1", "--train.precision", "fp32", "--resume",
                               steps=3, save=3))
     assert done.returncode == 0 and "at step 2" in done.stdout, done.stderr[-3000:]
