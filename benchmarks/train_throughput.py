@@ -11,7 +11,8 @@ For each shape and precision, in one run: the GEMM peak (square GEMMs — 1024-3
 each warmed up, best of 5, the fastest size kept), stock transformers `GPTNeoXForCausalLM` trained by a plain
 PyTorch loop (AdamW, HF's own loss; bf16 autocast for bf16), and our `neox_hf.train.loop.train(recipe)` (packed
 Tiny Shakespeare windows, the same model shape, batch and precision, so whatever the loop does by default is
-measured; `--fused both` adds a row with `train.fused_cross_entropy: false`). Both loops are timed by the same
+measured, the default log interval included: logging every step, as this benchmark did until the H200 run of
+issue 25, adds a host sync and a log write per step; `--fused both` adds a row with `train.fused_cross_entropy: false`). Both loops are timed by the same
 global optimizer-step hook (on a GPU it synchronises first), warm-up steps left out. Prints tokens/s, achieved
 FLOP/s, MFU against the measured peak and, on GPUs whose datasheet peak is known, against that dense peak too (the
 part named by torch.cuda.get_device_name() and matched in neox_hf.train.mfu's table, which the training loop's MFU
@@ -102,7 +103,7 @@ def ours_seconds(config, shape: tuple[int, int], warmup: int, steps: int, precis
             "tokenizer": {"path": str(TOKENIZER)},
             "data": {"sources": [{"path": str(TEXT), "format": "text"}], "mode": "pack"},
             "train": {"train_iters": warmup + steps, "micro_batch_size": batch, "precision": precision,
-                      "lr": 1e-4, "log_interval": 1, "eval_iters": 0, "fused_cross_entropy": fused},
+                      "lr": 1e-4, "eval_iters": 0, "fused_cross_entropy": fused},
             "output": {"dir": tmp, "tensorboard": False},
         })
         reset_peak_memory(device)
