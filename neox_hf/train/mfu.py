@@ -54,8 +54,9 @@ def datasheet_peak(device_name: str, precision: str) -> float | None:
     return next((peak for part, peak in DATASHEET_BF16 if part in device_name), None)
 
 
-def device_peak(device: torch.device, precision: str) -> Peak:
-    """This device's peak FLOP/s in the run's precision: the datasheet's for known GPUs, else measured."""
+def device_peak(device: torch.device, precision: str, measure=None) -> Peak:
+    """This device's peak FLOP/s in the run's precision: the datasheet's for known GPUs, else measured
+    (`measure(dtype, device) -> (FLOP/s, n)`, `measured_gemm_rate` unless given)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         sheet = datasheet_peak(name, precision)
@@ -63,7 +64,8 @@ def device_peak(device: torch.device, precision: str) -> Peak:
             return Peak(sheet, f"{name} datasheet dense {precision}, {sheet / 1e12:.0f} TFLOP/s")
     # A bf16/fp16 run still runs some matmuls in fp32, and some CPUs run fp32 GEMMs faster than bf16 ones (measured
     # 163 vs 84 GFLOP/s on one AVX512-BF16 core): the peak is the faster of the two, so MFU stays below 1.
-    candidates = {name: measured_gemm_rate(_COMPUTE_DTYPE[name], device) for name in {precision, "fp32"}}
+    measure = measure or measured_gemm_rate
+    candidates = {name: measure(_COMPUTE_DTYPE[name], device) for name in {precision, "fp32"}}
     fastest = max(candidates, key=lambda name: candidates[name][0])
     flops, n = candidates[fastest]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "this CPU"
