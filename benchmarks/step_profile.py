@@ -62,22 +62,22 @@ ORDER = ["matmul", "attention", "loss", "embedding", "optimizer", "grad-norm cli
          "other ops", "data", "host, outside ops"]
 
 
+def _names_up(event) -> list[str]:
+    """The names of `event` and of every record above it, innermost first."""
+    names = []
+    while event is not None:
+        names.append(event.name)
+        event = event.cpu_parent
+    return names
+
+
 def _under_op(event) -> bool:
     """Whether an aten op was called by another aten op (counted once, as the op the Python code called)."""
-    node = event.cpu_parent
-    while node is not None:
-        if node.name.startswith("aten::"):
-            return True
-        node = node.cpu_parent
-    return False
+    return any(name.startswith("aten::") for name in _names_up(event.cpu_parent))
 
 
 def category(event) -> str:
-    names = []
-    node = event
-    while node is not None:
-        names.append(node.name)
-        node = node.cpu_parent
+    names = _names_up(event)
     if any(n.startswith(OPTIMIZER_MARKS) for n in names):
         return "optimizer"
     if any(n.startswith(DATA_MARKS) for n in names):
