@@ -76,7 +76,11 @@ def measured_gemm_rate(dtype: torch.dtype, device: torch.device, repeats: int = 
     """(FLOP/s, n) of the fastest square GEMM of a few sizes, each warmed up once, best of `repeats`. Short (about
     0.2 s on a CPU core) because every run pays it at start-up. On a CPU the time counts CPU time too (`_timed`):
     another process sharing the cores at start-up would otherwise lower the peak, and the run's MFU would read above
-    1 once the cores are free again."""
+    1 once the cores are free again.
+    A dtype the device emulates stays short too: a GEMM over `_LONG_GEMM_S` is long enough to time on its own (no
+    further repeats), and after a size whose GEMM took over `_LAST_SIZE_S` the larger size (about 8x the time) is
+    not tried. bf16 on an AVX2-only CPU runs at ~1 GFLOP/s: its 1024² GEMMs took 4 s each, 15 s of every bf16 run's
+    start-up; it now stops at 512² (~0.6 s). A native dtype's GEMMs are far under both bounds: measured as before."""
     sizes = (4096, 8192) if device.type == "cuda" else (512, 1024)
     best = (0.0, 0)
     for n in sizes:
@@ -85,7 +89,15 @@ def measured_gemm_rate(dtype: torch.dtype, device: torch.device, repeats: int = 
         for _ in range(repeats):
             seconds = _timed(lambda: torch.mm(a, b), device)
             best = max(best, (2 * n**3 / seconds, n))
+            if seconds > _LONG_GEMM_S:
+                break
+        if seconds > _LAST_SIZE_S:
+            break
     return best
+
+
+_LONG_GEMM_S = 0.25  # a GEMM this long is timed once
+_LAST_SIZE_S = 0.05  # after a GEMM this long, no larger size (8x as long, times 1 + repeats)
 
 
 def _timed(work, device: torch.device) -> float:
