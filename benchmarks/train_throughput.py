@@ -88,7 +88,7 @@ def stock_seconds(config, shape: tuple[int, int], warmup: int, steps: int, preci
 
 
 def ours_seconds(config, shape: tuple[int, int], warmup: int, steps: int, precision: str, fused: bool,
-                 device: torch.device) -> tuple[float, int | None]:
+                 device: torch.device, workers="auto") -> tuple[float, int | None]:
     """(seconds per step, peak GPU bytes or None) of `train(recipe)`: the same model shape, packed Tiny Shakespeare
     windows of seq + 1 tokens."""
     from neox_hf.recipe import recipe_from_dict
@@ -101,7 +101,7 @@ def ours_seconds(config, shape: tuple[int, int], warmup: int, steps: int, precis
                       "num_attention_heads": config.num_attention_heads, "intermediate_size": config.intermediate_size,
                       "vocab_size": config.vocab_size, "seq_length": seq, "max_position_embeddings": 2048},
             "tokenizer": {"path": str(TOKENIZER)},
-            "data": {"sources": [{"path": str(TEXT), "format": "text"}], "mode": "pack"},
+            "data": {"sources": [{"path": str(TEXT), "format": "text"}], "mode": "pack", "num_workers": workers},
             "train": {"train_iters": warmup + steps, "micro_batch_size": batch, "precision": precision,
                       "lr": 1e-4, "eval_iters": 0, "fused_cross_entropy": fused},
             "output": {"dir": tmp, "tensorboard": False},
@@ -155,6 +155,9 @@ def parse_args() -> argparse.Namespace:
                         help="cuda: the first visible GPU, as Accelerate picks it for our loop")
     parser.add_argument("--fused", choices=["on", "both"], default="on",
                         help="both: also our loop with train.fused_cross_entropy false")
+    parser.add_argument("--workers", choices=["auto", "both"], default="auto",
+                        help="both: also our loop (fused loss) reading its data where `data.num_workers: auto` does "
+                             "not: in the training process's thread on a GPU, in a worker process on a CPU")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     args.warmup = max(args.warmup, 1)
@@ -202,6 +205,11 @@ def main() -> int:
                 torch.set_num_threads(args.threads)
                 seconds, memory = ours_seconds(config, shape, args.warmup, args.steps, precision, fused, device)
                 timed.append((f"neox_hf train(recipe){'' if fused else ', unfused loss'}", seconds, memory))
+            if args.workers == "both":  # the data read where `auto` does not read it on this device
+                other = 0 if on_gpu else 1
+                torch.set_num_threads(args.threads)
+                seconds, memory = ours_seconds(config, shape, args.warmup, args.steps, precision, True, device, other)
+                timed.append((f"neox_hf, data in {'its thread' if other == 0 else 'a worker process'}", seconds, memory))
             for what, seconds, memory in timed:
                 flops = flops_token * tokens / seconds
                 row(what, flops / 1e12, f"{tokens / seconds:.0f}", f"{100 * flops / peak:5.1f}%",

@@ -128,6 +128,9 @@ class DataConfig:
     buffer_size: int = 1000  # pad: examples held for length bucketing / shuffling
     max_tokens_per_batch: Optional[int] = None  # pad: token budget instead of a fixed micro batch
     streaming: bool = True
+    # Where the loader runs: 0 a thread of the training process, 1 a worker process (its Python work off the GIL that
+    # launches the step's kernels); auto = 1 on a GPU, 0 on a CPU. One stream read in order, so at most one worker.
+    num_workers: Literal["auto", 0, 1] = "auto"
     append_eod: bool = True
     shuffle: bool = True
     seed: int = 1234

@@ -36,7 +36,7 @@ from neox_hf.train.guards import (
     claim_output_dir,
 )
 from neox_hf.train.mfu import Peak, device_peak, flops_per_token, mfu
-from neox_hf.train.prefetch import Prefetcher, pinned
+from neox_hf.train.prefetch import Prefetcher, pinned, workers_for
 from neox_hf.train.run_log import RECIPE_NAME, append_step_entries, record_evaluation, truncate_train_log
 from neox_hf.train.schedule import build_lr_scheduler
 from neox_hf.train.engine import build_engine
@@ -212,7 +212,9 @@ class History:
 def run_steps(run: TrainingRun, state: TrainState, history: History | None = None) -> History:
     t = run.recipe.train
     history = history if history is not None else History()
-    batches = Prefetcher(run.loader, prepare=pinned if run.accelerator.device.type == "cuda" else None)
+    device = run.accelerator.device.type
+    batches = Prefetcher(run.loader, prepare=pinned if device == "cuda" else None,
+                         workers=workers_for(run.recipe.data.num_workers, device))
     run.loader_position = batches  # what a checkpoint records: the position of the last batch consumed
     step_log = StepLogger(run, state, history)
     overflows = OverflowGuard(t.max_skipped_steps_in_a_row, run.engine.loss_scale_floor(),
@@ -366,7 +368,7 @@ def _report_skipped_documents(run: TrainingRun, reported: int, notes: DataNotes)
     """Print how many documents were undecodable (summed over ranks) when the count grew, and the data layer's notes
     on documents that trained but not whole (cut to max_length, no answer tokens); fail above
     data.max_skipped_fraction. Returns the undecodable count now reported."""
-    stats = getattr(run.loader, "stats", None)
+    stats = getattr(run.loader_position or run.loader, "stats", None)  # as of the last batch the step consumed
     if stats is None:
         return reported
     keys = ("skipped_undecodable", "documents", "truncated", "no_answer")
@@ -509,12 +511,19 @@ def startup_report(run: TrainingRun, notices: list[str]) -> str:
                 f"data: {epoch_tokens:,} tokens per epoch; {num_samples:,} samples of seq_length+1 = {m.seq_length + 1} "
                 f"tokens need {epochs} epoch(s) (GPT-NeoX _num_epochs)"
             )
+    lines.append(_data_reader_line(recipe.data.num_workers, accelerator.device.type))
     if run.peak is not None:
         lines.append(f"mfu: {run.flops_per_token / 1e9:.3g} GFLOP per token (6 × matmul parameters + 12 × layers × "
                      f"hidden × seq_length {m.seq_length}) against {run.peak.source} per device × {layout.world_size}")
     lines += run.engine.startup_lines()
     lines += [f"note: {n}" for n in notices]
     return "\n".join(lines)
+
+
+def _data_reader_line(setting, device_type: str) -> str:
+    where = ("a worker process (its Python work off the GIL that launches the step's kernels)"
+             if workers_for(setting, device_type) else "a thread of the training process")
+    return f"data: read ahead in {where} (`data.num_workers: {setting}`)"
 
 
 def _precision_in_effect(t, accelerator) -> str:

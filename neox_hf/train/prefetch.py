@@ -1,10 +1,26 @@
-"""Batches prepared in a background thread, with the loader position that belongs to each batch.
+"""Batches prepared ahead of the step, in a background thread or a worker process, with the loader position that
+belongs to each batch.
 
 Gap filled: `torch.utils.data.DataLoader` workers would need a map-style or picklable dataset and lose our exact
-resume position (workers run ahead of training); Accelerate's loaders wrap the same. Here one thread tokenizes,
-packs and collates ahead of the step (tokenizers and torch release the GIL for the heavy parts), and every batch
-carries the loader's `state_dict()` taken right after it was produced, so a checkpoint records the position of
-the last batch the step *consumed*, not of the last one prefetched, and resume stays exact.
+resume position (workers run ahead of training); Accelerate's loaders wrap the same. Here the loader runs ahead of
+the step, and every batch carries the loader's `state_dict()` (and its document counts, `stats`) taken right after
+it was produced, so a checkpoint records the position of the last batch the step *consumed*, not of the last one
+prefetched, and resume stays exact.
+
+Where the loader runs (`data.num_workers`):
+- 0, a thread of the training process. Tokenizers and torch release the GIL for their heavy parts, but the rest of
+  the data work (datasets' rows, packing, collating) is Python holding the GIL, and every torch op the training
+  thread launches gives the GIL up and must win it back: measured on 2 AVX2 cores, the training thread dispatched
+  122k small torch ops/s alone and 33-51k while the thread packed 8 × 2048 Tiny Shakespeare windows
+  (`benchmarks/data_worker.py`). On a CPU the step's ops are long and the cores are busy with them, so a thread costs
+  little there; on a GPU the host must launch kernels as fast as the GPU runs them.
+- 1, one worker process forked from the training process, as torch's DataLoader forks its workers: the loader's
+  Python work holds another interpreter's GIL. It reads the same stream in the same order (one reader, so resume
+  stays exact; more workers would need the stream split, which changes the order). The worker touches no GPU and no
+  process group; it dies with the training process (PR_SET_PDEATHSIG on Linux, and it watches its parent), and an
+  error in it reaches the step as the same exception (a `DataError` still ends the run in one line). Batches cross a
+  pipe pickled (as they were in the loader: this process's own child, not a file we load), not through shared memory,
+  which a container's small /dev/shm would cap.
 
 For a GPU the thread also pins each batch (`pinned`): the loop's `non_blocking` copy to the device is asynchronous
 only from page-locked memory; from pageable memory CUDA copies synchronously, and the host stops running ahead of the
@@ -13,9 +29,14 @@ queued step (torch's DataLoader does the same with `pin_memory=True`, in its own
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import pickle
 import queue
+import signal
 import threading
 import time
+import traceback
 
 import torch
 
@@ -29,29 +50,51 @@ def pinned(batch):
     return {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-class Prefetcher:
-    """`prepare`, when given, is applied to each batch in the background thread (`pinned` for a GPU)."""
+def workers_for(setting, device_type: str) -> int:
+    """The worker processes `data.num_workers` stands for on this device: `auto` is one on a GPU (the training
+    process's GIL is kept for launching kernels) and none on a CPU (the cores run the step's ops)."""
+    if setting == "auto":
+        return 1 if device_type == "cuda" else 0
+    return int(setting)
 
-    def __init__(self, loader, depth: int = 4, prepare=None):
+
+def _snapshot(loader, stateful: bool):
+    """(state_dict, stats) of the loader right after a batch: the position a checkpoint of that batch records."""
+    stats = getattr(loader, "stats", None)
+    return (loader.state_dict() if stateful else None), (dict(stats) if stats is not None else None)
+
+
+class Prefetcher:
+    """`prepare`, when given, is applied to each batch in the background thread (`pinned` for a GPU); `workers=1`
+    runs the loader in a forked worker process, 0 in the thread."""
+
+    def __init__(self, loader, depth: int = 4, prepare=None, workers: int = 0):
+        if workers not in (0, 1):
+            raise ValueError(f"workers must be 0 or 1, got {workers}")
         self.loader = loader
         self._prepare = prepare
-        self._consumed_state = loader.state_dict() if hasattr(loader, "state_dict") else None
+        self._stateful = hasattr(loader, "state_dict")
+        self._consumed_state, self.stats = _snapshot(loader, self._stateful)
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._produce, name="neox_hf-prefetch", daemon=True)
+        self._worker = _WorkerProcess(loader, self._stateful, depth) if workers else None
+        items = self._worker.items(self._stop) if self._worker else self._items_in_thread()
+        self._thread = threading.Thread(target=self._produce, args=(items,), name="neox_hf-prefetch", daemon=True)
         self._thread.start()
         self.wait_seconds = 0.0  # time the consumer spent blocked on data since the last `take_wait`
 
-    def _produce(self) -> None:
-        iterator = iter(self.loader)
-        stateful = hasattr(self.loader, "state_dict")
+    def _items_in_thread(self):
+        for batch in self.loader:
+            yield (batch, *_snapshot(self.loader, self._stateful))
+
+    def _produce(self, items) -> None:
         try:
-            while not self._stop.is_set():
-                batch = next(iterator)
+            for batch, state, stats in items:
+                if self._stop.is_set():
+                    return
                 if self._prepare is not None:
                     batch = self._prepare(batch)
-                self._put((batch, self.loader.state_dict() if stateful else None))
-        except StopIteration:
+                self._put((batch, state, stats))
             self._put(_DONE)
         except BaseException as err:  # surfaced in the consumer, with its own traceback or message
             self._put(err)
@@ -75,7 +118,7 @@ class Prefetcher:
             raise StopIteration
         if isinstance(item, BaseException):
             raise item
-        batch, self._consumed_state = item
+        batch, self._consumed_state, self.stats = item
         return batch
 
     def take_wait(self) -> float:
@@ -86,6 +129,117 @@ class Prefetcher:
     def state_dict(self):
         return self._consumed_state
 
+    @property
+    def worker_pid(self) -> int | None:
+        return self._worker.pid if self._worker else None
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self._worker is not None:
+            self._worker.stop()
+
+
+class _WorkerProcess:
+    """The loader iterated in a forked child; `items` yields (batch, state, stats) in the order it produced them."""
+
+    def __init__(self, loader, stateful: bool, depth: int):
+        context = multiprocessing.get_context("fork")  # the loader as it is (tokenizer, position): nothing to pickle
+        self._queue = context.Queue(maxsize=depth)
+        self._stop = context.Event()
+        self._process = context.Process(target=_serve, args=(loader, stateful, self._queue, self._stop, os.getpid()),
+                                        name="neox_hf-data", daemon=True)
+        self._process.start()
+        self.pid = self._process.pid
+
+    def items(self, stop: threading.Event):
+        while not stop.is_set():
+            try:
+                kind, payload = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                if self._process.is_alive():
+                    continue
+                kind, payload = self._last_words()
+            if kind == "done":
+                return
+            if kind == "error":
+                raise pickle.loads(payload)
+            yield pickle.loads(payload)
+
+    def _last_words(self):
+        """What a worker that has exited still left in the pipe (it flushes before it exits), else an error."""
+        try:
+            return self._queue.get(timeout=0.5)
+        except queue.Empty:
+            raise RuntimeError(f"the data worker process (pid {self.pid}) exited with status "
+                               f"{self._process.exitcode} before the data ended (killed? out of memory?); "
+                               "set `data.num_workers: 0` to read the data in the training process") from None
+
+    def stop(self) -> None:
+        self._stop.set()
+        deadline = time.monotonic() + 5
+        while self._process.is_alive() and time.monotonic() < deadline:
+            self._drain()  # a worker flushing its last batches into a full pipe exits once they are read
+            self._process.join(timeout=0.05)
+        if self._process.is_alive():  # busy in one long document: its batches are not wanted any more
+            self._process.kill()
+            self._process.join()
+        self._queue.cancel_join_thread()
+        self._queue.close()
+
+    def _drain(self) -> None:
+        try:
+            while True:
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass
+
+
+def _serve(loader, stateful: bool, out, stop, parent_pid: int) -> None:
+    """The worker's body: every batch with its position, then "done", or the error that ended the loader."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle: it stops the worker
+    torch.set_num_threads(1)  # torch's DataLoader workers do the same: the parent's cores run the step
+    try:
+        for batch in loader:
+            item = pickle.dumps((batch, *_snapshot(loader, stateful)), protocol=pickle.HIGHEST_PROTOCOL)
+            if not _send(out, ("batch", item), stop, parent_pid):
+                out.cancel_join_thread()  # stopped: exit without flushing batches nobody will read
+                return
+        _send(out, ("done", None), stop, parent_pid)
+    except BaseException as err:
+        _send(out, ("error", _portable_error(err)), stop, parent_pid)
+    # Otherwise the process exits once its queue's thread has written everything to the pipe.
+
+
+def _send(out, item, stop, parent_pid: int) -> bool:
+    while not stop.is_set() and os.getppid() == parent_pid:
+        try:
+            out.put(item, timeout=0.5)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker when the training process dies (a SIGKILL leaves no time to stop it)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere `_send` notices the parent is gone
+
+
+def _portable_error(err: BaseException) -> bytes:
+    """The error pickled as it is where it survives the trip (our DataError, OSError, ...), else a RuntimeError
+    carrying the worker's traceback."""
+    try:
+        payload = pickle.dumps(err)
+        pickle.loads(payload)
+        return payload
+    except Exception:
+        text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+        return pickle.dumps(RuntimeError(f"the data worker process failed:\n{text}"))
+
