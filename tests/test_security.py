@@ -306,15 +306,28 @@ def base_model(tmp_path_factory) -> Path:
     return save_tiny_gpt_neox(tmp_path_factory.mktemp("base") / "model")
 
 
-def test_model_folder_with_a_pickled_weights_file_is_refused(base_model, tmp_path):
+def neox_hf_in_process(capfd, *args: str) -> tuple[int, str]:
+    """`neox_hf ARGS` through the CLI's entry function (`neox_hf.cli.main`) in this process: its exit status and all
+    it wrote to stderr, read at the file descriptor (a library's own log handler included). The refusals of a model's
+    or an adapter's weights below run so (a `generate` process costs ~13 s of imports here, for a refusal that a
+    process would show the same way); `generate` in its own process, stdin included, is
+    test_remote_code_tokenizer_is_refused_without_asking[generate]."""
+    from neox_hf.cli import main
+
+    capfd.readouterr()
+    code = main(list(args))
+    return code, capfd.readouterr().err
+
+
+def test_model_folder_with_a_pickled_weights_file_is_refused(base_model, tmp_path, capfd):
     folder = tmp_path / "model"
     folder.mkdir()
     shutil.copy(base_model / "config.json", folder / "config.json")
     torch.save({"gpt_neox.embed_in.weight": torch.zeros(512, 64), "payload": Touch(tmp_path / "marker")},
                folder / "pytorch_model.bin")
-    done = neox_hf_answering("", "generate", str(folder), "--prompt", "hello")
-    assert_refused(done.returncode, done.stderr, f"{folder / 'pytorch_model.bin'}: refused: it holds", "pathlib.Path")
-    assert "Weights only load failed" not in done.stderr  # torch's page of advice is not the user's fix
+    code, err = neox_hf_in_process(capfd, "generate", str(folder), "--prompt", "hello")
+    assert_refused(code, err, f"{folder / 'pytorch_model.bin'}: refused: it holds", "pathlib.Path")
+    assert "Weights only load failed" not in err  # torch's page of advice is not the user's fix
     assert not (tmp_path / "marker").exists()
 
 
@@ -333,7 +346,7 @@ def test_model_folder_naming_remote_code_loads_the_stock_class_without_running_i
     assert not (tmp_path / "marker").exists()
 
 
-def test_adapter_folder_with_a_pickled_weights_file_is_refused(base_model, tmp_path):
+def test_adapter_folder_with_a_pickled_weights_file_is_refused(base_model, tmp_path, capfd):
     import json
 
     adapter = tmp_path / "adapter"
@@ -342,9 +355,10 @@ def test_adapter_folder_with_a_pickled_weights_file_is_refused(base_model, tmp_p
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model), "r": 2,
         "lora_alpha": 4, "target_modules": ["query_key_value"]}))
     torch.save({"payload": Touch(tmp_path / "marker")}, adapter / "adapter_model.bin")
-    done = neox_hf_answering("", "generate", str(adapter), "--prompt", "hello")  # peft's weights_only load refuses it
-    assert_refused(done.returncode, done.stderr, f"{adapter / 'adapter_model.bin'}: refused: it holds", "pathlib.Path")
-    assert "Weights only load failed" not in done.stderr
+    # peft's weights_only load refuses it
+    code, err = neox_hf_in_process(capfd, "generate", str(adapter), "--prompt", "hello")
+    assert_refused(code, err, f"{adapter / 'adapter_model.bin'}: refused: it holds", "pathlib.Path")
+    assert "Weights only load failed" not in err
     assert not (tmp_path / "marker").exists()
 
 
