@@ -18,11 +18,11 @@ from tests.test_eval_tasks import local_task
 FAKE_TOKEN = "hf_" + "Zq8" * 12  # looks like a Hugging Face token; must never reach a tracker or a file
 
 
-def tiny_run_recipe(out: Path, **sections) -> dict:
+def tiny_run_recipe(out: Path, text: Path = REPO / "examples/data/tinyshakespeare.txt", **sections) -> dict:
     raw = {
         "model": {"num_layers": 1, "hidden_size": 64, "num_attention_heads": 2, "seq_length": 64, "hidden_dropout": 0.1},
         "tokenizer": {"path": str(BUNDLED_TOKENIZER)},
-        "data": {"sources": [{"path": str(REPO / "examples/data/tinyshakespeare.txt")}], "validation_fraction": 0.05},
+        "data": {"sources": [{"path": str(text)}], "validation_fraction": 0.05},
         "train": {"train_iters": 6, "micro_batch_size": 2, "lr": 1e-3, "log_interval": 2, "eval_interval": 3,
                   "eval_iters": 2},
         "output": {"dir": str(out)},
@@ -44,7 +44,9 @@ def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
     return scalars
 
 
-def test_run_logs_eval_tasks_to_log_trackers_plot_and_card(tmp_path, monkeypatch, fresh_accelerate_state):
+def test_run_logs_eval_tasks_to_log_trackers_plot_and_card(tmp_path, small_text, monkeypatch, fresh_accelerate_state):
+    """On the first 20,000 characters of Tiny Shakespeare: the start-up report tokenizes the whole training file to
+    count an epoch's tokens, ~3 s a run for the whole file, for 6 steps that read 800 tokens of it."""
     pytest.importorskip("lm_eval")
     pytest.importorskip("wandb")
     from neox_hf.plot import model_card_section
@@ -57,11 +59,11 @@ def test_run_logs_eval_tasks_to_log_trackers_plot_and_card(tmp_path, monkeypatch
     monkeypatch.setenv("WANDB_API_KEY", FAKE_TOKEN[3:43])
     out = tmp_path / "run"
     task = local_task(tmp_path)
-    recipe = recipe_from_dict(tiny_run_recipe(out, train={"eval_tasks": [str(task)]},
+    recipe = recipe_from_dict(tiny_run_recipe(out, small_text, train={"eval_tasks": [str(task)]},
                                               output={"report_to": ["wandb"], "run_name": "tiny-check"}))
     result = train(recipe)
     reset_accelerate_state()
-    plain = train(recipe_from_dict(tiny_run_recipe(tmp_path / "plain", output={"tensorboard": False})))
+    plain = train(recipe_from_dict(tiny_run_recipe(tmp_path / "plain", small_text, output={"tensorboard": False})))
 
     # Evaluating (lm-eval included) leaves training untouched: same losses step by step, dropout on.
     assert result.train_losses == plain.train_losses
