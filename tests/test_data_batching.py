@@ -176,3 +176,13 @@ def test_pack_carries_documents_across_buffers_without_loss(tmp_path, tok):
     tokens = concatenated_stream(source, tok)
     joined = [t for k, w in enumerate(flat.tolist()) for t in (w if k == 0 else w[1:])]
     assert joined == tokens[: len(joined)] and len(tokens) - len(joined) < 16 * 3 + 1
+
+
+def test_document_pieces_flag_each_documents_prompt_and_first_token():
+    from neox_hf.data.packing import document_pieces
+
+    pieces = document_pieces([([5, 6, 7], 2), ([8], 0), ([9, 10], 0), ([11, 12, 13, 14], 4)])
+    assert [p.ids.tolist() for p in pieces] == [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14]]
+    assert [p.learn.tolist() for p in pieces] == [[False, False, True], [True], [True, True], [False] * 4]
+    assert [p.starts.tolist() for p in pieces] == [[True, False, False], [True], [True, False], [True, False, False, False]]
+    assert document_pieces([]) == []

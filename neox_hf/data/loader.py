@@ -331,7 +331,7 @@ class DataLoader:
 
     def _items_of_docs(self, docs) -> list:
         if self.cfg.mode == "pack":
-            return [packing.concat_documents(TokenStream.empty(), [doc]) for doc in docs]
+            return packing.document_pieces(docs)
         return [padding.example_from_document(ids, n) for ids, n in self._whole_examples(docs)]
 
     def _chunk(self, items, carry, rng, flush: bool, first: bool = False):

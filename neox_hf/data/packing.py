@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -54,15 +56,16 @@ class TokenStream:
         return cls(np.asarray(state["ids"], np.int64), np.asarray(state["learn"], bool), np.asarray(state["starts"], bool))
 
 
-def concat_documents(carry: TokenStream, documents: list[tuple[list[int], int]]) -> TokenStream:
-    """carry + every (ids, prompt_length) document, in order."""
-    ids, learn, starts = [carry.ids], [carry.learn], [carry.starts]
-    for doc, prompt_length in documents:
-        n = len(doc)
-        ids.append(np.asarray(doc, np.int64))
-        learn.append(np.arange(n) >= prompt_length)
-        starts.append(np.arange(n) == 0)
-    return TokenStream(np.concatenate(ids), np.concatenate(learn), np.concatenate(starts))
+def document_pieces(documents: list[tuple[list[int], int]]) -> list[TokenStream]:
+    """One TokenStream per (ids, prompt_length) document, in order: built as one array and cut into views, since a
+    chunk holds thousands of short documents and numpy calls per document cost more than the tokens."""
+    lengths = np.fromiter((len(ids) for ids, _ in documents), np.int64, len(documents))
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    ids = np.fromiter(itertools.chain.from_iterable(ids for ids, _ in documents), np.int64, int(bounds[-1]))
+    position = np.arange(len(ids)) - np.repeat(bounds[:-1], lengths)
+    prompts = np.fromiter((prompt for _, prompt in documents), np.int64, len(documents))
+    learn, starts = position >= np.repeat(prompts, lengths), position == 0
+    return [TokenStream(ids[a:b], learn[a:b], starts[a:b]) for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
 
 
 def cut_batches(stream: TokenStream, seq_length: int, batch_size: int) -> tuple[list[TokenStream], TokenStream]:
