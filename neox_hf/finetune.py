@@ -22,8 +22,9 @@ import json
 import os
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
-from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 
 from neox_hf.errors import CheckpointError, RecipeError
 from neox_hf.inference import (  # noqa: F401  (re-exported: callers loaded models through finetune before)
@@ -40,6 +41,9 @@ from neox_hf.interop.hf_folder import save_hf_folder
 from neox_hf.io import move_files_into, staging_folder
 from neox_hf.recipe import PeftConfig, Recipe
 from neox_hf.train.run_log import RECIPE_NAME
+
+if TYPE_CHECKING:  # peft is imported where a LoRA run or an adapter needs it: ~1.4 s of every process's start-up
+    from peft import LoraConfig, PeftModel
 MERGED_SUBDIR = "merged"
 
 
@@ -50,6 +54,8 @@ MERGED_SUBDIR = "merged"
 
 def lora_config(peft_cfg: PeftConfig, target_modules: list[str] | None = None) -> LoraConfig:
     """peft's LoraConfig from the recipe's `peft` section (`target_modules`: the model family's names for them)."""
+    from peft import LoraConfig, TaskType
+
     if peft_cfg.method != "lora":
         raise RecipeError(f"`peft.method` = {peft_cfg.method!r}: only 'lora' is supported")
     return LoraConfig(task_type=TaskType.CAUSAL_LM, r=peft_cfg.r, lora_alpha=peft_cfg.alpha,
@@ -73,6 +79,8 @@ def wrap_with_peft(model, peft_cfg: PeftConfig) -> PeftModel:
     Call before `accelerator.prepare`, so the optimizer and DeepSpeed see only the adapter as trainable.
     Idempotent: an already wrapped model is returned as is (the loop and a caller may both wrap).
     """
+    from peft import PeftModel, get_peft_model
+
     if isinstance(model, PeftModel):
         return model
     targets = lora_targets(model, peft_cfg)

@@ -12,13 +12,17 @@ import json
 import pickle
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
-from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXForCausalLM
 
 from neox_hf.errors import CheckpointError, UsageError
 from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, load_tokenizer
 from neox_hf.io import folder_refusal_message, is_weights_only_refusal
+
+if TYPE_CHECKING:  # imported where an adapter is loaded: peft costs every process ~1.4 s of start-up
+    from peft import PeftModel
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -63,6 +67,8 @@ def load_adapter_model(base_path, adapter_path) -> PeftModel:
     adapter = Path(adapter_path)
     if not is_adapter_folder(adapter):
         raise CheckpointError(f"{adapter} has no {ADAPTER_CONFIG}: give the folder a LoRA run (or save_adapter) wrote")
+    from peft import PeftModel
+
     base = load_base_model(base_path)
     try:
         model = PeftModel.from_pretrained(base, adapter)
