@@ -1,5 +1,5 @@
 """One process (plain PyTorch AdamW through Accelerate) vs DeepSpeed layouts through Accelerate's plugin and our
-training loop: DP2 ZeRO-1/2/3, TP2, TP2×DP2 (ZeRO-1), and TP2 / TP2×DP2 with sequence parallelism. Same global batch and seed → per-step losses ≤ 1e-5 over 5 steps."""
+training loop: DP2 ZeRO-1/2/3 (ZeRO-2 also with the batches read in a worker process per rank), TP2, TP2×DP2 (ZeRO-1), and TP2 / TP2×DP2 with sequence parallelism. Same global batch and seed → per-step losses ≤ 1e-5 over 5 steps."""
 
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ LAYOUTS = {
     "dp2-zero1": (2, 1, 1, ()),
     "dp2-zero2": (2, 2, 1, ()),
     "dp2-zero2-cpu-offload": (2, 2, 1, ("--offload-optimizer",)),
+    # Each rank forks its data worker under a gloo process group and a DeepSpeed engine (`data.num_workers: 1`).
+    "dp2-zero2-data-worker": (2, 2, 1, ("--data-workers", "1")),
     "tp2": (2, 1, 2, ()),
     "tp2-zero2-activation-checkpointing": (2, 2, 2, ("--activation-checkpointing",)),
     "tp2-sp-zero2-activation-checkpointing": (2, 2, 2, ("--sequence-parallel", "--activation-checkpointing")),

@@ -5,7 +5,8 @@
     accelerate launch ... dp_equivalence.py MODEL_DIR OUT_DIR --layouts NAME=ZERO_STAGE,TP[,option...] ...
 
 Options (recipe switches): --offload-optimizer, --activation-checkpointing, --sequence-parallel, --precision fp16, --steps N,
---deepspeed-config FILE (raw DeepSpeed JSON merged over the recipe's).
+--deepspeed-config FILE (raw DeepSpeed JSON merged over the recipe's), --data-workers N (`data.num_workers`: 1 reads
+the batches in a worker process forked from each rank).
 
 `--layouts` runs several layouts one after the other in the same processes (OUT_DIR/NAME/train_log.jsonl each),
 resetting Accelerate between them: a launch costs ~10 s of start-up on 2 cores, the runs themselves a second or two.
@@ -66,6 +67,7 @@ def parse_args(argv=None):
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--deepspeed-config")
+    parser.add_argument("--data-workers", default="auto")
     return parser.parse_args(argv)
 
 
@@ -94,6 +96,7 @@ def main(args) -> None:
                      "activation_checkpointing": args.activation_checkpointing,
                      "sequence_parallel": args.sequence_parallel,
                      "deepspeed_config": args.deepspeed_config},
+        "data": {"num_workers": args.data_workers if args.data_workers == "auto" else int(args.data_workers)},
         "output": {"dir": args.out_dir, "tensorboard": False},
     })
     accelerator, layout = init_distributed(recipe)
