@@ -161,6 +161,55 @@ def test_close_stops_the_worker_and_a_killed_worker_is_named_with_the_fix():
         batches.close()
 
 
+class BigBatches:
+    """Endless 2 MB batches: more than a pipe holds, so the worker is often blocked half-way through writing one."""
+
+    def __iter__(self):
+        i = 0
+        while True:
+            i += 1
+            yield {"input_ids": torch.full((2**18,), i, dtype=torch.int64)}
+
+
+def _returns_within(seconds: float, call):
+    """call()'s result or exception, or a test failure if it has not returned after `seconds` (a hang)."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = call()
+        except BaseException as err:  # the caller asserts on it
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds} s"
+    return outcome
+
+
+def test_a_worker_killed_or_stopped_half_way_through_a_batch_neither_hangs_nor_is_misread():
+    batches = Prefetcher(BigBatches(), depth=1, workers=1)
+    try:
+        assert int(next(batches)["input_ids"][0]) == 1
+        assert _returns_within(10, batches.close) == {"value": None}  # the worker was blocked writing a batch
+        assert _gone_within(batches.worker_pid, 5)
+    finally:
+        batches.close()
+
+    batches = Prefetcher(BigBatches(), depth=1, workers=1)
+    try:
+        assert int(next(batches)["input_ids"][0]) == 1
+        import time
+
+        time.sleep(1)  # the queue is full and the pipe half-full: the worker is stuck in a write
+        os.kill(batches.worker_pid, signal.SIGKILL)
+        outcome = _returns_within(20, lambda: [int(next(batches)["input_ids"][0]) for _ in range(10)])
+        assert isinstance(outcome.get("error"), RuntimeError) and "exited with status -9" in str(outcome["error"])
+    finally:
+        batches.close()
+
+
 def test_the_worker_dies_with_a_killed_training_process():
     """A SIGKILLed run must not leave its worker behind, holding the run's stdout open (a launcher or a test
     reading that pipe would wait for ever) and a core busy."""

@@ -17,10 +17,10 @@ Where the loader runs (`data.num_workers`):
 - 1, one worker process forked from the training process, as torch's DataLoader forks its workers: the loader's
   Python work holds another interpreter's GIL. It reads the same stream in the same order (one reader, so resume
   stays exact; more workers would need the stream split, which changes the order). The worker touches no GPU and no
-  process group; it dies with the training process (PR_SET_PDEATHSIG on Linux, and it watches its parent), and an
-  error in it reaches the step as the same exception (a `DataError` still ends the run in one line). Batches cross a
-  pipe pickled (as they were in the loader: this process's own child, not a file we load), not through shared memory,
-  which a container's small /dev/shm would cap.
+  process group; it dies with the training process (PR_SET_PDEATHSIG on Linux; elsewhere its next write fails), a
+  worker that dies is named with the fix instead of a wait for ever, and an error in it reaches the step as the same
+  exception (a `DataError` still ends the run in one line). Batches cross a pipe pickled (this process's own child,
+  not a file we load), not through shared memory, which a container's small /dev/shm would cap.
 
 For a GPU the thread also pins each batch (`pinned`): the loop's `non_blocking` copy to the device is asynchronous
 only from page-locked memory; from pageable memory CUDA copies synchronously, and the host stops running ahead of the
@@ -30,7 +30,6 @@ queued step (torch's DataLoader does the same with `pin_memory=True`, in its own
 from __future__ import annotations
 
 import multiprocessing
-import os
 import pickle
 import queue
 import signal
@@ -77,7 +76,7 @@ class Prefetcher:
         self._consumed_state, self.stats = _snapshot(loader, self._stateful)
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._worker = _WorkerProcess(loader, self._stateful, depth) if workers else None
+        self._worker = _WorkerProcess(loader, self._stateful) if workers else None
         items = self._worker.items(self._stop) if self._worker else self._items_in_thread()
         self._thread = threading.Thread(target=self._produce, args=(items,), name="neox_hf-prefetch", daemon=True)
         self._thread.start()
@@ -141,105 +140,90 @@ class Prefetcher:
 
 
 class _WorkerProcess:
-    """The loader iterated in a forked child; `items` yields (batch, state, stats) in the order it produced them."""
+    """The loader iterated in a forked child; `items` yields (batch, state, stats) in the order it produced them.
 
-    def __init__(self, loader, stateful: bool, depth: int):
+    One pipe, each end held by one process only: the worker's death is an end of file here (not a read that waits for
+    ever on a half-written batch), and this side closing its end is the worker's signal to stop (its next write
+    fails). The pipe's buffer and the prefetch queue bound how far the worker runs ahead."""
+
+    def __init__(self, loader, stateful: bool):
         context = multiprocessing.get_context("fork")  # the loader as it is (tokenizer, position): nothing to pickle
-        self._queue = context.Queue(maxsize=depth)
-        self._stop = context.Event()
-        self._process = context.Process(target=_serve, args=(loader, stateful, self._queue, self._stop, os.getpid()),
+        self._reader, writer = context.Pipe(duplex=False)
+        self._process = context.Process(target=_serve, args=(loader, stateful, writer, self._reader),
                                         name="neox_hf-data", daemon=True)
         self._process.start()
+        writer.close()
         self.pid = self._process.pid
 
     def items(self, stop: threading.Event):
         while not stop.is_set():
+            if not self._reader.poll(0.5):
+                continue
             try:
-                kind, payload = self._queue.get(timeout=0.5)
-            except queue.Empty:
-                if self._process.is_alive():
-                    continue
-                kind, payload = self._last_words()
+                kind, payload = pickle.loads(self._reader.recv_bytes())
+            except (EOFError, OSError):  # OSError: it died half-way through writing a batch
+                raise self._exited() from None
             if kind == "done":
                 return
             if kind == "error":
-                raise pickle.loads(payload)
-            yield pickle.loads(payload)
+                raise payload
+            yield payload
 
-    def _last_words(self):
-        """What a worker that has exited still left in the pipe (it flushes before it exits), else an error."""
-        try:
-            return self._queue.get(timeout=0.5)
-        except queue.Empty:
-            raise RuntimeError(f"the data worker process (pid {self.pid}) exited with status "
-                               f"{self._process.exitcode} before the data ended (killed? out of memory?); "
-                               "set `data.num_workers: 0` to read the data in the training process") from None
+    def _exited(self) -> RuntimeError:
+        self._process.join(timeout=5)
+        return RuntimeError(f"the data worker process (pid {self.pid}) exited with status {self._process.exitcode} "
+                            "before the data ended (killed? out of memory?); set `data.num_workers: 0` to read the "
+                            "data in the training process")
 
     def stop(self) -> None:
-        self._stop.set()
-        deadline = time.monotonic() + 5
-        while self._process.is_alive() and time.monotonic() < deadline:
-            self._drain()  # a worker flushing its last batches into a full pipe exits once they are read
-            self._process.join(timeout=0.05)
+        self._reader.close()  # the worker's next write fails and it exits
+        self._process.join(timeout=5)
         if self._process.is_alive():  # busy in one long document: its batches are not wanted any more
             self._process.kill()
             self._process.join()
-        self._queue.cancel_join_thread()
-        self._queue.close()
-
-    def _drain(self) -> None:
-        try:
-            while True:
-                self._queue.get_nowait()
-        except queue.Empty:
-            pass
 
 
-def _serve(loader, stateful: bool, out, stop, parent_pid: int) -> None:
-    """The worker's body: every batch with its position, then "done", or the error that ended the loader."""
+def _serve(loader, stateful: bool, writer, reader) -> None:
+    """The worker's body: every batch with its position, then "done", or the error that ended the loader; it stops
+    when a write fails (the training process closed its end, or died)."""
+    reader.close()  # the training process's end only: a write fails once it closes it
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle: it stops the worker
     torch.set_num_threads(1)  # torch's DataLoader workers do the same: the parent's cores run the step
     try:
-        for batch in loader:
-            item = pickle.dumps((batch, *_snapshot(loader, stateful)), protocol=pickle.HIGHEST_PROTOCOL)
-            if not _send(out, ("batch", item), stop, parent_pid):
-                out.cancel_join_thread()  # stopped: exit without flushing batches nobody will read
-                return
-        _send(out, ("done", None), stop, parent_pid)
-    except BaseException as err:
-        _send(out, ("error", _portable_error(err)), stop, parent_pid)
-    # Otherwise the process exits once its queue's thread has written everything to the pipe.
-
-
-def _send(out, item, stop, parent_pid: int) -> bool:
-    while not stop.is_set() and os.getppid() == parent_pid:
         try:
-            out.put(item, timeout=0.5)
-            return True
-        except queue.Full:
-            continue
-    return False
+            for batch in loader:
+                _send(writer, "batch", (batch, *_snapshot(loader, stateful)))
+            _send(writer, "done", None)
+        except (BrokenPipeError, ConnectionResetError):
+            return  # stopped, or the training process is gone: nobody reads any more
+        except BaseException as err:
+            _send(writer, "error", _portable_error(err))
+    except OSError:
+        pass
+
+
+def _send(writer, kind: str, payload) -> None:
+    writer.send_bytes(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def _die_with_parent() -> None:
-    """Linux: the kernel kills this worker when the training process dies (a SIGKILL leaves no time to stop it)."""
+    """Linux: the kernel kills this worker when the training process dies, even mid-document (elsewhere its next
+    write fails)."""
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass  # elsewhere `_send` notices the parent is gone
+        pass
 
 
-def _portable_error(err: BaseException) -> bytes:
-    """The error pickled as it is where it survives the trip (our DataError, OSError, ...), else a RuntimeError
-    carrying the worker's traceback."""
+def _portable_error(err: BaseException) -> BaseException:
+    """The error as it is where it survives pickling (our DataError, OSError, ...), else a RuntimeError carrying the
+    worker's traceback."""
     try:
-        payload = pickle.dumps(err)
-        pickle.loads(payload)
-        return payload
+        pickle.loads(pickle.dumps(err))
+        return err
     except Exception:
         text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-        return pickle.dumps(RuntimeError(f"the data worker process failed:\n{text}"))
-
+        return RuntimeError(f"the data worker process failed:\n{text}")
