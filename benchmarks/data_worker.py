@@ -12,6 +12,10 @@ thread runs small in-place torch ops (each one an op dispatch, as a kernel launc
 data of `benchmarks/train_throughput.py` (packed Tiny Shakespeare windows, the bundled GPT-NeoX-20B tokenizer). The
 baseline, measured in the same run, is the same ops with no loader at all.
 
+On a machine with few cores the worker process still costs the launching thread something: it takes a core (and
+the tokenizer's threads more). Measured on 2 AVX2 cores: with the loader in a thread 0.42-0.60 of the launch rate with
+no data, in a worker 0.68-0.89.
+
 Columns: ops/s counts only the time spent launching (waiting for a batch is left out and shown apart), so it is the
 launch rate the data work leaves the training thread. The loader's own rate (tokens/s with nothing else running) is
 printed first: where a step needs batches faster than that, the run is data-bound whichever way it is read.

@@ -10,10 +10,12 @@ prefetched, and resume stays exact.
 Where the loader runs (`data.num_workers`):
 - 0, a thread of the training process. Tokenizers and torch release the GIL for their heavy parts, but the rest of
   the data work (datasets' rows, packing, collating) is Python holding the GIL, and every torch op the training
-  thread launches gives the GIL up and must win it back: measured on 2 AVX2 cores, the training thread dispatched
-  122k small torch ops/s alone and 33-51k while the thread packed 8 × 2048 Tiny Shakespeare windows
-  (`benchmarks/data_worker.py`). On a CPU the step's ops are long and the cores are busy with them, so a thread costs
-  little there; on a GPU the host must launch kernels as fast as the GPU runs them.
+  thread launches gives the GIL up and must win it back: on 2 AVX2 cores (`benchmarks/data_worker.py`, packed 8 × 2048
+  Tiny Shakespeare windows) the training thread launched 0.42-0.60 of the small torch ops per second it launched with
+  no data, against 0.68-0.89 with the loader in a worker process (whose remaining cost there is sharing two cores).
+  On a CPU the step's ops are long and the cores are busy with them, so a thread costs little there (Pythia-14M
+  shape, fp32: 775 tokens/s with the thread, 596 with a worker taking a core); on a GPU the host must launch kernels
+  as fast as the GPU runs them.
 - 1, one worker process forked from the training process, as torch's DataLoader forks its workers: the loader's
   Python work holds another interpreter's GIL. It reads the same stream in the same order (one reader, so resume
   stays exact; more workers would need the stream split, which changes the order). The worker touches no GPU and no
