@@ -69,8 +69,11 @@ def run_train(argv: list[str], capsys) -> tuple[int, str]:
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    """`neox_hf ARGV` through the CLI's entry function in this process: its exit status and what it wrote to stderr
+    (`capsys`, or `capfd` to read the file descriptor, where a library's own log handler writes too)."""
     from neox_hf.cli import main
 
+    capsys.readouterr()  # only what this command writes
     try:
         code = main(argv)
     except SystemExit as exit_:  # argparse

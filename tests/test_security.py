@@ -27,6 +27,7 @@ import torch
 
 from neox_hf.errors import CheckpointError, DataError, RecipeError
 from test_cli_interop import tiny_neox_yaml
+from test_fuzz_inputs import run_cli as neox_hf_in_process
 from test_neox_checkpoint import random_neox_shards, tiny_config, write_neox_checkpoint
 from test_neox_order import data_cfg, random_docs, train_loader, write_corpus
 from tests.conftest import REPO, reset_accelerate_state
@@ -306,17 +307,10 @@ def base_model(tmp_path_factory) -> Path:
     return save_tiny_gpt_neox(tmp_path_factory.mktemp("base") / "model")
 
 
-def neox_hf_in_process(capfd, *args: str) -> tuple[int, str]:
-    """`neox_hf ARGS` through the CLI's entry function (`neox_hf.cli.main`) in this process: its exit status and all
-    it wrote to stderr, read at the file descriptor (a library's own log handler included). The refusals of a model's
-    or an adapter's weights below run so (a `generate` process costs ~13 s of imports here, for a refusal that a
-    process would show the same way); `generate` in its own process, stdin included, is
-    test_remote_code_tokenizer_is_refused_without_asking[generate]."""
-    from neox_hf.cli import main
-
-    capfd.readouterr()
-    code = main(list(args))
-    return code, capfd.readouterr().err
+# The refusals of a model's or an adapter's weights run `neox_hf generate` in this process (`neox_hf_in_process`,
+# stderr read at the file descriptor): a `generate` process costs ~13 s of imports here, for a refusal a process
+# shows the same way.
+# `generate` in its own process, stdin included, is test_remote_code_tokenizer_is_refused_without_asking[generate].
 
 
 def test_model_folder_with_a_pickled_weights_file_is_refused(base_model, tmp_path, capfd):
@@ -325,7 +319,7 @@ def test_model_folder_with_a_pickled_weights_file_is_refused(base_model, tmp_pat
     shutil.copy(base_model / "config.json", folder / "config.json")
     torch.save({"gpt_neox.embed_in.weight": torch.zeros(512, 64), "payload": Touch(tmp_path / "marker")},
                folder / "pytorch_model.bin")
-    code, err = neox_hf_in_process(capfd, "generate", str(folder), "--prompt", "hello")
+    code, err = neox_hf_in_process(["generate", str(folder), "--prompt", "hello"], capfd)
     assert_refused(code, err, f"{folder / 'pytorch_model.bin'}: refused: it holds", "pathlib.Path")
     assert "Weights only load failed" not in err  # torch's page of advice is not the user's fix
     assert not (tmp_path / "marker").exists()
@@ -356,7 +350,7 @@ def test_adapter_folder_with_a_pickled_weights_file_is_refused(base_model, tmp_p
         "lora_alpha": 4, "target_modules": ["query_key_value"]}))
     torch.save({"payload": Touch(tmp_path / "marker")}, adapter / "adapter_model.bin")
     # peft's weights_only load refuses it
-    code, err = neox_hf_in_process(capfd, "generate", str(adapter), "--prompt", "hello")
+    code, err = neox_hf_in_process(["generate", str(adapter), "--prompt", "hello"], capfd)
     assert_refused(code, err, f"{adapter / 'adapter_model.bin'}: refused: it holds", "pathlib.Path")
     assert "Weights only load failed" not in err
     assert not (tmp_path / "marker").exists()
