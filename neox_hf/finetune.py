@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,6 +43,7 @@ from neox_hf.train.run_log import RECIPE_NAME
 
 if TYPE_CHECKING:  # peft is imported where a LoRA run or an adapter needs it: ~1.4 s of every process's start-up
     from peft import LoraConfig, PeftModel
+
 MERGED_SUBDIR = "merged"
 
 

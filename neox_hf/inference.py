@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import pickle
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import torch

@@ -15,9 +15,8 @@ whole examples; it neither cuts a stream into fixed windows nor carries the rema
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import torch

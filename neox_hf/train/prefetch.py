@@ -31,6 +31,7 @@ queued step (torch's DataLoader does the same with `pin_memory=True`, in its own
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import pickle
 import queue
@@ -193,16 +194,14 @@ def _serve(loader, stateful: bool, writer, reader) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle: it stops the worker
     torch.set_num_threads(1)  # torch's DataLoader workers do the same: the parent's cores run the step
     try:
-        try:
-            for batch in loader:
-                _send(writer, "batch", (batch, *_snapshot(loader, stateful)))
-            _send(writer, "done", None)
-        except (BrokenPipeError, ConnectionResetError):
-            return  # stopped, or the training process is gone: nobody reads any more
-        except BaseException as err:
+        for batch in loader:
+            _send(writer, "batch", (batch, *_snapshot(loader, stateful)))
+        _send(writer, "done", None)
+    except (BrokenPipeError, ConnectionResetError):
+        return  # stopped, or the training process is gone: nobody reads any more
+    except BaseException as err:
+        with contextlib.suppress(OSError):  # nobody may be reading any more
             _send(writer, "error", _portable_error(err))
-    except OSError:
-        pass
 
 
 def _send(writer, kind: str, payload) -> None:
