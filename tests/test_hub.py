@@ -332,7 +332,7 @@ def test_training_run_pushes_pythia_step_branches_and_final_main(hub, tmp_path):
     from neox_hf.train.loop import train
 
     repo_root = Path(__file__).resolve().parents[1]
-    text = tmp_path / "tinyshakespeare.txt"
+    text = tmp_path / "tinyshakespeare.txt"  # conftest's small_text, under the name the card must show
     text.write_text((repo_root / "examples" / "data" / "tinyshakespeare.txt").read_text()[:20000])
     out = tmp_path / "run"
     args = parse_run_args([
