@@ -330,7 +330,9 @@ def _coerce(hint, value, path: str, source: str):
         non_none = [a for a in args if a is not type(None)]
         return _coerce(non_none[0], value, path, source)
     if origin is Literal:
-        if value not in args:
+        # Same type as well as equal: `true` == 1 and `1.0` == 1 in Python, but a YAML `true` for a 0/1 setting is
+        # a mistake to name, not a worker count.
+        if not any(value == a and type(value) is type(a) for a in args):
             raise RecipeError(f"{source}: `{path}` = {value!r} is not one of {', '.join(map(repr, args))}")
         return value
     if origin is list:

@@ -266,6 +266,25 @@ def test_auto_reads_in_a_worker_process_on_a_gpu_and_in_the_thread_on_a_cpu():
         == [1, 0, 0, 1]
 
 
+def test_where_no_fork_exists_auto_uses_the_thread_and_one_worker_is_refused_with_the_fix():
+    from neox_hf.errors import RecipeError
+    from neox_hf.train.prefetch import workers_for
+
+    windows = ["spawn"]
+    assert [workers_for("auto", "cuda", windows), workers_for(0, "cuda", windows)] == [0, 0]
+    with pytest.raises(RecipeError, match=r"needs a platform that can fork .* set `data.num_workers: 0`"):
+        workers_for(1, "cuda", windows)
+
+
+@pytest.mark.parametrize("value", [True, 1.0, "1"])
+def test_a_worker_count_of_another_type_is_refused_not_read_as_one(value):
+    from neox_hf.errors import RecipeError
+    from neox_hf.recipe import recipe_from_dict
+
+    with pytest.raises(RecipeError, match=r"`data.num_workers` = .* is not one of 'auto', 0, 1"):
+        recipe_from_dict({"data": {"num_workers": value}})
+
+
 def test_more_than_one_worker_is_refused_naming_the_values():
     from neox_hf.errors import RecipeError
     from neox_hf.recipe import recipe_from_dict

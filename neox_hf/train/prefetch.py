@@ -52,11 +52,19 @@ def pinned(batch):
     return {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def workers_for(setting, device_type: str) -> int:
+def workers_for(setting, device_type: str, start_methods=None) -> int:
     """The worker processes `data.num_workers` stands for on this device: `auto` is one on a GPU (the training
-    process's GIL is kept for launching kernels) and none on a CPU (the cores run the step's ops)."""
+    process's GIL is kept for launching kernels) and none on a CPU (the cores run the step's ops). The worker is forked
+    (the loader as it is, nothing pickled), so where the platform cannot fork (Windows) `auto` stays in the thread and
+    an explicit 1 is refused with the fix. `start_methods` defaults to this platform's."""
+    can_fork = "fork" in (multiprocessing.get_all_start_methods() if start_methods is None else start_methods)
     if setting == "auto":
-        return 1 if device_type == "cuda" else 0
+        return 1 if device_type == "cuda" and can_fork else 0
+    if setting == 1 and not can_fork:
+        from neox_hf.errors import RecipeError
+
+        raise RecipeError("`data.num_workers: 1` needs a platform that can fork a worker process (Linux, macOS); "
+                          "set `data.num_workers: 0` to read the data in a thread")
     return int(setting)
 
 
