@@ -1,26 +1,33 @@
 """Resume on another layout through `run_clm_neox.py`: a run of 6 steps on layout A saves at step 3 (and is the
 uninterrupted reference); layout B resumes from that checkpoint's layout-free state and trains to 6: steps 4–6 match
-A's losses within 1e-4 and the final weights within 1e-3 (fp32, dropout 0). Every source run is a module fixture
+A's losses within 1e-4 and the final weights within 1e-3 (fp32, dropout 0). Every source runs once for the module,
 shared by the pairs that start from it.
 
 Pack mode reads GPT-NeoX's order (`data.order: gpt-neox`, whose position is layout-free) and so may change the
 data-parallel size at an equal global batch with the same batches; pad mode reads the streamed sources, whose position
 is kept per data-parallel rank: the pairs compared with the source run keep the data-parallel size, and one resume on
 another data-parallel size (the rest of the pass dealt to the new ranks: other batches, so not compared) only has to
-go on to step 6 with finite losses."""
+go on to step 6 with finite losses.
+
+Every run goes through the entry point `run_clm_neox.py` calls (`neox_hf.train.main`). To keep the module's CPU
+down (start-up, ~10 s of imports per process on 2 cores, is most of a tiny run), the runs of one process count share
+a launch (tests/workers/init_layouts.py: the 2-process sources in one launch, the 2-process resumes in another) and
+the one-process runs run in the test process: 11 processes instead of 32."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import shlex
 import subprocess
-import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, free_port, launch_env, shared
+from tests.conftest import REPO, accelerate_launch_command, launch_env, reset_accelerate_state, shared
 from tests.test_resume import step_losses
 
 TINY = ["--model.hidden_size", "64", "--model.num_layers", "2", "--model.seq_length", "64",
@@ -39,24 +46,34 @@ def layout_args(processes: int, *, zero: int = 0, tp: int = 1, pp: int = 1, sp: 
             "--train.gradient_accumulation_steps", str(GLOBAL_BATCH // (2 * dp))]
 
 
-def run(out: Path, processes: int, data: list[str], *args: str, **layout) -> subprocess.CompletedProcess:
-    recipe = [str(REPO / "recipes" / "tiny.yaml"), *TINY, *data, *layout_args(processes, **layout),
-              "--output.dir", str(out), *args]
-    if processes == 1:
-        command = [sys.executable, str(REPO / "run_clm_neox.py"), *recipe]
-    else:
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
-                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed",
-                   "--main_process_port", str(free_port()), str(REPO / "run_clm_neox.py"), *recipe]
-    started = time.time()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=launch_env(), timeout=900)
-    print(f"{out.name}: {time.time() - started:.1f}s")
-    return done
+@dataclass
+class Run:
+    """One run of the module: its process count, data ('pack' or 'pad'), layout, and the source it resumes (a name)."""
+
+    processes: int
+    data: str
+    layout: dict
+    resumes: str | None = None
 
 
-def ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return done
+# Sources: 6 uninterrupted steps with a checkpoint at step 3 (the reference and the checkpoint the pairs resume).
+SOURCES = {
+    "one_process_pack": Run(1, "pack", {}),
+    "dp2_zero2_pack": Run(2, "pack", {"zero": 2}),
+    "tp2_sp_pad": Run(2, "pad", {"zero": 1, "tp": 2, "sp": True}),
+    "dp2_zero3_pad": Run(2, "pad", {"zero": 3}),  # last of its launch: transformers keeps a ZeRO-3 config alive
+    "pp2_tp2_pack": Run(4, "pack", {"zero": 1, "tp": 2, "pp": 2}),
+}
+# Resumes from step 3 of a source, to step 6 on another layout.
+RESUMES = {
+    "one_process_to_dp2_zero2": Run(2, "pack", {"zero": 2}, "one_process_pack"),
+    "dp2_zero2_to_tp2": Run(2, "pack", {"zero": 1, "tp": 2}, "dp2_zero2_pack"),
+    "dp2_zero3_to_dp2_zero1": Run(2, "pad", {"zero": 1}, "dp2_zero3_pad"),
+    "tp2_sp_to_dp2": Run(2, "pad", {"zero": 1}, "tp2_sp_pad"),
+    "tp2_to_pipeline2": Run(2, "pad", {"pp": 2}, "tp2_sp_pad"),
+    "tp2_sp_to_one_process": Run(1, "pad", {}, "tp2_sp_pad"),
+    "pp2_tp2_to_one_process": Run(1, "pack", {}, "pp2_tp2_pack"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +93,54 @@ def pad_data() -> list[str]:
     return ["--data.sources", f"[{{path: {shared('corpora/tinyshakespeare/input.txt')}}}]", "--data.mode", "pad"]
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, pack_data, pad_data) -> dict[str, tuple[Path, str]]:
+    """name → (output folder, what rank 0 printed) of every source and resume above, run on first use: the sources'
+    launches (2 and 4 processes) beside the one-process source in this process, then the 2-process resumes' launch
+    beside the one-process resumes."""
+    root = tmp_path_factory.mktemp("runs")
+    data = {"pack": pack_data, "pad": pad_data}
+
+    def arguments(name: str, run: Run) -> list[str]:
+        resume = ["--train.resume", str(root / run.resumes / "checkpoints" / "step_00000003")] if run.resumes else []
+        return [str(REPO / "recipes" / "tiny.yaml"), *TINY, *data[run.data], *layout_args(run.processes, **run.layout),
+                *resume, "--output.dir", str(root / name)]
+
+    done: dict[str, tuple[Path, str]] = {}
+    for phase in (SOURCES, RESUMES):
+        launches = {}
+        for processes in sorted({run.processes for run in phase.values()} - {1}):
+            specs = [f"{name}={shlex.join(arguments(name, run))}" for name, run in phase.items()
+                     if run.processes == processes]
+            launches[processes] = subprocess.Popen(
+                accelerate_launch_command(REPO / "tests/workers/init_layouts.py", root, *specs, "--",
+                                          num_processes=processes),
+                cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for name, run in phase.items():
+            if run.processes == 1:
+                done[name] = (root / name, _in_this_process(arguments(name, run)))
+        for processes, launch in launches.items():
+            output, _ = launch.communicate(timeout=900)
+            assert launch.returncode == 0, f"the {processes}-process launch failed:\n{output[-5000:]}"
+        done.update({name: (root / name, (root / f"{name}.stdout").read_text())
+                     for name, run in phase.items() if run.processes > 1})
+    return done
+
+
+def _in_this_process(argv: list[str]) -> str:
+    """`run_clm_neox.py ARGV` through its entry function here (no DeepSpeed in one process): what it printed."""
+    from neox_hf.train import main
+
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            status = main(argv)
+    finally:
+        reset_accelerate_state()
+    assert status == 0, printed.getvalue()[-3000:]
+    return printed.getvalue()
+
+
 def assert_continues(source: Path, resumed: Path) -> None:
     reference, after = step_losses(source), step_losses(resumed)
     for step in (4, 5, 6):
@@ -88,98 +153,65 @@ def assert_continues(source: Path, resumed: Path) -> None:
     assert worst <= 1e-3, worst
 
 
-def resume(source: Path, out: Path, processes: int, data, **layout) -> subprocess.CompletedProcess:
-    done = ok(run(out, processes, data, "--train.resume", str(source / "checkpoints" / "step_00000003"), **layout))
-    assert_continues(source, out)
-    return done
-
-
-def source_run(tmp_path_factory, name: str, processes: int, data, **layout) -> Path:
-    """Layout A's uninterrupted 6 steps, checkpoint at step 3: the reference and the checkpoint the pairs resume."""
-    out = tmp_path_factory.mktemp("src") / name
-    ok(run(out, processes, data, **layout))
-    return out
-
-
-@pytest.fixture(scope="module")
-def one_process_pack(tmp_path_factory, pack_data) -> Path:
-    return source_run(tmp_path_factory, "one_process_pack", 1, pack_data)
-
-
-@pytest.fixture(scope="module")
-def dp2_zero2_pack(tmp_path_factory, pack_data) -> Path:
-    return source_run(tmp_path_factory, "dp2_zero2_pack", 2, pack_data, zero=2)
+def resumed(runs, name: str) -> str:
+    """The resume `name` continued its source's steps 4-6 and weights; what it printed."""
+    folder, printed = runs[name]
+    assert_continues(runs[RESUMES[name].resumes][0], folder)
+    return printed
 
 
 @pytest.mark.distributed
-def test_one_process_to_dp2_zero2(one_process_pack, pack_data, tmp_path):
-    done = resume(one_process_pack, tmp_path / "b", 2, pack_data, zero=2)
+def test_one_process_to_dp2_zero2(runs):
+    printed = resumed(runs, "one_process_to_dp2_zero2")
     assert ("resuming step 3 written by 1 process without DeepSpeed on DeepSpeed ZeRO-2 on 2 processes"
-            in done.stdout), done.stdout[-2000:]
-    assert "data position: sample 12 of GPT-NeoX's order" in done.stdout
+            in printed), printed[-2000:]
+    assert "data position: sample 12 of GPT-NeoX's order" in printed
     # one process without DeepSpeed: accelerate's model.safetensors + optimizer.bin are the layout-free state
-    assert not (one_process_pack / "checkpoints" / "step_00000003" / "layout_free").exists()
+    assert not (runs["one_process_pack"][0] / "checkpoints" / "step_00000003" / "layout_free").exists()
 
 
 @pytest.mark.distributed
-def test_dp2_zero2_to_tp2(dp2_zero2_pack, pack_data, tmp_path):
-    resume(dp2_zero2_pack, tmp_path / "b", 2, pack_data, zero=1, tp=2)
-
-
-@pytest.fixture(scope="module")
-def dp2_zero3_pad(tmp_path_factory, pad_data) -> Path:
-    return source_run(tmp_path_factory, "dp2_zero3_pad", 2, pad_data, zero=3)
+def test_dp2_zero2_to_tp2(runs):
+    resumed(runs, "dp2_zero2_to_tp2")
 
 
 @pytest.mark.distributed
-def test_dp2_zero3_to_dp2_zero1(dp2_zero3_pad, pad_data, tmp_path):
-    resume(dp2_zero3_pad, tmp_path / "b", 2, pad_data, zero=1)
-
-
-@pytest.fixture(scope="module")
-def tp2_sp_pad(tmp_path_factory, pad_data) -> Path:
-    return source_run(tmp_path_factory, "tp2_sp_pad", 2, pad_data, zero=1, tp=2, sp=True)
+def test_dp2_zero3_to_dp2_zero1(runs):
+    resumed(runs, "dp2_zero3_to_dp2_zero1")
 
 
 @pytest.mark.distributed
-def test_tp2_sequence_parallel_to_one_process(tp2_sp_pad, pad_data, tmp_path):
-    resume(tp2_sp_pad, tmp_path / "b", 1, pad_data)
+def test_tp2_sequence_parallel_to_one_process(runs):
+    resumed(runs, "tp2_sp_to_one_process")
 
 
 @pytest.mark.distributed
-def test_streamed_position_resumes_on_another_data_parallel_size(tp2_sp_pad, pad_data, tmp_path):
+def test_streamed_position_resumes_on_another_data_parallel_size(runs):
     """TP2 (1 data-parallel rank) → DP2: the rest of the old rank's pass is dealt to the 2 new ranks (which documents,
     exactly once, is tests/test_data_resize.py's); the run goes on to step 6 with finite losses. Its batches are not
     the source run's, so its losses are not compared."""
-    out = tmp_path / "b"
-    done = ok(run(out, 2, pad_data, "--train.resume", str(tp2_sp_pad / "checkpoints" / "step_00000003"), zero=1))
+    out, printed = runs["tp2_sp_to_dp2"]
     assert "resuming step 3 written by DeepSpeed ZeRO-1 on 2 processes (1 data-parallel × tensor parallel 2)" in \
-        done.stdout, done.stdout[-2000:]
-    assert ("data position: the rest of pass 1 of 1 data-parallel rank's streamed shares (" in done.stdout and
-            "documents read but not yet trained), dealt to 2 ranks; pass 2 on 2 ranks" in done.stdout), \
-        done.stdout[-2000:]
+        printed, printed[-2000:]
+    assert ("data position: the rest of pass 1 of 1 data-parallel rank's streamed shares (" in printed and
+            "documents read but not yet trained), dealt to 2 ranks; pass 2 on 2 ranks" in printed), printed[-2000:]
     losses = step_losses(out)
     assert set(losses) >= {4, 5, 6} and all(np.isfinite(losses[step]) for step in (4, 5, 6)), losses
 
 
 @pytest.mark.distributed
-def test_tp2_to_pipeline2(tp2_sp_pad, pad_data, tmp_path):
+def test_tp2_to_pipeline2(runs):
     """The TP2 source (with sequence parallelism, which changes no parameter) resumed on 2 pipeline stages."""
-    resume(tp2_sp_pad, tmp_path / "b", 2, pad_data, pp=2)
-
-
-@pytest.fixture(scope="module")
-def pp2_tp2_pack(tmp_path_factory, pack_data) -> Path:
-    return source_run(tmp_path_factory, "pp2_tp2_pack", 4, pack_data, zero=1, tp=2, pp=2)
+    resumed(runs, "tp2_to_pipeline2")
 
 
 @pytest.mark.distributed
-def test_pipeline2_tp2_to_one_process(pp2_tp2_pack, pack_data, tmp_path):
-    resume(pp2_tp2_pack, tmp_path / "b", 1, pack_data)
+def test_pipeline2_tp2_to_one_process(runs):
+    resumed(runs, "pp2_tp2_to_one_process")
 
 
 @pytest.mark.distributed
-def test_export_reads_the_layout_free_state_of_pipeline2_tp2(pp2_tp2_pack, tmp_path, capsys):
+def test_export_reads_the_layout_free_state_of_pipeline2_tp2(runs, tmp_path, capsys):
     """`neox_hf export` of the last checkpoint of 4 processes (2 stages × 2 TP shards) is the run's final folder,
     tensor for tensor, and stock transformers loads it."""
     import torch
@@ -188,10 +220,11 @@ def test_export_reads_the_layout_free_state_of_pipeline2_tp2(pp2_tp2_pack, tmp_p
 
     from neox_hf.cli import main
 
-    step = pp2_tp2_pack / "checkpoints" / "step_00000006"
+    source = runs["pp2_tp2_pack"][0]
+    step = source / "checkpoints" / "step_00000006"
     assert (step / "layout_free" / ".metadata").is_file()
     assert main(["export", str(step), str(tmp_path / "hf")]) == 0, capsys.readouterr().err
-    want, got = load_file(pp2_tp2_pack / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    want, got = load_file(source / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
     assert want.keys() == got.keys()
     assert all(torch.equal(want[k], got[k]) for k in want), [k for k in want if not torch.equal(want[k], got[k])]
     assert GPTNeoXForCausalLM.from_pretrained(tmp_path / "hf").config.vocab_size == 50432

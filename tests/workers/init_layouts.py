@@ -4,10 +4,13 @@ after the other, resetting Accelerate between them: a launch costs ~15 s of star
     accelerate launch --use_deepspeed --num_processes 2 ... tests/workers/init_layouts.py OUT_DIR \
         NAME="--parallel.tensor_parallel 2" ... -- RUN_ARGS...
 
-Each NAME runs `RUN_ARGS` plus its own overrides with `--output.dir OUT_DIR/NAME`. A run that fails stops the
-launch with its exit status. A ZeRO-3 run goes last (transformers keeps its ZeRO-3 config for later models).
+Each NAME runs `RUN_ARGS` plus its own overrides with `--output.dir OUT_DIR/NAME`; what rank 0 prints during it goes
+to `OUT_DIR/NAME.stdout` (the start-up report a test reads). A run that fails stops the launch with its exit status.
+A ZeRO-3 run goes last (transformers keeps its ZeRO-3 config for later models).
 """
 
+import contextlib
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -27,9 +30,13 @@ def main(argv: list[str]) -> int:
     PartialState.destroy_process_group = lambda self, group=None: None
     split = argv.index("--")
     out_dir, layouts, common = Path(argv[0]), argv[1:split], argv[split + 1:]
+    rank = int(os.environ.get("RANK", "0"))
     for layout in layouts:
         name, _, overrides = layout.partition("=")
-        status = run([*common, *shlex.split(overrides), "--output.dir", str(out_dir / name)])
+        printed = out_dir / f"{name}.stdout" if rank == 0 else Path(os.devnull)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with printed.open("w") as stdout, contextlib.redirect_stdout(stdout):
+            status = run([*common, *shlex.split(overrides), "--output.dir", str(out_dir / name)])
         if status:
             return status
         reset_accelerate_state()
