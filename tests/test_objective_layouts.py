@@ -1,18 +1,24 @@
 """DPO and reward-model runs on every layout equal one process (fp32): the step's pair weighting over micro-batches
-and data-parallel ranks, ZeRO's partitions and tensor parallelism do not change the losses, through
-`run_clm_neox.py` as a user runs it.
+and data-parallel ranks, ZeRO's partitions and tensor parallelism do not change the losses, through the real entry
+point `run_clm_neox.py` calls (`neox_hf.train.main`).
 
 Layouts: DPO on DP2 ZeRO-1, DP2 ZeRO-3 and TP2; RM on DP2 ZeRO-0, DP2 ZeRO-2 and TP2 — every ZeRO stage and TP for
-each step path the objectives share (the plain engine's step is the same code for both; one objective per stage keeps
-the module's launches to six). One process runs micro-batches of 2 pairs × 2 accumulation steps; DP2 runs 2 pairs per
-rank × 1 step: the preference loader hands both the same 4 pairs per step (global windows of dp × P pairs).
+each step path the objectives share (the plain engine's step is the same code for both; one objective per stage). One
+process runs micro-batches of 2 pairs × 2 accumulation steps; DP2 runs 2 pairs per rank × 1 step: the preference
+loader hands both the same 4 pairs per step (global windows of dp × P pairs).
+
+What runs where: the six layouts run one after the other in ONE 2-process `accelerate launch` of
+tests/workers/init_layouts.py (each its own recipe file, `neox_hf.train.main` per run, the ZeRO-3 one last): on 2
+cores a launch's start-up (importing torch, transformers and DeepSpeed in a launcher and two ranks) costs far more
+than a tiny run, so six launches cost ~six times one. The one-process references run `neox_hf.train.main` in the test
+process itself (no DeepSpeed there: their recipes set `use_deepspeed: false`), sparing a process start each.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,6 +27,11 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 from tests.conftest import BUNDLED_TOKENIZER, REPO, accelerate_launch_command, launch_env, reset_accelerate_state
 
 STEPS, LOSS_TOL = 3, 1e-5
+# name: (objective, dp, tp, zero), in the tests' order; the launch runs them in this order with ZeRO-3 moved last
+LAYOUTS = {
+    "dpo-zero1": ("dpo", 2, 1, 1), "dpo-zero3": ("dpo", 2, 1, 3), "dpo-tp2": ("dpo", 1, 2, 1),
+    "rm-zero0": ("rm", 2, 1, 0), "rm-zero2": ("rm", 2, 1, 2), "rm-tp2": ("rm", 1, 2, 0),
+}
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +67,6 @@ def recipe(base, out, objective: str, *, dp: int, tp: int = 1, zero: int = 0) ->
     return [str(path)]
 
 
-def run(command: list[str]) -> None:
-    done = subprocess.run(command, env=launch_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-
-
 def steps(out) -> dict[int, dict]:
     lines = (out / "train_log.jsonl").read_text().splitlines()
     return {e["step"]: e for e in map(json.loads, lines) if "lr" in e}
@@ -68,29 +74,51 @@ def steps(out) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def one_process(base, tmp_path_factory):
-    """The reference runs: `python run_clm_neox.py` in one process, per objective; `one_process(objective)` runs it
-    the first time a test of the module asks for it, so the fast tier (the TRL comparison alone) runs the reward
-    model's only, not DPO's too (a ~15 s process)."""
+    """The reference runs: `neox_hf.train.main` (what `run_clm_neox.py` calls) in this process, per objective;
+    `one_process(objective)` runs it the first time a test of the module asks for it, so the fast tier (the TRL
+    comparison alone) runs the reward model's only, not DPO's too."""
+    from neox_hf.train import main
+
     runs = {}
 
     def reference(objective: str) -> dict[int, dict]:
         if objective not in runs:
             out = tmp_path_factory.mktemp(f"{objective}_one") / "run"
-            run([sys.executable, str(REPO / "run_clm_neox.py"), *recipe(base, out, objective, dp=1)])
+            try:
+                status = main(recipe(base, out, objective, dp=1))  # use_deepspeed false: no engine in this process
+            finally:
+                reset_accelerate_state()
+            assert status == 0, f"the one-process {objective} run exited {status}"
             runs[objective] = steps(out)
         return runs[objective]
 
     return reference
 
 
-@pytest.mark.parametrize("objective,dp,tp,zero", [
-    ("dpo", 2, 1, 1), ("dpo", 2, 1, 3), ("dpo", 1, 2, 1),
-    ("rm", 2, 1, 0), ("rm", 2, 1, 2), ("rm", 1, 2, 0),
-], ids=["dpo-zero1", "dpo-zero3", "dpo-tp2", "rm-zero0", "rm-zero2", "rm-tp2"])
-def test_objective_on_a_layout_equals_one_process(base, one_process, tmp_path, objective, dp, tp, zero):
-    out = tmp_path / "run"
-    run(accelerate_launch_command(REPO / "run_clm_neox.py", *recipe(base, out, objective, dp=dp, tp=tp, zero=zero),
-                                  num_processes=dp * tp))
+@pytest.fixture(scope="module")
+def layout_runs(base, tmp_path_factory):
+    """The six layouts in one 2-process launch of tests/workers/init_layouts.py, each its own recipe file (no common
+    arguments, no launcher ZeRO stage: each recipe sets its own), the ZeRO-3 one last; the folder holding each
+    layout's output folder. A failed launch fails every test asking for it with the launch's output."""
+    root = tmp_path_factory.mktemp("objective_layouts_launch")
+    order = sorted(LAYOUTS, key=lambda name: LAYOUTS[name][3] == 3)  # stable: ZeRO-3 last, the rest as listed
+    specs = []
+    for name in order:
+        objective, dp, tp, zero = LAYOUTS[name]
+        assert dp * tp == 2  # the launch's processes
+        (path,) = recipe(base, root / name, objective, dp=dp, tp=tp, zero=zero)
+        specs.append(f"{name}={shlex.quote(path)}")
+    done = subprocess.run(
+        accelerate_launch_command(REPO / "tests/workers/init_layouts.py", root, *specs, "--", num_processes=2),
+        env=launch_env(), cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return root
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_objective_on_a_layout_equals_one_process(one_process, layout_runs, layout):
+    objective = LAYOUTS[layout][0]
+    out = layout_runs / layout
     expected, got = one_process(objective), steps(out)
     assert sorted(got) == list(range(1, STEPS + 1))
     saved = json.loads((out / "config.json").read_text())  # stock classes: the policy, or the scalar-head reward model
@@ -106,9 +134,10 @@ def test_objective_on_a_layout_equals_one_process(base, one_process, tmp_path, o
 
 
 def test_reward_run_first_step_equals_trls_reward_trainer(base, one_process, tmp_path):
-    """The first step logged by `python run_clm_neox.py` for `train.objective: rm` is TRL's RewardTrainer loss on the
-    same four pairs (the loader's first step, rebuilt here) for the same starting model (fp32, 1e-5). DPO's first
-    step is ln 2 in both (the policy is the reference), asserted above."""
+    """The first step logged by the one-process run (`run_clm_neox.py`'s entry point, in this process) for
+    `train.objective: rm` is TRL's RewardTrainer loss on the same four pairs (the loader's first step, rebuilt here)
+    for the same starting model (fp32, 1e-5). DPO's first step is ln 2 in both (the policy is the reference), asserted
+    above."""
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer
 
