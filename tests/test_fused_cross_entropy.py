@@ -212,30 +212,41 @@ def test_vocab_parallel_tp2_equals_one_process(tmp_path):
 ZERO3_RUN = """
 import json, sys
 import neox_hf.ops  # noqa: F401
+from accelerate.state import AcceleratorState, GradientState, PartialState
+# The second run must find the first one's process group (DeepSpeed keeps its groups): a run's end_training would
+# destroy it, so it is destroyed once, at the end (as tests/workers/init_layouts.py does).
+PartialState.destroy_process_group = lambda self, group=None: None
 ops = sys.modules["neox_hf.ops.linear_cross_entropy"]
 calls = []
 as_module_forward = ops._as_module_forward
 ops._as_module_forward = lambda *a: calls.append(1) or as_module_forward(*a)
 from neox_hf.train.args import parse_run_args
 from neox_hf.train.loop import train
-args = parse_run_args(["recipes/tiny.yaml", "--parallel.zero_stage", "3", "--train.train_iters", "3",
-                       "--train.eval_iters", "0", "--model.seq_length", "32", "--train.micro_batch_size", "2",
-                       "--train.precision", "fp32", "--train.fused_cross_entropy", sys.argv[2],
-                       "--output.dir", sys.argv[1], "--output.tensorboard", "false"])
-print(json.dumps({"losses": train(args.recipe).train_losses, "fused_calls": len(calls)}))
+results = {}
+for fused in ("true", "false"):
+    calls.clear()
+    args = parse_run_args(["recipes/tiny.yaml", "--parallel.zero_stage", "3", "--train.train_iters", "3",
+                           "--train.eval_iters", "0", "--model.seq_length", "32", "--train.micro_batch_size", "2",
+                           "--train.precision", "fp32", "--train.fused_cross_entropy", fused,
+                           "--output.dir", f"{sys.argv[1]}/{fused}", "--output.tensorboard", "false"])
+    results[fused] = {"losses": train(args.recipe).train_losses, "fused_calls": len(calls)}
+    AcceleratorState._reset_state(True); GradientState._reset_state(); PartialState._reset_state()
+import torch.distributed
+torch.distributed.destroy_process_group()
+print(json.dumps(results))
 """
 
 
 @pytest.mark.distributed  # two DeepSpeed ZeRO-3 runs: a minute, the slow tier's
 def test_zero3_keeps_the_fused_loss_and_equals_the_unfused_one(tmp_path):
     """Under ZeRO-3 the head's weight is a partition DeepSpeed gathers only around the head module's own call: the
-    fused op runs as that call (it fell back to full logits before), and trains as the unfused path does (fp32)."""
-    results = {}
-    for fused in ("true", "false"):
-        done = subprocess.run([sys.executable, "-c", ZERO3_RUN, str(tmp_path / fused), fused], cwd=REPO,
-                              env=launch_env(), capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        results[fused] = json.loads(done.stdout.strip().splitlines()[-1])
+    fused op runs as that call (it fell back to full logits before), and trains as the unfused path does (fp32).
+    Both runs share one process, one after the other (a DeepSpeed engine is never built in the test process): a
+    process's start-up is most of a 3-step run on 2 cores."""
+    done = subprocess.run([sys.executable, "-c", ZERO3_RUN, str(tmp_path)], cwd=REPO,
+                          env=launch_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
     assert results["true"]["fused_calls"] == 3 and results["false"]["fused_calls"] == 0
     for fused_loss, full_logits_loss in zip(results["true"]["losses"], results["false"]["losses"]):
         assert abs(fused_loss - full_logits_loss) <= 1e-5
