@@ -1,19 +1,32 @@
-"""Worker: a LoRA run through the real train loop under `accelerate launch --use_deepspeed` (ZeRO-2 or ZeRO-3).
+"""Worker: LoRA runs through the real train loop under `accelerate launch --use_deepspeed` (ZeRO-2 and/or ZeRO-3).
 
-argv: BASE_FOLDER OUT_DIR ZERO_STAGE. The loop wraps the model (`peft.method: lora`) and saves the adapter with
-`save_finetuned`. Just before that final save (the loop ends the process group afterwards), every rank gathers the LoRA parameters
-(collective under ZeRO-3) and rank 0 writes them to OUT_DIR/trained_lora.pt, so the test compares the saved
-adapter with what was actually trained.
+    accelerate launch --use_deepspeed --zero_stage S ... peft_zero.py BASE_FOLDER OUT_DIR S
+    accelerate launch --use_deepspeed ... peft_zero.py BASE_FOLDER OUT_DIR --stages 2 3   (no launcher --zero_stage)
+
+The first form trains one run of stage S into OUT_DIR. `--stages` runs one per stage, one after the other in the same
+processes, into OUT_DIR/zero{S} each, resetting Accelerate between them: a launch costs ~10 s of CPU start-up per
+process on 2 cores, a run a few. Each recipe sets its own `parallel.zero_stage`, so that form's launch passes no
+`--zero_stage` (a launcher stage contradicting a recipe's is refused). ZeRO-3 must come last (transformers keeps
+treating later models as ZeRO-3 partitioned while its config lives): other orders are refused.
+
+The loop wraps the model (`peft.method: lora`) and saves the adapter with `save_finetuned`. Just before that final
+save, every rank gathers the LoRA parameters (collective under ZeRO-3) and rank 0 writes them to
+<run folder>/trained_lora.pt, so the test compares the saved adapter with what was actually trained.
 """
 
+import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch
 
 from neox_hf import finetune
 from neox_hf.train import loop
 from peft_common import lora_recipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the suite-wide conftest helpers
+from conftest import reset_accelerate_state  # noqa: E402
 
 captured = {}
 
@@ -35,16 +48,48 @@ def gathered_lora(model) -> dict:
     return {n: p.detach().clone() for n, p in named}
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    base, out, stage = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def parse_runs(argv: list[str]) -> tuple[str, list[tuple[str, int]]]:
+    """BASE_FOLDER and the (out dir, stage) of each run."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("base")
+    parser.add_argument("out")
+    parser.add_argument("stage", type=int, nargs="?")
+    parser.add_argument("--stages", type=int, nargs="+")
+    args = parser.parse_args(argv)
+    if (args.stage is None) == (args.stages is None):
+        parser.error("give either ZERO_STAGE or --stages")
+    if args.stages is None:
+        return args.base, [(args.out, args.stage)]
+    if 3 in args.stages[:-1]:
+        parser.error("ZeRO-3 must run last: transformers keeps its ZeRO-3 config for later models")
+    return args.base, [(os.path.join(args.out, f"zero{stage}"), stage) for stage in args.stages]
+
+
+def train_one(base: str, out: str, stage: int) -> None:
+    captured.clear()
     recipe = lora_recipe(base, out, steps=3, zero_stage=stage)
-    loop.save_finetuned = gather_then_save
     result = loop.train(recipe)
     if int(os.environ["RANK"]) == 0:
         torch.save({"lora": captured["lora"], "losses": result.train_losses, "report": captured["report"]},
                    f"{out}/trained_lora.pt")
 
 
+def main(argv: list[str]) -> None:
+    import torch.distributed as dist
+    from accelerate.state import PartialState
+
+    torch.set_num_threads(1)
+    base, runs = parse_runs(argv)
+    loop.save_finetuned = gather_then_save
+    # The loop ends with `accelerator.end_training()`, which destroys the process group; a second group on torchrun's
+    # agent store would hang at its rendezvous. The runs share the launch's group instead, destroyed at the end.
+    PartialState.destroy_process_group = lambda self, group=None: None
+    for out, stage in runs:
+        train_one(base, out, stage)
+        reset_accelerate_state()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
