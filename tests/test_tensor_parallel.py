@@ -93,13 +93,22 @@ def assert_grads_close(tp_grads, ref_grads):
 
 
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory):
+def tp2_launch(tmp_path_factory):
+    """One 2-rank launch, on first use, for the TP2 and the sequence-parallel checks: each process costs seconds of
+    imports. tp_tp2.py runs its checks, then tp_sp.py's in the same ranks, each set into its own output folder."""
     models = tmp_path_factory.mktemp("models")
     saved_tiny_model(models / "untied")
     saved_tiny_model(models / "tied", seed=1, tie_word_embeddings=True)
     saved_tiny_model(models / "vocab251", seed=2, vocab_size=251)
-    out = tmp_path_factory.mktemp("tp2_out")
-    run_torchrun(2, "tp_tp2.py", models, out)
+    saved_tiny_model(models / "sequential", seed=2, use_parallel_residual=False)
+    out, sp_out = tmp_path_factory.mktemp("tp2_out"), tmp_path_factory.mktemp("tp2_sp_out")
+    run_torchrun(2, "tp_tp2.py", models, out, sp_out)
+    return models, out, sp_out
+
+
+@pytest.fixture(scope="module")
+def tp2(tp2_launch):
+    models, out, _ = tp2_launch
     return models, out
 
 
@@ -181,14 +190,9 @@ def test_vocab_parallel_cross_entropy_equals_cross_entropy_on_gathered_logits(tp
 
 
 @pytest.fixture(scope="module")
-def tp2_sp(tmp_path_factory):
-    models = tmp_path_factory.mktemp("sp_models")
-    saved_tiny_model(models / "untied")
-    saved_tiny_model(models / "tied", seed=1, tie_word_embeddings=True)
-    saved_tiny_model(models / "sequential", seed=2, use_parallel_residual=False)
-    out = tmp_path_factory.mktemp("tp2_sp_out")
-    run_torchrun(2, "tp_sp.py", models, out)
-    return models, out
+def tp2_sp(tp2_launch):
+    models, _, sp_out = tp2_launch
+    return models, sp_out
 
 
 @pytest.mark.parametrize("name", ["untied", "tied", "sequential"])
@@ -225,20 +229,33 @@ def test_sequence_parallel_loads_sliced_and_keeps_less_for_backward(tp2_sp):
         assert "sequence length must be divisible by the tensor-parallel size" in rank["refusal"]
 
 
-def memory_report(model_dir, mode, tp_size=4):
-    out = model_dir.parent / f"memory_{mode}.json"
-    subprocess.run([sys.executable, os.path.join(WORKERS, "tp_memory.py"), str(model_dir), str(tp_size), mode, str(out)],
-                   env=_env(), check=True, timeout=120, capture_output=True)
-    return json.loads(out.read_text())
+def memory_reports(jobs, out, tp_size=4):
+    """tp_memory.py's result for each (model_dir, mode) of `jobs`: one process, a forked fresh child per measurement."""
+    cmd = [sys.executable, os.path.join(WORKERS, "tp_memory.py"), str(tp_size), str(out)]
+    cmd += [str(x) for job in jobs for x in job]
+    done = subprocess.run(cmd, env=_env(), timeout=180, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return dict(zip(jobs, json.loads(out.read_text())))
+
+
+@pytest.fixture(scope="module")
+def memory(tmp_path_factory):
+    """Both memory tests' checkpoints, measured by one tp_memory.py process (imports paid once) on first use."""
+    root = tmp_path_factory.mktemp("tp_memory")
+    for name, vocab_size in (("model", 8192), ("padded_model", 8190)):
+        config = tiny_config(hidden_size=512, num_attention_heads=8, num_hidden_layers=4,
+                             intermediate_size=2048, vocab_size=vocab_size)
+        GPTNeoXForCausalLM(config).save_pretrained(root / name, max_shard_size="30MB")
+    jobs = [(root / "model", "shard"), (root / "model", "full"), (root / "padded_model", "padded"),
+            (root / "padded_model", "full")]
+    return root, memory_reports(jobs, root / "memory.json")
 
 
 @pytest.mark.distributed  # slow tier: a whole run in a subprocess or in process
-def test_loading_one_rank_slice_needs_a_fraction_of_the_memory(tmp_path):
-    config = tiny_config(hidden_size=512, num_attention_heads=8, num_hidden_layers=4,
-                         intermediate_size=2048, vocab_size=8192)
-    GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "model", max_shard_size="30MB")
-    assert (tmp_path / "model" / "model.safetensors.index.json").exists()
-    shard, full = memory_report(tmp_path / "model", "shard"), memory_report(tmp_path / "model", "full")
+def test_loading_one_rank_slice_needs_a_fraction_of_the_memory(memory):
+    root, reports = memory  # the model: tiny_config(hidden 512, 8 heads, 4 layers, 4h 2048, vocab 8192), 30MB shards
+    assert (root / "model" / "model.safetensors.index.json").exists()
+    shard, full = reports[root / "model", "shard"], reports[root / "model", "full"]
     print(f"\nTP4 rank-0 slice: {shard}\nfull checkpoint: {full}")
     assert shard["slices_match"]
     assert full["loaded_weights_mb"] > 60 and full["peak_rss_growth_mb"] > 0.9 * full["loaded_weights_mb"]
@@ -247,13 +264,11 @@ def test_loading_one_rank_slice_needs_a_fraction_of_the_memory(tmp_path):
 
 
 @pytest.mark.distributed  # slow tier: a whole run in a subprocess or in process
-def test_loading_a_padded_vocabulary_slice_needs_a_fraction_of_the_memory(tmp_path):
+def test_loading_a_padded_vocabulary_slice_needs_a_fraction_of_the_memory(memory):
     """A vocabulary TP does not divide (8190 → 8192 rows for TP4) is padded slice by slice, never read whole: the
     last rank, which holds the padding rows, copies only its two vocabulary slices."""
-    config = tiny_config(hidden_size=512, num_attention_heads=8, num_hidden_layers=4,
-                         intermediate_size=2048, vocab_size=8190)
-    GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "model", max_shard_size="30MB")
-    padded, full = memory_report(tmp_path / "model", "padded"), memory_report(tmp_path / "model", "full")
+    root, reports = memory  # the model: as above with vocab 8190
+    padded, full = reports[root / "padded_model", "padded"], reports[root / "padded_model", "full"]
     print(f"\nTP4 rank-3 padded slice: {padded}\nfull checkpoint: {full}")
     assert padded["slices_match"]  # equal to pad_vocab of the whole matrices, then split
     vocab_slices_mb = 2 * (8192 // 4) * 512 * 4 / 2**20  # embed_in and embed_out rows of this rank, fp32

@@ -1,6 +1,8 @@
-"""Peak-RSS growth of reading one TP rank's slices, or the whole checkpoint, in a fresh
-process (so neither read benefits from the other's page cache mappings or freed heap):
-    python tests/workers/tp_memory.py <model_dir> <tp_size> shard|padded|full <out.json>
+"""Peak-RSS growth of reading one TP rank's slices, or the whole checkpoint, each in a fresh process
+(so no read benefits from another's page cache mappings or freed heap): this process imports once, then
+forks one child per measurement, before loading anything itself.
+    python tests/workers/tp_memory.py <tp_size> <out.json> <model_dir> shard|padded|full [<model_dir> <mode> ...]
+writes a list of results, one per (model_dir, mode) pair, in order.
 `padded` reads the last rank's slices of a vocabulary TP does not divide, zero-padded GPT-NeoX
 style (make_vocab_size_divisible_by 128 × TP): that rank holds the padding rows. Every loaded
 tensor is summed inside the measured window, so lazily mapped pages count.
@@ -50,9 +52,7 @@ def slices_match(shard: dict, full: dict, tp_size: int, vocab_size: int, rank: i
     return True
 
 
-def main():
-    model_dir, tp_size, mode, out_path = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    torch.set_num_threads(1)
+def measure(model_dir: str, tp_size: int, mode: str) -> dict:
     config = GPTNeoXConfig.from_pretrained(model_dir)
     rank = tp_size - 1 if mode == "padded" else 0
     if mode == "padded":
@@ -81,8 +81,70 @@ def main():
     }
     if mode != "full":
         result["slices_match"] = slices_match(loaded, full_checkpoint(model_dir), tp_size, config.vocab_size, rank)
+    return result
+
+
+def resident_file_pages() -> list[int]:
+    """Addresses of the pages of readable file mappings (library code and data) present in this process's page
+    tables. fork() does not copy those page tables, a child refaults them on first use: refaulting them before its
+    measurement gives the child a fresh process's state, where imports had already faulted them."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    addresses = []
+    with open("/proc/self/maps") as maps, open("/proc/self/pagemap", "rb") as pagemap:
+        for line in maps:
+            fields = line.split()
+            if len(fields) < 6 or not fields[5].startswith("/") or not fields[1].startswith("r"):
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            pagemap.seek(start // page * 8)
+            entries = pagemap.read((end - start) // page * 8)
+            for i, entry in enumerate(memoryview(entries).cast("Q")):
+                if entry >> 63:
+                    addresses.append(start + i * page)
+    return addresses
+
+
+def touch(addresses: list[int]) -> None:
+    import ctypes
+
+    for address in addresses:
+        ctypes.string_at(address, 1)
+
+
+def measure_in_child(model_dir: str, tp_size: int, mode: str) -> dict:
+    """`measure` in a forked child of this (imported, never-loading) process: a fresh process for each measured load
+    (peak RSS, heap and mappings are per process) without paying the imports again."""
+    resident = resident_file_pages()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(read_end)
+        code = 1
+        try:
+            touch(resident)
+            with os.fdopen(write_end, "w") as f:
+                json.dump(measure(model_dir, tp_size, mode), f)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        text = f.read()
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"measuring {mode} of {model_dir} failed (exit status {status})")
+    return json.loads(text)
+
+
+def main():
+    tp_size, out_path, jobs = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    torch.set_num_threads(1)
+    # Before any fork: transformers' lazy imports for config loading and key listing (a child repeats it, as a fresh
+    # process would, outside its measurement).
+    _expected_keys(GPTNeoXConfig.from_pretrained(jobs[0]))
+    results = [measure_in_child(model_dir, tp_size, mode) for model_dir, mode in zip(jobs[::2], jobs[1::2])]
     with open(out_path, "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""TP=2 with sequence parallelism: forward, backward, 5 AdamW steps, the loop's loss, saved activations. Usage:
+"""TP=2 with sequence parallelism: forward, backward, 5 AdamW steps, the loop's loss, saved activations. The test
+module runs `sp_checks` from tp_tp2.py (one launch for both); standalone:
     torchrun --nproc_per_node 2 tests/workers/tp_sp.py <models_dir> <out_dir>
 <models_dir> holds stock save_pretrained folders `untied`, `tied` and `sequential` (no parallel residual) written
 by pytest.
@@ -76,10 +77,8 @@ def refusal_checks(folder, groups):
         return {"refusal": str(error)}
 
 
-def main():
-    models_dir, out_dir = sys.argv[1], sys.argv[2]
-    init_gloo()
-    groups = build_parallel_groups(2)
+def sp_checks(models_dir, out_dir, groups):
+    """Every sequence-parallel check; tp_tp2.py runs it after its own checks in the same ranks (one launch)."""
     for name in ("untied", "tied", "sequential"):
         save_rank_result(out_dir, name, equivalence_checks(os.path.join(models_dir, name), groups))
     # Sliced loading onto the mesh builds the same sequence-parallel model.
@@ -88,6 +87,12 @@ def main():
     save_rank_result(out_dir, "loaded", {"logits": tp_logits(loaded, batch()[0]).detach()})
     save_rank_result(out_dir, "memory", memory_checks(os.path.join(models_dir, "untied"), groups))
     save_rank_result(out_dir, "refusal", refusal_checks(os.path.join(models_dir, "untied"), groups))
+
+
+def main():
+    models_dir, out_dir = sys.argv[1], sys.argv[2]
+    init_gloo()
+    sp_checks(models_dir, out_dir, build_parallel_groups(2))
 
 
 if __name__ == "__main__":

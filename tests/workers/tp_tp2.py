@@ -1,7 +1,9 @@
 """TP=2 worker: forward, backward, 5 AdamW steps, merge + save, shard loading, vocab-parallel
-CE, tied embeddings and vocab padding. Usage:
-    torchrun --nproc_per_node 2 tests/workers/tp_tp2.py <models_dir> <out_dir>
-<models_dir> holds stock save_pretrained folders `untied`, `tied`, `vocab251` written by pytest.
+CE, tied embeddings and vocab padding; then, given <sp_out_dir>, tp_sp.py's sequence-parallel checks in the same
+ranks (their results under <sp_out_dir>, as a tp_sp.py launch writes them). Usage:
+    torchrun --nproc_per_node 2 tests/workers/tp_tp2.py <models_dir> <out_dir> [<sp_out_dir>]
+<models_dir> holds stock save_pretrained folders `untied`, `tied`, `vocab251` (and `sequential` for the
+sequence-parallel checks) written by pytest.
 """
 
 import os
@@ -118,6 +120,10 @@ def main():
     save_rank_result(out_dir, "tied", tied_checks(models_dir, groups))
     save_rank_result(out_dir, "padding", padding_checks(models_dir, groups))
     save_rank_result(out_dir, "cross_entropy", cross_entropy_checks(groups))
+    if len(sys.argv) > 3:  # the sequence-parallel checks in the same ranks: one launch (and one import) for both
+        from tp_sp import sp_checks
+
+        sp_checks(models_dir, sys.argv[3], groups)
 
 
 if __name__ == "__main__":
