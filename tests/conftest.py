@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -68,6 +69,23 @@ def reset_accelerate_state() -> None:
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
+
+
+@contextlib.contextmanager
+def runs_sharing_one_process_group():
+    """For workers that train several runs one after the other in one launch (its start-up, ~10 s of imports per
+    process on 2 cores, costs more than a tiny run): a run ends with `accelerator.end_training()`, which destroys the
+    process group, and a second group on torchrun's agent store would hang at its rendezvous (DeepSpeed also keeps the
+    first group's subgroups). Inside this, the runs share the first run's group; it is destroyed once, at the end."""
+    import torch.distributed as dist
+    from accelerate.state import PartialState
+
+    PartialState.destroy_process_group = lambda self, group=None: None
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @pytest.fixture

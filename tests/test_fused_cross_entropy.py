@@ -212,10 +212,7 @@ def test_vocab_parallel_tp2_equals_one_process(tmp_path):
 ZERO3_RUN = """
 import json, sys
 import neox_hf.ops  # noqa: F401
-from accelerate.state import AcceleratorState, GradientState, PartialState
-# The second run must find the first one's process group (DeepSpeed keeps its groups): a run's end_training would
-# destroy it, so it is destroyed once, at the end (as tests/workers/init_layouts.py does).
-PartialState.destroy_process_group = lambda self, group=None: None
+from tests.conftest import reset_accelerate_state, runs_sharing_one_process_group
 ops = sys.modules["neox_hf.ops.linear_cross_entropy"]
 calls = []
 as_module_forward = ops._as_module_forward
@@ -223,16 +220,15 @@ ops._as_module_forward = lambda *a: calls.append(1) or as_module_forward(*a)
 from neox_hf.train.args import parse_run_args
 from neox_hf.train.loop import train
 results = {}
-for fused in ("true", "false"):
-    calls.clear()
-    args = parse_run_args(["recipes/tiny.yaml", "--parallel.zero_stage", "3", "--train.train_iters", "3",
-                           "--train.eval_iters", "0", "--model.seq_length", "32", "--train.micro_batch_size", "2",
-                           "--train.precision", "fp32", "--train.fused_cross_entropy", fused,
-                           "--output.dir", f"{sys.argv[1]}/{fused}", "--output.tensorboard", "false"])
-    results[fused] = {"losses": train(args.recipe).train_losses, "fused_calls": len(calls)}
-    AcceleratorState._reset_state(True); GradientState._reset_state(); PartialState._reset_state()
-import torch.distributed
-torch.distributed.destroy_process_group()
+with runs_sharing_one_process_group():
+    for fused in ("true", "false"):
+        calls.clear()
+        args = parse_run_args(["recipes/tiny.yaml", "--parallel.zero_stage", "3", "--train.train_iters", "3",
+                               "--train.eval_iters", "0", "--model.seq_length", "32", "--train.micro_batch_size", "2",
+                               "--train.precision", "fp32", "--train.fused_cross_entropy", fused,
+                               "--output.dir", f"{sys.argv[1]}/{fused}", "--output.tensorboard", "false"])
+        results[fused] = {"losses": train(args.recipe).train_losses, "fused_calls": len(calls)}
+        reset_accelerate_state()
 print(json.dumps(results))
 """
 

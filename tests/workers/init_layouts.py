@@ -16,31 +16,25 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the suite-wide conftest helpers
-from conftest import reset_accelerate_state  # noqa: E402
+from conftest import reset_accelerate_state, runs_sharing_one_process_group  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    import torch.distributed as dist
-    from accelerate.state import PartialState
-
     from neox_hf.train import main as run
 
-    # A run ends with `accelerator.end_training()`, which destroys the process group; a second group on torchrun's
-    # agent store would hang at its rendezvous. The runs share the launch's group instead, destroyed at the end.
-    PartialState.destroy_process_group = lambda self, group=None: None
     split = argv.index("--")
     out_dir, layouts, common = Path(argv[0]), argv[1:split], argv[split + 1:]
     rank = int(os.environ.get("RANK", "0"))
-    for layout in layouts:
-        name, _, overrides = layout.partition("=")
-        printed = out_dir / f"{name}.stdout" if rank == 0 else Path(os.devnull)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with printed.open("w") as stdout, contextlib.redirect_stdout(stdout):
-            status = run([*common, *shlex.split(overrides), "--output.dir", str(out_dir / name)])
-        if status:
-            return status
-        reset_accelerate_state()
-    dist.destroy_process_group()
+    with runs_sharing_one_process_group():
+        for layout in layouts:
+            name, _, overrides = layout.partition("=")
+            printed = out_dir / f"{name}.stdout" if rank == 0 else Path(os.devnull)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            with printed.open("w") as stdout, contextlib.redirect_stdout(stdout):
+                status = run([*common, *shlex.split(overrides), "--output.dir", str(out_dir / name)])
+            if status:
+                return status
+            reset_accelerate_state()
     return 0
 
 

@@ -26,7 +26,7 @@ from neox_hf.train import loop
 from peft_common import lora_recipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the suite-wide conftest helpers
-from conftest import reset_accelerate_state  # noqa: E402
+from conftest import reset_accelerate_state, runs_sharing_one_process_group  # noqa: E402
 
 captured = {}
 
@@ -75,20 +75,13 @@ def train_one(base: str, out: str, stage: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    import torch.distributed as dist
-    from accelerate.state import PartialState
-
     torch.set_num_threads(1)
     base, runs = parse_runs(argv)
     loop.save_finetuned = gather_then_save
-    # The loop ends with `accelerator.end_training()`, which destroys the process group; a second group on torchrun's
-    # agent store would hang at its rendezvous. The runs share the launch's group instead, destroyed at the end.
-    PartialState.destroy_process_group = lambda self, group=None: None
-    for out, stage in runs:
-        train_one(base, out, stage)
-        reset_accelerate_state()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    with runs_sharing_one_process_group():
+        for out, stage in runs:
+            train_one(base, out, stage)
+            reset_accelerate_state()
 
 
 if __name__ == "__main__":
