@@ -71,6 +71,24 @@ def reset_accelerate_state() -> None:
     PartialState._reset_state()
 
 
+def train_in_this_process(argv: list[str]) -> str:
+    """`run_clm_neox.py ARGV` through its entry function in this process, for a module fixture (which cannot take
+    capsys or `fresh_accelerate_state`): asserts it exited 0 and returns what it printed. Only for runs without
+    DeepSpeed: a DeepSpeed engine is never built in a pytest worker."""
+    import io
+
+    from neox_hf.train import main
+
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            status = main(argv)
+    finally:
+        reset_accelerate_state()
+    assert status == 0, printed.getvalue()[-3000:]
+    return printed.getvalue()
+
+
 @contextlib.contextmanager
 def runs_sharing_one_process_group():
     """For workers that train several runs one after the other in one launch (its start-up, ~10 s of imports per

@@ -24,7 +24,8 @@ import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from tests.conftest import BUNDLED_TOKENIZER, REPO, accelerate_launch_command, launch_env, reset_accelerate_state
+from tests.conftest import (BUNDLED_TOKENIZER, REPO, accelerate_launch_command, launch_env, reset_accelerate_state,
+                            train_in_this_process)
 
 STEPS, LOSS_TOL = 3, 1e-5
 # name: (objective, dp, tp, zero), in the tests' order; the launch runs them in this order with ZeRO-3 moved last
@@ -77,18 +78,12 @@ def one_process(base, tmp_path_factory):
     """The reference runs: `neox_hf.train.main` (what `run_clm_neox.py` calls) in this process, per objective;
     `one_process(objective)` runs it the first time a test of the module asks for it, so the fast tier (the TRL
     comparison alone) runs the reward model's only, not DPO's too."""
-    from neox_hf.train import main
-
     runs = {}
 
     def reference(objective: str) -> dict[int, dict]:
         if objective not in runs:
             out = tmp_path_factory.mktemp(f"{objective}_one") / "run"
-            try:
-                status = main(recipe(base, out, objective, dp=1))  # use_deepspeed false: no engine in this process
-            finally:
-                reset_accelerate_state()
-            assert status == 0, f"the one-process {objective} run exited {status}"
+            train_in_this_process(recipe(base, out, objective, dp=1))  # use_deepspeed false: no engine here
             runs[objective] = steps(out)
         return runs[objective]
 

@@ -16,8 +16,6 @@ the one-process runs run in the test process: 11 processes instead of 32."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import shlex
 import subprocess
@@ -27,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, accelerate_launch_command, launch_env, reset_accelerate_state, shared
+from tests.conftest import REPO, accelerate_launch_command, launch_env, shared, train_in_this_process
 from tests.test_resume import step_losses
 
 TINY = ["--model.hidden_size", "64", "--model.num_layers", "2", "--model.seq_length", "64",
@@ -118,27 +116,13 @@ def runs(tmp_path_factory, pack_data, pad_data) -> dict[str, tuple[Path, str]]:
                 cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for name, run in phase.items():
             if run.processes == 1:
-                done[name] = (root / name, _in_this_process(arguments(name, run)))
+                done[name] = (root / name, train_in_this_process(arguments(name, run)))
         for processes, launch in launches.items():
             output, _ = launch.communicate(timeout=900)
             assert launch.returncode == 0, f"the {processes}-process launch failed:\n{output[-5000:]}"
         done.update({name: (root / name, (root / f"{name}.stdout").read_text())
                      for name, run in phase.items() if run.processes > 1})
     return done
-
-
-def _in_this_process(argv: list[str]) -> str:
-    """`run_clm_neox.py ARGV` through its entry function here (no DeepSpeed in one process): what it printed."""
-    from neox_hf.train import main
-
-    printed = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(printed):
-            status = main(argv)
-    finally:
-        reset_accelerate_state()
-    assert status == 0, printed.getvalue()[-3000:]
-    return printed.getvalue()
 
 
 def assert_continues(source: Path, resumed: Path) -> None:
