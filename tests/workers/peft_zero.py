@@ -1,20 +1,18 @@
-"""Worker: LoRA runs through the real train loop under `accelerate launch --use_deepspeed` (ZeRO-2 and/or ZeRO-3).
+"""Worker: LoRA runs through the real train loop under `accelerate launch --use_deepspeed`, one per ZeRO stage.
 
-    accelerate launch --use_deepspeed --zero_stage S ... peft_zero.py BASE_FOLDER OUT_DIR S
-    accelerate launch --use_deepspeed ... peft_zero.py BASE_FOLDER OUT_DIR --stages 2 3   (no launcher --zero_stage)
+    accelerate launch --use_deepspeed ... peft_zero.py BASE_FOLDER OUT_DIR STAGE [STAGE ...]   (no launcher --zero_stage)
 
-The first form trains one run of stage S into OUT_DIR. `--stages` runs one per stage, one after the other in the same
-processes, into OUT_DIR/zero{S} each, resetting Accelerate between them: a launch costs ~10 s of CPU start-up per
-process on 2 cores, a run a few. Each recipe sets its own `parallel.zero_stage`, so that form's launch passes no
-`--zero_stage` (a launcher stage contradicting a recipe's is refused). ZeRO-3 must come last (transformers keeps
-treating later models as ZeRO-3 partitioned while its config lives): other orders are refused.
+The runs train one after the other in the same processes, into OUT_DIR/zero{STAGE} each, resetting Accelerate between
+them: a launch costs ~10 s of CPU start-up per process on 2 cores, a run a few. Each recipe sets its own
+`parallel.zero_stage`, so the launch passes no `--zero_stage` (a launcher stage contradicting a recipe's is refused).
+ZeRO-3 must come last (transformers keeps treating later models as ZeRO-3 partitioned while its config lives): other
+orders are refused.
 
 The loop wraps the model (`peft.method: lora`) and saves the adapter with `save_finetuned`. Just before that final
 save, every rank gathers the LoRA parameters (collective under ZeRO-3) and rank 0 writes them to
 <run folder>/trained_lora.pt, so the test compares the saved adapter with what was actually trained.
 """
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -50,19 +48,12 @@ def gathered_lora(model) -> dict:
 
 def parse_runs(argv: list[str]) -> tuple[str, list[tuple[str, int]]]:
     """BASE_FOLDER and the (out dir, stage) of each run."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("base")
-    parser.add_argument("out")
-    parser.add_argument("stage", type=int, nargs="?")
-    parser.add_argument("--stages", type=int, nargs="+")
-    args = parser.parse_args(argv)
-    if (args.stage is None) == (args.stages is None):
-        parser.error("give either ZERO_STAGE or --stages")
-    if args.stages is None:
-        return args.base, [(args.out, args.stage)]
-    if 3 in args.stages[:-1]:
-        parser.error("ZeRO-3 must run last: transformers keeps its ZeRO-3 config for later models")
-    return args.base, [(os.path.join(args.out, f"zero{stage}"), stage) for stage in args.stages]
+    base, out, *stages = argv
+    stages = [int(stage) for stage in stages]
+    if not stages or 3 in stages[:-1]:
+        sys.exit("usage: peft_zero.py BASE_FOLDER OUT_DIR STAGE [STAGE ...], ZeRO-3 last (transformers keeps its "
+                 "ZeRO-3 config for later models)")
+    return base, [(os.path.join(out, f"zero{stage}"), stage) for stage in stages]
 
 
 def train_one(base: str, out: str, stage: int) -> None:
