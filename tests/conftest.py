@@ -80,6 +80,9 @@ def train_in_this_process(argv: list[str]) -> str:
     from neox_hf.train import main
 
     printed = io.StringIO()
+    # A test elsewhere on this worker that left its Accelerator (another precision) would make Accelerate refuse
+    # this run: start from a clean state as a fresh process would.
+    reset_accelerate_state()
     try:
         with contextlib.redirect_stdout(printed):
             status = main(argv)

@@ -141,7 +141,7 @@ def _lora_weights(folder: Path) -> dict:
     return load_file(folder / finetune.ADAPTER_WEIGHTS)
 
 
-def test_lora_run_resumes_exactly_and_merges(base, tmp_path):
+def test_lora_run_resumes_exactly_and_merges(base, tmp_path, fresh_accelerate_state):
     schedule = {"train_iters": 4, "lr_decay_iters": 4}
     straight = loop.train(lora_recipe(base, tmp_path / "straight", train=schedule,
                                       peft={"merge": True}))
