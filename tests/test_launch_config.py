@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from neox_hf.errors import RecipeError
-from neox_hf.parallel.accelerator import native_bf16
+from neox_hf.parallel.accelerator import bf16_verdict
 from neox_hf.train.args import parse_run_args
 from tests.conftest import REPO, launch_env
 
@@ -64,7 +64,7 @@ def test_a_launch_config_fills_what_the_recipe_leaves_unset_and_says_so(launched
     assert ("`parallel.zero_stage: 2` comes from the accelerate config (`zero_stage: 2`; the recipe leaves it unset)"
             in args.notices)
     # mixed_precision 'no' is what `accelerate config` writes by default: the recipe's `auto` still decides.
-    assert args.recipe.train.precision == ("bf16" if native_bf16() else "fp32")
+    assert args.recipe.train.precision == ("bf16" if bf16_verdict().faster else "fp32")
     assert ("the accelerate config `mixed_precision: no` is accelerate's default; the recipe's `train.precision` "
             "decides") in args.notices
 

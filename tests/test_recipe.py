@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -196,35 +197,70 @@ def test_native_bf16_is_read_from_the_cpu_flags():
     assert native_bf16({"avx2", "fma"}) is None  # bf16 emulated: slower than fp32
 
 
-@pytest.mark.parametrize("reason,zero_stage,expected", [
-    ("this CPU has avx512_bf16", 0, "bf16"),  # autocast
-    ("this CPU has avx512_bf16", 1, "bf16"),  # DeepSpeed's bf16 weights with fp32 master copies
-    ("", 0, "fp32"),  # emulated bf16: slower than fp32
-    ("", 1, "fp32"),
+def _rates(bf16: float, fp32: float):
+    """A GEMM-rate measurement giving these FLOP/s (another CPU's: this one's would only compare its own load)."""
+    import torch
+
+    return lambda dtype: {torch.bfloat16: bf16, torch.float32: fp32}[dtype]
+
+
+def _never_measured(dtype):
+    raise AssertionError(f"measured {dtype} where the flags decide")
+
+
+@pytest.mark.parametrize("flags,measure,faster,why", [
+    # AVX512-BF16 without AMX: the measured rates decide (an Emerald Rapids VM with AMX hidden measured these two)
+    ({"avx2", "avx512f", "avx512_bf16"}, _rates(170e9, 340e9), False,
+     r"avx512_bf16 but no AMX, and its bf16 GEMMs measured 170 GFLOP/s against fp32's 340: bf16 is slower"),
+    ({"avx2", "avx512f", "avx512_bf16"}, _rates(500e9, 340e9), True, r"avx512_bf16 without AMX.*500 GFLOP/s"),
+    ({"avx2", "avx512f", "avx512_bf16"}, _rates(400e9, 340e9), False, r"slower"),  # under the 1.25x margin
+    ({"avx2", "avx512_bf16", "amx_bf16"}, _never_measured, True, r"^this CPU has amx_bf16$"),
+    ({"avx2", "fma"}, _never_measured, False, r"emulated"),
 ])
-def test_auto_precision_is_bf16_only_where_the_device_runs_it_natively(reason, zero_stage, expected, tmp_path):
-    from neox_hf.parallel.accelerator import resolve_precision
+def test_auto_picks_bf16_only_where_it_is_faster(flags, measure, faster, why):
+    import torch
+
+    from neox_hf.parallel.accelerator import bf16_verdict, resolve_precision
     from neox_hf.recipe import TrainConfig
 
-    assert resolve_precision(TrainConfig(precision="auto"), bf16_reason=reason) == expected
-    assert resolve_precision(TrainConfig(precision="fp32"), bf16_reason=reason) == "fp32"  # an explicit value stays
+    if torch.cuda.is_available():
+        pytest.skip("a GPU decides by its compute capability")
+    verdict = bf16_verdict(flags, measure=measure)
+    assert verdict.faster is faster and re.search(why, verdict.why), verdict
+    assert resolve_precision(TrainConfig(precision="auto"), verdict=verdict) == ("bf16" if faster else "fp32")
+    assert resolve_precision(TrainConfig(precision="fp32"), verdict=verdict) == "fp32"  # an explicit value stays
+
+
+def test_the_cpu_flags_variable_decides_without_measuring(monkeypatch):
+    """CI's second pass: NEOX_HF_CPU_FLAGS claiming avx512_bf16 takes the bf16 branch on any CPU, an AVX2-only one's
+    the fp32 branch; nothing is measured (another CPU's GEMMs cannot be measured here)."""
+    import torch
+
+    from neox_hf.parallel.accelerator import bf16_verdict
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU decides by its compute capability")
+    monkeypatch.setenv("NEOX_HF_CPU_FLAGS", "avx2 fma avx512f avx512_bf16")
+    assert bf16_verdict(measure=_never_measured) == (True, "this CPU has avx512_bf16 (as NEOX_HF_CPU_FLAGS says)")
+    monkeypatch.setenv("NEOX_HF_CPU_FLAGS", "avx2 fma")
+    assert not bf16_verdict(measure=_never_measured).faster
 
 
 def test_auto_precision_is_resolved_into_the_recipe_the_run_reports_and_saves(tmp_path, fresh_accelerate_state):
-    from neox_hf.parallel.accelerator import build_accelerator, native_bf16
+    from neox_hf.parallel.accelerator import bf16_verdict, build_accelerator
 
     recipe = recipe_from_dict({"train": {"precision": "auto"}, "output": {"dir": str(tmp_path)}})
     accelerator = build_accelerator(recipe)
-    assert recipe.train.precision == ("bf16" if native_bf16() else "fp32")
-    assert accelerator.mixed_precision == ("bf16" if native_bf16() else "no")
+    assert recipe.train.precision == ("bf16" if bf16_verdict().faster else "fp32")
+    assert accelerator.mixed_precision == ("bf16" if bf16_verdict().faster else "no")
     assert "precision: auto" not in recipe.to_yaml()
 
 
 def test_auto_is_the_default_but_a_gpt_neox_config_keeps_gpt_neoxs_precision(tmp_path):
-    from neox_hf.parallel.accelerator import native_bf16
+    from neox_hf.parallel.accelerator import bf16_verdict
     from neox_hf.recipe import Recipe
 
-    here = "bf16" if native_bf16() else "fp32"
+    here = "bf16" if bf16_verdict().faster else "fp32"
     assert Recipe().train.precision == "auto"
     assert recipe_from_dict({}).train.precision == here  # settled while the recipe is built, before validation
     plain = _write(tmp_path, "plain.yml", '{"num_layers": 2}')  # neither fp16 nor bf16: GPT-NeoX trains fp32

@@ -22,7 +22,8 @@ def shakespeare_sources() -> str:
 
 
 @pytest.mark.distributed  # slow tier: a whole run in a subprocess or in process
-def test_tiny_recipe_trains_on_real_text_and_stock_transformers_loads_it(tmp_path, fresh_accelerate_state):
+def test_tiny_recipe_trains_on_real_text_and_stock_transformers_loads_it(tmp_path, fresh_accelerate_state, capsys):
+    from neox_hf.parallel.accelerator import bf16_verdict
     from neox_hf.train.args import parse_run_args
     from neox_hf.train.loop import train
 
@@ -36,6 +37,9 @@ def test_tiny_recipe_trains_on_real_text_and_stock_transformers_loads_it(tmp_pat
     ])
     result = train(args.recipe)
     assert result.steps == 30 and len(result.train_losses) == 30
+    # the start-up report says why `auto` chose what it chose (the recipe's precision is auto)
+    precision_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("precision: "))
+    assert f"{bf16_verdict().why})" in precision_line, precision_line
     first_eval, last_eval = result.eval_losses[0][1], result.final_eval_loss
     assert first_eval > math.log(50277) - 1.0  # starts near uniform over the vocabulary
     assert last_eval < first_eval - 2.0, result.eval_losses  # and clearly learns

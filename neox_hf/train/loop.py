@@ -527,16 +527,17 @@ def _data_reader_line(setting, device_type: str) -> str:
 
 
 def _precision_in_effect(t, accelerator) -> str:
-    """What runs in which precision, as the start-up report states it, and whether the device has native bf16."""
-    from neox_hf.parallel.accelerator import native_bf16
+    """What runs in which precision, as the start-up report states it, and whether bf16 is faster on this device."""
+    from neox_hf.parallel.accelerator import bf16_verdict
 
-    reason = native_bf16()
+    verdict = bf16_verdict()
     if t.precision == "fp32":
         tf32 = ", matmuls on TF32 tensor cores (`train.tf32`)" if t.tf32 and torch.cuda.is_available() else ""
-        return "fp32 everywhere" + tf32 + (f" ({reason}: `train.precision: auto` would run bf16)" if reason else "")
+        chosen = "bf16" if verdict.faster else "fp32"
+        return f"fp32 everywhere{tf32} (`train.precision: auto` would run {chosen} here: {verdict.why})"
     described = _mixed_precision_in_effect(t, accelerator)
     if t.precision == "bf16":
-        return described + (f" ({reason})" if reason else " (bf16 is emulated on this device: slower than fp32)")
+        return f"{described} ({verdict.why})"
     return described
 
 

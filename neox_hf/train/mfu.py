@@ -15,6 +15,7 @@ start-up report names the peak it is measured against.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -72,30 +73,39 @@ def device_peak(device: torch.device, precision: str, measure=None) -> Peak:
     return Peak(flops, f"{flops / 1e12:.3g} TFLOP/s, the best {n}² {fastest} GEMM measured on {where}")
 
 
-def measured_gemm_rate(dtype: torch.dtype, device: torch.device, repeats: int = 3) -> tuple[float, int]:
-    """(FLOP/s, n) of the fastest square GEMM of a few sizes, each warmed up once, best of `repeats`. Short (about
-    0.2 s on a CPU core) because every run pays it at start-up. On a CPU the time counts CPU time too (`_timed`):
-    another process sharing the cores at start-up would otherwise lower the peak, and the run's MFU would read above
-    1 once the cores are free again.
+def measured_gemm_rate(dtype: torch.dtype, device: torch.device, repeats: int = 2) -> tuple[float, int]:
+    """(FLOP/s, n) of the fastest square GEMM of a few sizes, each warmed up once, best of `repeats` blocks. Short
+    (about 0.2 s on a CPU) because every run pays it at start-up; measured once per process and dtype (the
+    `train.precision: auto` verdict and the MFU peak share it).
+    On a CPU the time counts CPU time too (`_timed`): another process sharing the cores at start-up would otherwise
+    lower the peak, and the run's MFU would read above 1 once the cores are free again. That is why each timed block
+    is a run of GEMMs lasting at least `_BLOCK_S`: Linux updates a thread's CPU time only at scheduler ticks, and
+    single ~5 ms GEMMs read up to twice the rate on 2 threads (654 against 340 GFLOP/s on an Emerald Rapids vCPU pair).
     A dtype the device emulates stays short too: a GEMM over `_LONG_GEMM_S` is long enough to time on its own (no
     further repeats), and after a size whose GEMM took over `_LAST_SIZE_S` the larger size (about 8x the time) is
-    not tried. bf16 on an AVX2-only CPU runs at ~1 GFLOP/s: its 1024² GEMMs took 4 s each, 15 s of every bf16 run's
-    start-up; it now stops at 512² (~0.6 s). A native dtype's GEMMs are far under both bounds: measured as before."""
+    not tried. bf16 on an AVX2-only CPU runs at ~1 GFLOP/s: it stops at 512² (~0.6 s)."""
+    return _measured_gemm_rate(dtype, torch.device(device), repeats)
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_gemm_rate(dtype: torch.dtype, device: torch.device, repeats: int) -> tuple[float, int]:
     sizes = (4096, 8192) if device.type == "cuda" else (512, 1024)
     best = (0.0, 0)
     for n in sizes:
         a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-        torch.mm(a, b)
-        for _ in range(repeats):
-            seconds = _timed(lambda: torch.mm(a, b), device)
+        one = _timed(lambda: torch.mm(a, b), device)  # also the warm-up
+        count = max(1, min(64, int(_BLOCK_S / max(one, 1e-6)) + 1))
+        for _ in range(repeats if one <= _LONG_GEMM_S else 0):
+            seconds = _timed(lambda: [torch.mm(a, b) for _ in range(count)], device) / count
             best = max(best, (2 * n**3 / seconds, n))
-            if seconds > _LONG_GEMM_S:
-                break
-        if seconds > _LAST_SIZE_S:
+        if one > _LONG_GEMM_S:
+            best = max(best, (2 * n**3 / one, n))
+        if one > _LAST_SIZE_S:
             break
     return best
 
 
+_BLOCK_S = 0.03  # a timed block of GEMMs lasts at least this long (CPU time is exact only over several ticks)
 _LONG_GEMM_S = 0.25  # a GEMM this long is timed once
 _LAST_SIZE_S = 0.05  # after a GEMM this long, no larger size (8x as long, times 1 + repeats)
 

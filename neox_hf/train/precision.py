@@ -3,8 +3,8 @@ precision into a recipe after that (the Accelerator, the report, checkpoints and
 
 `auto` takes the precision `accelerate launch` asks for (`--mixed_precision`, or its config file's); else it resumes
 in the precision its checkpoint was trained in (a DeepSpeed bf16 checkpoint holds bf16 weights an fp32
-engine cannot load); otherwise it is this device's choice (`parallel.accelerator.resolve_precision`: bf16 where the
-device runs it natively, fp32 elsewhere).
+engine cannot load); otherwise it is this device's choice (`parallel.accelerator.resolve_precision`: bf16 where it
+trains faster than fp32 on this device, fp32 elsewhere).
 """
 
 from __future__ import annotations
