@@ -194,3 +194,24 @@ def test_bf16_gradients_accumulate_in_fp32_where_deepspeed_supports_it(zero_stag
                                "train": {"precision": "bf16", "gradient_accumulation_steps": accumulation}})
     ds = deepspeed_config(recipe.parallel, recipe.train)
     assert (ds.get("data_types", {}).get("grad_accum_dtype") == "fp32") is fp32_accumulation
+
+
+@pytest.mark.distributed  # two processes
+def test_ranks_that_settled_different_precisions_are_refused_on_every_rank():
+    """`auto` is settled per process (measured GEMM rates on an AVX512-BF16 CPU without AMX): ranks that disagreed
+    would build engines of different dtypes and hang at their first all-reduce. Every rank refuses, naming each one's
+    precision; ranks that agree go on."""
+    from tests.conftest import free_port
+
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, str(REPO / "tests/workers/precision_agreement.py"), "bf16,bf16",
+                               "fp32,bf16"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=launch_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    for (out, err), rank in zip(outputs, ranks):
+        assert rank.returncode == 0, err[-2000:]
+        agreed, refused = out.splitlines()
+        assert agreed == "agreed"
+        assert refused.startswith("error: the ranks settled `train.precision` differently (rank 0 fp32, rank 1 bf16;")
+        assert refused.endswith("set `train.precision: fp32` or `bf16`")

@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from neox_hf.parallel.accelerator import build_accelerator
+from neox_hf.parallel.accelerator import build_accelerator, check_ranks_agree_on_precision
 from neox_hf.parallel.build import build_model
 from neox_hf.parallel.layout import Layout, build_layout, check_launch
 
@@ -28,6 +28,7 @@ def init_distributed(recipe, *, log_with=None):
     """(Accelerator, Layout). Refuses a launch that cannot give the recipe's layout before any process group exists."""
     check_launch(recipe)
     accelerator = build_accelerator(recipe, log_with=log_with)
+    check_ranks_agree_on_precision(recipe.train.precision)
     return accelerator, build_layout(recipe.parallel)
 
 

@@ -228,6 +228,23 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def check_ranks_agree_on_precision(precision: str) -> None:
+    """Refuse, on every rank, a launch whose ranks settled `train.precision` differently. `auto` is settled in each
+    process before any process group exists, on an AVX512-BF16 CPU without AMX from GEMM rates it measures; ranks
+    that disagreed would build engines of different dtypes and hang in their first all-reduce. One all-gather of a
+    word at start-up; nothing to check in a single process."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    chosen: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(chosen, precision)
+    if len(set(chosen)) > 1:
+        by_rank = ", ".join(f"rank {rank} {value}" for rank, value in enumerate(chosen))
+        raise RecipeError(f"the ranks settled `train.precision` differently ({by_rank}; `auto` measures each "
+                          "process's GEMMs on an AVX512-BF16 CPU without AMX): set `train.precision: fp32` or `bf16`")
+
+
 def resolve_precision(train: TrainConfig, *, verdict: Bf16Verdict | None = None) -> str:
     """The precision `auto` stands for here: bf16 where it trains faster than fp32 (`bf16_verdict`), fp32 elsewhere.
     Other values are returned as given."""
