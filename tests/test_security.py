@@ -30,7 +30,7 @@ from test_cli_interop import tiny_neox_yaml
 from test_fuzz_inputs import run_cli as neox_hf_in_process
 from test_neox_checkpoint import random_neox_shards, tiny_config, write_neox_checkpoint
 from test_neox_order import data_cfg, random_docs, train_loader, write_corpus
-from tests.conftest import REPO, reset_accelerate_state
+from tests.conftest import REPO, launch_env, reset_accelerate_state
 from tests.test_checkpoint_lifecycle import assert_refused, tiny_args
 
 
@@ -155,29 +155,46 @@ def trained_zero1(tmp_path_factory, small_text) -> Path:
     return out
 
 
-@pytest.mark.distributed  # slow tier: DeepSpeed runs in subprocesses
-@pytest.mark.parametrize("pattern", ["mp_rank_00_model_states.pt", "*zero_pp_rank_0_mp_rank_00_optim_states.pt"],
-                         ids=["engine-model-states", "zero-optimizer-states"])
-def test_deepspeed_resume_refuses_an_engine_file_that_would_run_code(trained_zero1, small_text, tmp_path, pattern):
-    out = tmp_path / "run"
-    shutil.copytree(trained_zero1, out)
-    (target,) = (out / "checkpoints" / "step_00000002" / "pytorch_model").glob(pattern)
-    crafted = with_payload(target, tmp_path / "marker")
-    done = run_cli(*tiny_args(out, small_text, "--parallel.zero_stage", "1", "--train.precision", "fp32", "--resume",
-                              steps=3, save=3))
-    assert_refused(done.returncode, done.stderr, str(crafted))
-    assert not (tmp_path / "marker").exists()
+ENGINE_FILES = {"engine-model-states": "mp_rank_00_model_states.pt",
+                "zero-optimizer-states": "*zero_pp_rank_0_mp_rank_00_optim_states.pt"}
+
+
+@pytest.fixture(scope="module")
+def deepspeed_resumes(trained_zero1, small_text, tmp_path_factory) -> Path:
+    """Resumes of copies of `trained_zero1`: untouched, and with each DeepSpeed engine file crafted to run code, in one
+    process (tests/workers/init_layouts.py, the real entry point per run; a process's start-up is most of a tiny
+    run). The untouched resume runs first, so no refused one can leave it anything. Returns the folder of the copies,
+    each run's exit status, stdout and stderr beside them (NAME.status, NAME.stdout, NAME.stderr)."""
+    root = tmp_path_factory.mktemp("deepspeed_resumes")
+    for name, pattern in {"untouched": None, **ENGINE_FILES}.items():
+        shutil.copytree(trained_zero1, root / name)
+        if pattern:
+            (target,) = (root / name / "checkpoints" / "step_00000002" / "pytorch_model").glob(pattern)
+            with_payload(target, root / f"{name}.marker")
+    resume = tiny_args(root / "unused", small_text, "--parallel.zero_stage", "1", "--train.precision", "fp32",
+                       "--resume", steps=3, save=3)
+    done = subprocess.run([sys.executable, str(REPO / "tests/workers/init_layouts.py"), "--keep-going", str(root),
+                           "untouched=", *(f"{name}=" for name in ENGINE_FILES), "--", *resume],
+                          capture_output=True, text=True, cwd=REPO, env=launch_env(), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root
 
 
 @pytest.mark.distributed  # slow tier: DeepSpeed runs in subprocesses
-def test_deepspeed_resume_of_the_same_checkpoint_without_a_payload_goes_on(trained_zero1, small_text, tmp_path):
+@pytest.mark.parametrize("name", list(ENGINE_FILES))
+def test_deepspeed_resume_refuses_an_engine_file_that_would_run_code(deepspeed_resumes, name):
+    (crafted,) = (deepspeed_resumes / name / "checkpoints" / "step_00000002" / "pytorch_model").glob(ENGINE_FILES[name])
+    assert_refused(int((deepspeed_resumes / f"{name}.status").read_text()),
+                   (deepspeed_resumes / f"{name}.stderr").read_text(), str(crafted))
+    assert not (deepspeed_resumes / f"{name}.marker").exists()
+
+
+@pytest.mark.distributed  # slow tier: DeepSpeed runs in subprocesses
+def test_deepspeed_resume_of_the_same_checkpoint_without_a_payload_goes_on(deepspeed_resumes):
     """The other side of the refusals above: the files they crafted, as DeepSpeed wrote them, resume (its own classes
     are allow-listed). One resume reads both the engine's model states and the ZeRO optimizer states."""
-    out = tmp_path / "run"
-    shutil.copytree(trained_zero1, out)
-    done = run_cli(*tiny_args(out, small_text, "--parallel.zero_stage", "1", "--train.precision", "fp32", "--resume",
-                              steps=3, save=3))
-    assert done.returncode == 0 and "at step 2" in done.stdout, done.stderr[-3000:]
+    status, stdout = ((deepspeed_resumes / f"untouched.{kind}").read_text() for kind in ("status", "stdout"))
+    assert status == "0" and "at step 2" in stdout, (deepspeed_resumes / "untouched.stderr").read_text()[-3000:]
 
 
 @pytest.mark.distributed

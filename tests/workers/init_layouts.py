@@ -1,12 +1,14 @@
 """Several runs of the real entry point (`neox_hf.train.main`, what `run_clm_neox.py` calls) in one launch, one
 after the other, resetting Accelerate between them: a launch costs ~15 s of start-up on 2 cores, a tiny run a few.
 
-    accelerate launch --use_deepspeed --num_processes 2 ... tests/workers/init_layouts.py OUT_DIR \
+    accelerate launch --use_deepspeed --num_processes 2 ... tests/workers/init_layouts.py [--keep-going] OUT_DIR \
         NAME="--parallel.tensor_parallel 2" ... -- RUN_ARGS...
 
 Each NAME runs `RUN_ARGS` plus its own overrides with `--output.dir OUT_DIR/NAME`; what rank 0 prints during it goes
-to `OUT_DIR/NAME.stdout` (the start-up report a test reads). A run that fails stops the launch with its exit status.
-A ZeRO-3 run goes last (transformers keeps its ZeRO-3 config for later models).
+to `OUT_DIR/NAME.stdout` (the start-up report a test reads) and `OUT_DIR/NAME.stderr`, its exit status to
+`OUT_DIR/NAME.status`. A run that fails stops the launch with its exit status, unless `--keep-going` (runs expected
+to be refused, one process: a refusal leaves no process group to agree on). A ZeRO-3 run goes last (transformers keeps
+its ZeRO-3 config for later models).
 """
 
 import contextlib
@@ -22,17 +24,24 @@ from conftest import reset_accelerate_state, runs_sharing_one_process_group  # n
 def main(argv: list[str]) -> int:
     from neox_hf.train import main as run
 
+    keep_going = argv[:1] == ["--keep-going"]
+    argv = argv[1:] if keep_going else argv
     split = argv.index("--")
     out_dir, layouts, common = Path(argv[0]), argv[1:split], argv[split + 1:]
     rank = int(os.environ.get("RANK", "0"))
+    out_dir.mkdir(parents=True, exist_ok=True)
     with runs_sharing_one_process_group():
         for layout in layouts:
             name, _, overrides = layout.partition("=")
-            printed = out_dir / f"{name}.stdout" if rank == 0 else Path(os.devnull)
-            out_dir.mkdir(parents=True, exist_ok=True)
-            with printed.open("w") as stdout, contextlib.redirect_stdout(stdout):
+            written = {kind: out_dir / f"{name}.{kind}" if rank == 0 else Path(os.devnull) for kind in ("stdout", "stderr")}
+            with written["stdout"].open("w") as stdout, written["stderr"].open("w") as stderr, \
+                    contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
                 status = run([*common, *shlex.split(overrides), "--output.dir", str(out_dir / name)])
-            if status:
+            if rank == 0:
+                (out_dir / f"{name}.status").write_text(str(status))
+            if status and not keep_going:
+                if rank == 0:  # the refusal, where the launch's output shows it
+                    sys.stderr.write(written["stderr"].read_text()[-5000:])
                 return status
             reset_accelerate_state()
     return 0
