@@ -9,7 +9,9 @@ mode in turn on the same GSM8K stream (question + answer, every token trained on
   the Trainer's default optimizer (`adamw_torch_fused` for torch ≥ 2.8: the same fused AdamW kernel neox_hf uses);
 - `Trainer` + `DataCollatorWithFlattening` (padding-free: one row per batch, position ids restart per document);
 - `Trainer` + pad to longest in random order (the old baseline of this file, for reference);
-- neox_hf: `neox_hf.train.loop.train(recipe)` in `pad` mode (length-bucketed dynamic padding) and in `pack` mode.
+- neox_hf: `neox_hf.train.loop.train(recipe)` in `pad` mode (length-bucketed dynamic padding) and in `pack` mode;
+  row 6 is the pad row in the recipe default `train.precision: auto` (what it picks here, whatever --precision says:
+  `--precision bf16 --modes 1,6` sets the Trainer's bf16 against what a neox_hf user gets by default).
 Real tokens = positions that are trained on (labelled tokens), counted from the batches of the timed steps.
 Step times come from a global optimizer-step hook (`torch.optim.optimizer.register_optimizer_step_post_hook`), so
 both loops are timed the same way, whole steps including data loading; the first --warmup steps are left out.
@@ -106,28 +108,28 @@ def trainer_run(tok, docs, collator: str, sampling: str, args) -> dict:
             "efficiency": real / sum(n for _, n in timed)}
 
 
-def ours_recipe(out_dir: str, args, micro_batch_size: int, **data) -> dict:
+def ours_recipe(out_dir: str, args, micro_batch_size: int, precision: str | None = None, **data) -> dict:
     return {
         "model": {"num_layers": 6, "hidden_size": 128, "num_attention_heads": 4, "intermediate_size": 512,
                   "seq_length": SEQ, "max_position_embeddings": 2048, "rotary_pct": 0.25},
         "tokenizer": {"path": str(SHARED / "tokenizers" / "gpt-neox-20b.json")},
         "data": {"sources": [{"path": str(GSM8K), "template": TEMPLATE}], **data},
         "train": {"train_iters": args.warmup + args.steps, "lr": 1e-5, "min_lr": 1e-5, "lr_decay_style": "constant",
-                  "warmup": 0.0, "weight_decay": 0.0, "precision": args.precision, "log_interval": 1,
+                  "warmup": 0.0, "weight_decay": 0.0, "precision": precision or args.precision, "log_interval": 1,
                   "eval_iters": 0, "micro_batch_size": micro_batch_size},
         "output": {"dir": out_dir, "tensorboard": False},
     }
 
 
-def ours_run(tok, args, **data) -> dict:
+def ours_run(tok, args, precision: str | None = None, **data) -> dict:
     """Real tokens/s of `neox_hf.train.loop.train(recipe)` (labelled tokens from its train_log.jsonl) and the padding
-    efficiency of its loader."""
+    efficiency of its loader; in `precision` where given, else --precision's."""
     from neox_hf.recipe import recipe_from_dict
     from neox_hf.train.loop import train
 
     batch = data.pop("micro_batch_size", args.batch)
     with tempfile.TemporaryDirectory() as tmp:
-        recipe = recipe_from_dict(ours_recipe(tmp, args, batch, **data))
+        recipe = recipe_from_dict(ours_recipe(tmp, args, batch, precision, **data))
         with StepClock() as clock, _quiet():
             train(recipe)
         log = [json.loads(line) for line in (Path(tmp) / "train_log.jsonl").read_text().splitlines()]
@@ -171,13 +173,29 @@ def pipeline_tokens_per_second(tok, n_batches: int) -> float:
     return real / (time.perf_counter() - start)
 
 
+def reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def auto_precision() -> str:
+    """What the recipe default `train.precision: auto` trains in on this machine."""
+    from neox_hf.parallel.accelerator import resolve_precision
+    from neox_hf.recipe import TrainConfig
+
+    return resolve_precision(TrainConfig(precision="auto"))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="timed steps per mode (a step takes 1-3 s on 2 cores)")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing (at least 1: set-up)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--modes", default="all", help="comma-separated row numbers (1-5) to run; 1 is the baseline")
+    parser.add_argument("--modes", default="all", help="comma-separated row numbers (1-6) to run; 1 is the baseline")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every mode, round-robin; the best is shown")
     args = parser.parse_args(argv)
     args.warmup, args.repeats = max(args.warmup, 1), max(args.repeats, 1)
@@ -193,6 +211,8 @@ def main(argv=None) -> None:
         (f"Trainer, pad to longest, random order, B{B}", lambda: trainer_run(tok, docs, "pad", "random", args)),
         (f"neox_hf pad, buffer 1000, B{B}", lambda: ours_run(tok, args, mode="pad", buffer_size=1000)),
         (f"neox_hf pack, {SEQ} x B4", lambda: ours_run(tok, args, mode="pack", micro_batch_size=4)),
+        (f"neox_hf pad, buffer 1000, B{B}, `precision: auto` ({auto_precision()} here)",
+         lambda: ours_run(tok, args, precision="auto", mode="pad", buffer_size=1000)),
     ]
     chosen = range(len(modes)) if args.modes == "all" else [int(m) - 1 for m in args.modes.split(",")]
     best: dict[int, dict] = {}
@@ -200,6 +220,7 @@ def main(argv=None) -> None:
         for i in chosen:
             result = modes[i][1]()
             torch.set_num_threads(2)  # Trainer / Accelerate may change it
+            reset_accelerate()  # the next mode may run another precision, which Accelerate's singletons would refuse
             if i not in best or result["tokens_per_s"] > best[i]["tokens_per_s"]:
                 best[i] = result
     rows = [(modes[i][0], best[i]) for i in chosen]
