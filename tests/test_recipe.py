@@ -272,6 +272,17 @@ def test_auto_is_the_default_but_a_gpt_neox_config_keeps_gpt_neoxs_precision(tmp
     assert any("`train.precision: auto` chose" in n for n in overridden.settled_notices)
 
 
+def test_print_config_says_what_auto_chose_and_why(capsys):
+    from neox_hf.parallel.accelerator import bf16_verdict
+    from neox_hf.train import main
+
+    assert main([str(REPO / "recipes" / "tiny.yaml"), "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    here = "bf16" if bf16_verdict().faster else "fp32"
+    assert yaml.safe_load(printed)["train"]["precision"] == here  # the `# note` lines are YAML comments
+    assert f"# note: `train.precision: auto` chose {here} on this device ({bf16_verdict().why})" in printed
+
+
 def test_flash_attention_with_isolated_documents_in_rows_of_more_than_one_is_refused():
     """transformers' flash-attention path detects packed documents from position_ids only at batch size 1: with more
     rows it would silently attend across the documents isolate_documents separates."""

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.print_config:
         print(args.recipe.to_yaml(), end="")
-        for notice in args.notices:
+        for notice in [*args.notices, *getattr(args.recipe, "settled_notices", [])]:
             print(f"# note: {notice}")
         print(f"# {_plan_line(args.recipe)}")
         return 0

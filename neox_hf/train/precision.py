@@ -28,11 +28,12 @@ def settle_precision(recipe) -> list[str]:
         t.precision, checkpoint = resumed
         return [*notices, f"`train.precision: auto` resumes in {t.precision}, the precision {checkpoint} was "
                           "trained in"]
-    from neox_hf.parallel.accelerator import resolve_precision
+    from neox_hf.parallel.accelerator import bf16_verdict, resolve_precision
 
-    t.precision = resolve_precision(t)
-    return [*notices, f"`train.precision: auto` chose {t.precision} on this device; set `train.precision: fp32` for "
-                      "the same numbers on every machine"]
+    verdict = bf16_verdict()
+    t.precision = resolve_precision(t, verdict=verdict)
+    return [*notices, f"`train.precision: auto` chose {t.precision} on this device ({verdict.why}); set "
+                      "`train.precision: fp32` for the same numbers on every machine"]
 
 
 def _resumed_precision(recipe, notices: list[str]) -> tuple[str, str] | None:
