@@ -40,3 +40,17 @@ def test_a_cpu_peak_is_measured_in_the_runs_precision_and_mfu_is_a_fraction_of_i
     rates[torch.bfloat16] = (1969e9, 1024)  # an AMX core: bf16 is the peak
     assert device_peak(torch.device("cpu"), "bf16", measure=lambda dtype, device: rates[dtype]).flops == 1969e9
     assert mfu(tokens_per_second=peak.flops / 1000, flops_token=500.0, peak=peak, devices=2) == pytest.approx(0.25)
+
+
+def test_measuring_the_peak_leaves_the_runs_random_stream_alone():
+    """The peak is measured once per process (the first run in it, not the later ones), on as many sizes as the
+    machine's speed allows: drawing its matrices from the global generator, seeded by the run, gave two runs of one
+    recipe in one process different dropout masks and losses from step 1."""
+    from neox_hf.train import mfu
+
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    mfu._measured_gemm_rate.cache_clear()
+    torch.manual_seed(0)
+    mfu.measured_gemm_rate(torch.float32, torch.device("cpu"))
+    assert torch.equal(torch.rand(4), expected)

@@ -90,9 +90,12 @@ def measured_gemm_rate(dtype: torch.dtype, device: torch.device, repeats: int = 
 @functools.lru_cache(maxsize=None)
 def _measured_gemm_rate(dtype: torch.dtype, device: torch.device, repeats: int) -> tuple[float, int]:
     sizes = (4096, 8192) if device.type == "cuda" else (512, 1024)
+    # Its own generator: the global one seeds the run's dropout, and whether (and how many sizes) this measures
+    # depends on the cache and the machine's speed; drawing from it made a run's losses depend on both.
+    generator = torch.Generator(device=device).manual_seed(0)
     best = (0.0, 0)
     for n in sizes:
-        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+        a, b = (torch.randn(n, n, device=device, generator=generator).to(dtype) for _ in range(2))
         one = _timed(lambda: torch.mm(a, b), device)  # also the warm-up
         count = max(1, min(64, int(_BLOCK_S / max(one, 1e-6)) + 1))
         for _ in range(repeats if one <= _LONG_GEMM_S else 0):
