@@ -31,7 +31,7 @@ from neox_hf.train.loop import TrainingRun, run_steps
 from neox_hf.train.schedule import build_lr_scheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the suite-wide conftest helpers
-from conftest import reset_accelerate_state  # noqa: E402
+from conftest import end_process_group, reset_accelerate_state  # noqa: E402
 
 GLOBAL_BATCH, SEQ, STEPS, VOCAB = 8, 32, 5, 512
 
@@ -114,3 +114,4 @@ if __name__ == "__main__":
     for run in layout_runs(parse_args()):
         main(run)
         reset_accelerate_state()
+    end_process_group()

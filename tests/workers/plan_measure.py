@@ -127,12 +127,13 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", required=True)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "tests"))
-    from conftest import reset_accelerate_state
+    from conftest import end_process_group, reset_accelerate_state
 
     for entry in args.layouts:
         name, spec = parse_layout(entry)
         measure_layout(Path(args.out_dir) / name, spec)
         reset_accelerate_state()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from neox_hf.train.loop import TrainingRun, run_steps
 from neox_hf.train.schedule import build_lr_scheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the suite-wide conftest helpers
-from conftest import reset_accelerate_state  # noqa: E402
+from conftest import end_process_group, reset_accelerate_state  # noqa: E402
 
 VOCAB, STEPS, GLOBAL = 512, 3, 8
 SHORT, LONG = 6, 48
@@ -152,3 +152,4 @@ if __name__ == "__main__":
         os.makedirs(run_args.out_dir, exist_ok=True)
         main(run_args)
         reset_accelerate_state()
+    end_process_group()

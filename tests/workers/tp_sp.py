@@ -9,6 +9,7 @@ import os
 import sys
 
 import torch
+from tests.conftest import end_process_group
 from tp_common import tp_causal_lm_loss, tp_logits, batch, gathered_grads, init_gloo, save_rank_result, tp_adamw_losses
 from transformers import GPTNeoXForCausalLM
 
@@ -93,6 +94,7 @@ def main():
     models_dir, out_dir = sys.argv[1], sys.argv[2]
     init_gloo()
     sp_checks(models_dir, out_dir, build_parallel_groups(2))
+    end_process_group()
 
 
 if __name__ == "__main__":

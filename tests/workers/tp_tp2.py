@@ -10,6 +10,7 @@ import os
 import sys
 
 import torch
+from tests.conftest import end_process_group
 from tp_common import tp_causal_lm_loss, tp_logits, batch, gathered_grads, init_gloo, save_rank_result, tp_adamw_losses
 from transformers import GPTNeoXForCausalLM
 
@@ -124,6 +125,7 @@ def main():
         from tp_sp import sp_checks
 
         sp_checks(models_dir, sys.argv[3], groups)
+    end_process_group()
 
 
 if __name__ == "__main__":
