@@ -9,7 +9,6 @@ which then also makes DeepSpeed's batch-size checks pass; we handle it here so n
 from __future__ import annotations
 
 import datetime
-import functools
 import json
 import os
 from pathlib import Path
@@ -161,16 +160,16 @@ def _launched_distributed() -> bool:
 def native_bf16(cpu_flags: set[str] | None = None) -> str | None:
     """Why this machine has bf16 matmul instructions ("this CPU has amx_bf16", a CUDA GPU of compute capability ≥ 8),
     or None where bf16 is emulated (AVX2-only CPUs: far slower than fp32). Having them does not make bf16 faster:
-    `bf16_verdict` decides that. `cpu_flags` defaults to /proc/cpuinfo's."""
-    if torch.cuda.is_available():
+    `bf16_verdict` decides that. `cpu_flags` defaults to /proc/cpuinfo's; given, the question is about that CPU, GPU
+    or not."""
+    if cpu_flags is None and torch.cuda.is_available():
         major, _ = torch.cuda.get_device_capability()
         return f"{torch.cuda.get_device_name()} (compute capability {major}.x) has bf16 tensor cores" if major >= 8 else None
     flags = _cpu_flags() if cpu_flags is None else cpu_flags
     native = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
     if not native:
         return None
-    overridden = cpu_flags is None and os.environ.get(CPU_FLAGS_OVERRIDE) is not None
-    return f"this CPU has {native[0]}" + (f" (as {CPU_FLAGS_OVERRIDE} says)" if overridden else "")
+    return f"this CPU has {native[0]}" + (f" (as {CPU_FLAGS_OVERRIDE} says)" if _flags_overridden(cpu_flags) else "")
 
 
 class Bf16Verdict(NamedTuple):
@@ -189,29 +188,33 @@ def bf16_verdict(cpu_flags: set[str] | None = None, measure=None) -> Bf16Verdict
     tiles run several times fp32's rate). An AVX2-only CPU: no (emulated). An AVX512-BF16 CPU without AMX: measured,
     because the instruction alone is not enough: on a Xeon whose AMX the hypervisor hides (Emerald Rapids, 2 vCPUs)
     bf16 GEMMs ran at 170 GFLOP/s against fp32's 340, and a bf16 run trained GSM8K at 0.59x fp32's tokens/s.
-    `measure(dtype) -> FLOP/s` defaults to `mfu.measured_gemm_rate` on this CPU (~0.1 s, once per process).
-    Under NEOX_HF_CPU_FLAGS the flags alone decide (another CPU's GEMMs cannot be measured here): a bf16 flag means bf16."""
+    `measure(dtype) -> FLOP/s` defaults to `mfu.measured_gemm_rate` on this CPU (~0.3 s for both, once per process).
+    Under NEOX_HF_CPU_FLAGS the flags alone decide (another CPU's GEMMs cannot be measured here): a bf16 flag means bf16.
+    Given `cpu_flags`, the verdict is that CPU's, GPU or not."""
     native = native_bf16(cpu_flags)
     if native is None:
         return Bf16Verdict(False, "bf16 is emulated on this device: slower than fp32")
     flags = _cpu_flags() if cpu_flags is None else cpu_flags
-    overridden = cpu_flags is None and os.environ.get(CPU_FLAGS_OVERRIDE) is not None
-    if torch.cuda.is_available() or "amx_bf16" in flags or overridden:
+    if (cpu_flags is None and torch.cuda.is_available()) or "amx_bf16" in flags or _flags_overridden(cpu_flags):
         return Bf16Verdict(True, native)
-    bf16, fp32 = _cpu_gemm_rates() if measure is None else (measure(torch.bfloat16), measure(torch.float32))
+    measure = measure or _cpu_gemm_rate
+    bf16, fp32 = measure(torch.bfloat16), measure(torch.float32)
     rates = f"its bf16 GEMMs measured {bf16 / 1e9:.0f} GFLOP/s against fp32's {fp32 / 1e9:.0f}"
     if bf16 >= BF16_GEMM_ADVANTAGE * fp32:
         return Bf16Verdict(True, f"{native} without AMX, and {rates}")
     return Bf16Verdict(False, f"{native} but no AMX, and {rates}: bf16 is slower than fp32")
 
 
-@functools.lru_cache(maxsize=1)
-def _cpu_gemm_rates() -> tuple[float, float]:
-    """(bf16, fp32) FLOP/s of this CPU's GEMMs, measured once per process."""
+def _cpu_gemm_rate(dtype: torch.dtype) -> float:
+    """FLOP/s of this CPU's GEMMs in `dtype` (measured once per process: the MFU peak reuses it)."""
     from neox_hf.train.mfu import measured_gemm_rate
 
-    cpu = torch.device("cpu")
-    return measured_gemm_rate(torch.bfloat16, cpu)[0], measured_gemm_rate(torch.float32, cpu)[0]
+    return measured_gemm_rate(dtype, torch.device("cpu"))[0]
+
+
+def _flags_overridden(cpu_flags: set[str] | None) -> bool:
+    """Whether the flags in question are NEOX_HF_CPU_FLAGS's (no flags given, and the variable set)."""
+    return cpu_flags is None and os.environ.get(CPU_FLAGS_OVERRIDE) is not None
 
 
 def _cpu_flags() -> set[str]:

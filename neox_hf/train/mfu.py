@@ -97,12 +97,13 @@ def _measured_gemm_rate(dtype: torch.dtype, device: torch.device, repeats: int) 
     for n in sizes:
         a, b = (torch.randn(n, n, device=device, generator=generator).to(dtype) for _ in range(2))
         one = _timed(lambda: torch.mm(a, b), device)  # also the warm-up
-        count = max(1, min(64, int(_BLOCK_S / max(one, 1e-6)) + 1))
-        for _ in range(repeats if one <= _LONG_GEMM_S else 0):
-            seconds = _timed(lambda: [torch.mm(a, b) for _ in range(count)], device) / count
-            best = max(best, (2 * n**3 / seconds, n))
-        if one > _LONG_GEMM_S:
+        if one > _LONG_GEMM_S:  # long enough to be its own measurement
             best = max(best, (2 * n**3 / one, n))
+        else:
+            count = min(64, int(_BLOCK_S / max(one, 1e-6)) + 1)
+            for _ in range(repeats):
+                seconds = _timed(lambda: [torch.mm(a, b) for _ in range(count)], device) / count
+                best = max(best, (2 * n**3 / seconds, n))
         if one > _LAST_SIZE_S:
             break
     return best
