@@ -62,6 +62,23 @@ def accelerate_launch_command(script, *args, zero_stage: int | None = None, num_
     ]
 
 
+def start_init_layouts(out_dir, layouts: dict[str, str], *common: str, num_processes: int = 2):
+    """A launch (`Popen`, stdout and stderr merged) of tests/workers/init_layouts.py: the run of each NAME, with its
+    overrides (one shell-quoted string) after `common`, in OUT_DIR/NAME, one after the other."""
+    import subprocess
+
+    specs = [f"{name}={overrides}" for name, overrides in layouts.items()]
+    return subprocess.Popen(accelerate_launch_command(REPO / "tests/workers/init_layouts.py", out_dir, *specs, "--",
+                                                      *common, num_processes=num_processes),
+                            cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish_launch(launch, what: str, timeout: int = 900) -> None:
+    """Wait for a `start_init_layouts` launch; fail with the end of its output unless it succeeded."""
+    output, _ = launch.communicate(timeout=timeout)
+    assert launch.returncode == 0, f"the launch of {what} failed:\n{output[-5000:]}"
+
+
 def reset_accelerate_state() -> None:
     """In-process training runs leave Accelerate's singletons set up for their layout."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
@@ -139,7 +156,7 @@ def tokenizer():
 # (found automatically below) and the few that run a whole training end to end (marked by hand).
 # ----------------------------------------------------------------------------------------------------------------
 
-_LAUNCHES = ("accelerate_launch_command(", "run_torchrun(", "_launch(", "launch(", "torch.distributed.run")
+_LAUNCHES = ("accelerate_launch_command(", "start_init_layouts(", "run_torchrun(", "_launch(", "launch(", "torch.distributed.run")
 
 
 def pytest_configure(config):

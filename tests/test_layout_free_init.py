@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BUNDLED_TOKENIZER, REPO, accelerate_launch_command, launch_env
+from conftest import BUNDLED_TOKENIZER, REPO, finish_launch, launch_env, start_init_layouts
 
 SEED = 7
 
@@ -160,13 +160,10 @@ def layout_runs(tmp_path_factory):
     one = subprocess.Popen([sys.executable, "run_clm_neox.py", *run, "--train.micro_batch_size", "4",
                             "--output.dir", str(tmp / "one")], cwd=REPO, env=launch_env(), text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    launch = subprocess.run(
-        accelerate_launch_command(REPO / "tests/workers/init_layouts.py", tmp,
-                                  *[f"{name}={overrides}" for name, overrides in LAYOUTS.items()], "--", *run),
-        cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=600)
+    launch = start_init_layouts(tmp, LAYOUTS, *run)
     out, _ = one.communicate(timeout=600)
     assert one.returncode == 0, out[-3000:]
-    assert launch.returncode == 0, launch.stderr[-3000:]
+    finish_launch(launch, "the 2-process layouts", timeout=600)
     return tmp
 
 

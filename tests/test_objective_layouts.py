@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
 
 import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from tests.conftest import (BUNDLED_TOKENIZER, REPO, accelerate_launch_command, launch_env, reset_accelerate_state,
+from tests.conftest import (BUNDLED_TOKENIZER, finish_launch, reset_accelerate_state, start_init_layouts,
                             train_in_this_process)
 
 STEPS, LOSS_TOL = 3, 1e-5
@@ -97,16 +96,13 @@ def layout_runs(base, tmp_path_factory):
     layout's output folder. A failed launch fails every test asking for it with the launch's output."""
     root = tmp_path_factory.mktemp("objective_layouts_launch")
     order = sorted(LAYOUTS, key=lambda name: LAYOUTS[name][3] == 3)  # stable: ZeRO-3 last, the rest as listed
-    specs = []
+    specs = {}
     for name in order:
         objective, dp, tp, zero = LAYOUTS[name]
         assert dp * tp == 2  # the launch's processes
         (path,) = recipe(base, root / name, objective, dp=dp, tp=tp, zero=zero)
-        specs.append(f"{name}={shlex.quote(path)}")
-    done = subprocess.run(
-        accelerate_launch_command(REPO / "tests/workers/init_layouts.py", root, *specs, "--", num_processes=2),
-        env=launch_env(), cwd=REPO, capture_output=True, text=True, timeout=1800)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+        specs[name] = shlex.quote(path)
+    finish_launch(start_init_layouts(root, specs), "the six layouts", timeout=1800)
     return root
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, accelerate_launch_command, launch_env
+from tests.conftest import REPO, accelerate_launch_command, finish_launch, launch_env, start_init_layouts
 from tests.test_checkpoint_faults import assert_every_checkpoint_exports
 from tests.test_train import SMALL, assert_saved_weights_are_full, shakespeare_sources
 
@@ -102,33 +102,21 @@ def runs(tmp_path_factory) -> dict[str, KilledAndResumed]:
 
         task = local_task(root)
     eval_task = {"tp2": ["--train.eval_tasks", f"[{task}]"] if task else []}
-    references = start_runs(root / "straight", {name: [*flags, *eval_task.get(name, [])]
-                                                for name, (_, flags) in LAYOUTS.items()}, common)
+    references = start_init_layouts(root / "straight", {name: shlex.join([*flags, *eval_task.get(name, [])])
+                                                        for name, (_, flags) in LAYOUTS.items()}, *common)
     killed = {}
     for name, (zero_stage, flags) in LAYOUTS.items():
         resumed = root / "resumed" / name
         launch_and_kill_after_checkpoint([*common, *flags, "--output.dir", str(resumed)], resumed, zero_stage=zero_stage)
         killed[name] = ((resumed / "checkpoints" / "latest").read_text(), (resumed / "config.json").exists())
-    finish_runs(references, "the references")
-    finish_runs(start_runs(root / "resumed", {name: [*flags, "--resume"] for name, (_, flags) in LAYOUTS.items()},
-                           common), "the resumes")
+    finish_launch(references, "the references")
+    finish_launch(start_init_layouts(root / "resumed", {name: shlex.join([*flags, "--resume"])
+                                                        for name, (_, flags) in LAYOUTS.items()}, *common),
+                  "the resumes")
     return {name: KilledAndResumed(root / "straight" / name, (root / "straight" / f"{name}.stdout").read_text(),
                                    root / "resumed" / name, *killed[name],
                                    (root / "resumed" / f"{name}.stdout").read_text(), task if name == "tp2" else None)
             for name in LAYOUTS}
-
-
-def start_runs(out_dir: Path, layouts: dict[str, list[str]], common: list[str]) -> subprocess.Popen:
-    """One 2-process launch of tests/workers/init_layouts.py: each NAME's run in OUT_DIR/NAME, one after the other."""
-    specs = [f"{name}={shlex.join(flags)}" for name, flags in layouts.items()]
-    return subprocess.Popen(accelerate_launch_command(REPO / "tests/workers/init_layouts.py", out_dir, *specs, "--",
-                                                      *common),
-                            cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def finish_runs(launch: subprocess.Popen, what: str) -> None:
-    output, _ = launch.communicate(timeout=900)
-    assert launch.returncode == 0, f"the launch of {what} failed:\n{output[-5000:]}"
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

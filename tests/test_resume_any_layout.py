@@ -16,16 +16,14 @@ the one-process runs run in the test process: 11 processes instead of 32."""
 
 from __future__ import annotations
 
-import json
 import shlex
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, accelerate_launch_command, launch_env, shared, train_in_this_process
+from tests.conftest import REPO, finish_launch, shared, start_init_layouts, train_in_this_process
 from tests.test_resume import step_losses
 
 TINY = ["--model.hidden_size", "64", "--model.num_layers", "2", "--model.seq_length", "64",
@@ -108,18 +106,14 @@ def runs(tmp_path_factory, pack_data, pad_data) -> dict[str, tuple[Path, str]]:
     for phase in (SOURCES, RESUMES):
         launches = {}
         for processes in sorted({run.processes for run in phase.values()} - {1}):
-            specs = [f"{name}={shlex.join(arguments(name, run))}" for name, run in phase.items()
-                     if run.processes == processes]
-            launches[processes] = subprocess.Popen(
-                accelerate_launch_command(REPO / "tests/workers/init_layouts.py", root, *specs, "--",
-                                          num_processes=processes),
-                cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            launches[processes] = start_init_layouts(
+                root, {name: shlex.join(arguments(name, run)) for name, run in phase.items()
+                       if run.processes == processes}, num_processes=processes)
         for name, run in phase.items():
             if run.processes == 1:
                 done[name] = (root / name, train_in_this_process(arguments(name, run)))
         for processes, launch in launches.items():
-            output, _ = launch.communicate(timeout=900)
-            assert launch.returncode == 0, f"the {processes}-process launch failed:\n{output[-5000:]}"
+            finish_launch(launch, f"the {processes}-process runs")
         done.update({name: (root / name, (root / f"{name}.stdout").read_text())
                      for name, run in phase.items() if run.processes > 1})
     return done
