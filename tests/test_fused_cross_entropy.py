@@ -30,12 +30,13 @@ TOL = 1e-5
 
 
 def unfused(hidden, weight, labels, z_loss=0.0):
-    """Reference: full logits, F.cross_entropy sum, and PaLM's z-loss written out: z · Σ_t (log Σ_v e^{z_tv})²."""
+    """Reference: full logits, F.cross_entropy sum, and PaLM's z-loss written out: z · Σ_t (log Σ_v e^{z_tv})²
+    (torch.logsumexp: stable at any logit)."""
     logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
     flat = labels.reshape(-1)
     loss = F.cross_entropy(logits.float(), flat, reduction="sum", ignore_index=-100)
     if z_loss:
-        log_z = logits.float().exp().sum(-1).log()
+        log_z = torch.logsumexp(logits.float(), dim=-1)
         loss = loss + z_loss * (log_z[flat != -100] ** 2).sum()
     return loss
 
@@ -128,6 +129,52 @@ def test_autocast_runs_bf16_matmuls_with_fp32_weights_and_returns_fp32_gradients
     assert (fused[3] - reference[3]).abs().max().item() <= 2e-2 * reference[3].abs().max().item()
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_logits_beyond_exps_range_are_shifted_and_stay_exact(autocast):
+    """Rows whose logits all lie near +200 (exp overflows) or -150 (exp underflows to 0), next to ordinary rows: on
+    CPU exp runs unshifted first and such chunks are recomputed with the max subtracted; the result must still equal
+    the unfused loss, which is always stable."""
+    hidden, weight, labels = random_case(13, 48, 16, 300, ignored=0.1)
+    weight[:, -1] = 1.0  # hidden[:, -1] then moves all logits of a row together
+    hidden[5, -1], hidden[20, -1], hidden[21, -1] = 200.0, -150.0, 80.0
+    labels[[5, 20, 21]] = torch.tensor([1, 2, 3])  # labelled: ignored rows are left out before the head
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        # Under autocast the reference's logits are bf16 too (spaced 1.0 near 200): a transformers model's path
+        reference = loss_and_grads(unfused, hidden, weight, labels, z_loss=1e-4)
+        for recompute in (False, True):
+            fused = loss_and_grads(linear_cross_entropy, hidden, weight, labels, z_loss=1e-4, chunk_size=16,
+                                   recompute=recompute)
+            assert all(torch.isfinite(t).all() for t in (fused[0], fused[2], fused[3]))
+            if autocast:
+                assert abs(fused[0].item() - reference[0].item()) <= 1e-3 * abs(reference[0].item())
+                assert (fused[3] - reference[3]).abs().max().item() <= 2e-2 * reference[3].abs().max().item()
+            else:
+                assert_matches(fused, reference)
+
+
+@pytest.mark.parametrize("as_bf16", ["weights", "autocast"])
+def test_cpu_exp_in_blocks_of_rows_gives_the_bits_of_whole_chunks(monkeypatch, as_bf16):
+    """On CPU a bf16 chunk's exp and sums run a few rows at a time in an fp32 scratch (CPU_BLOCK_BYTES): the loss and
+    both gradients must be the same to the bit as with one block per chunk, whatever the block divides, shifted or
+    not."""
+    module = sys.modules["neox_hf.ops.linear_cross_entropy"]
+    hidden, weight, labels = random_case(14, 70, 16, 400)
+    weight[:, -1], hidden[3, -1], labels[3] = 1.0, 200.0, 7  # the first chunk takes the shifted path, in blocks too
+    if as_bf16 == "weights":
+        hidden, weight = hidden.bfloat16(), weight.bfloat16()
+
+    def run(block_rows):
+        monkeypatch.setattr(module, "CPU_BLOCK_BYTES", block_rows * 4 * 400)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=as_bf16 == "autocast"):
+            return loss_and_grads(linear_cross_entropy, hidden, weight, labels, chunk_size=32)
+
+    whole = run(32)
+    for block_rows in (1, 3, 7):
+        blocked = run(block_rows)
+        assert torch.equal(blocked[0], whole[0]) and torch.equal(blocked[2], whole[2])
+        assert torch.equal(blocked[3], whole[3])
+
+
 def test_padded_vocabulary_columns_are_left_out_of_the_softmax():
     hidden, weight, labels = random_case(8, 40, 16, 120)
     labels[labels >= 100] = 3
@@ -190,6 +237,33 @@ def test_never_allocates_a_tokens_by_vocab_tensor():
     with LargestAllocation() as unfused_run:
         unfused(hidden, weight, labels).backward()
     assert unfused_run.largest >= tokens * vocab  # the tracker does see the logits when they exist
+
+
+def test_bf16_on_cpu_never_allocates_an_fp32_chunk_of_logits():
+    """In bf16 the softmax runs in fp32 a few rows at a time on CPU: no fp32 [chunk, V] copy of the logits (at
+    Pythia's vocabulary and the default chunk it would be 98 MB beside the 49 MB of bf16 logits)."""
+    tokens, width, vocab, chunk = 64, 16, 50304, 32
+    hidden, weight, labels = random_case(15, tokens, width, vocab)
+    hidden.requires_grad_(), weight.requires_grad_()
+    with FloatAllocations() as fp32_run, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = linear_cross_entropy(hidden, weight, labels, chunk_size=chunk)
+        loss.backward()
+    assert torch.isfinite(loss)
+    assert fp32_run.largest == vocab * width  # the weight's gradient; a chunk's logits would be chunk × vocab
+    with FloatAllocations() as unfused_run:
+        unfused(hidden, weight, labels).backward()
+    assert unfused_run.largest >= tokens * vocab
+
+
+class FloatAllocations(LargestAllocation):
+    """The largest fp32 tensor any op creates inside the block, in elements."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
+        return out
 
 
 def test_vocab_parallel_tp2_equals_one_process(tmp_path):
