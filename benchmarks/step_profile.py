@@ -2,6 +2,7 @@
 
     python benchmarks/step_profile.py                          # GSM8K peer: Trainer + group_by_length vs neox_hf pad
     python benchmarks/step_profile.py --precision bf16         # the AMX question of issue 25
+    python benchmarks/step_profile.py --precision bf16 --top 15   # and the 15 costliest ops of each run
     python benchmarks/step_profile.py --peer stock --shape 160m --batch 8 --seq 2048   # GPU: stock loop vs neox_hf
 
 The peers are the other benchmarks' own runs, unchanged: `--peer trainer` is benchmarks/padding.py's baseline
@@ -130,6 +131,23 @@ class ProfiledSteps(StepClock):
             "aten ops called": (ops / self.steps, ops / self.steps),
             "kernel launches": (launches / self.steps, launches / self.steps)}
 
+    def top_ops(self, n: int) -> list[tuple[str, str, float, float]]:
+        """The n ops with the most self time: (name, category, ms per step, calls per step), costliest first."""
+        events = self.profiler.events()
+        timed = any(e.self_device_time_total for e in events)
+        by_category, calls = defaultdict(lambda: defaultdict(float)), defaultdict(int)
+        for event in events:
+            if event.name.startswith("ProfilerStep"):
+                continue
+            time = event.self_device_time_total if timed else event.self_cpu_time_total
+            by_category[event.name][category(event)] += time
+            calls[event.name] += 1
+        totals = {name: sum(split.values()) for name, split in by_category.items()}
+        ranked = sorted(totals, key=totals.get, reverse=True)[:n]
+        # An op can fall in several categories (a copy under the DataLoader is data): name the one with most time
+        return [(name, max(by_category[name], key=by_category[name].get), totals[name] / self.steps / 1e3,
+                 calls[name] / self.steps) for name in ranked]
+
 
 @contextlib.contextmanager
 def profiled_run(clock):
@@ -200,6 +218,14 @@ def print_table(runs: list[tuple[str, ProfiledSteps]], cuda: bool) -> None:
         print(f"| {c} per step | " + " | ".join(f"{table[c][0]:9.0f} |" for _, table in tables) + " |")
 
 
+def print_top_ops(runs: list[tuple[str, ProfiledSteps]], n: int) -> None:
+    for name, clock in runs:
+        print(f"\n{name}: the {n} ops with the most self time")
+        print("| op | category | ms/step | calls/step |\n|---|---|---:|---:|")
+        for op, where, ms, calls in clock.top_ops(n):
+            print(f"| {op} | {where} | {ms:.1f} | {calls:.0f} |")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peer", choices=["trainer", "stock"], default="trainer")
@@ -212,6 +238,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=512, help="--peer stock: tokens per row")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--top", type=int, default=0, help="also list each run's N ops with the most self time")
     args = parser.parse_args()
     args.warmup = max(args.warmup, 2)
     if args.peer == "trainer" and args.device == "cuda":
@@ -225,7 +252,10 @@ def main() -> int:
     args = parse_args()
     print(f"{device_name(args.device)}, torch {torch.__version__}, {args.threads} threads, {args.precision}, "
           f"{args.steps} profiled steps after {args.warmup}")
-    print_table(run_peers(args), args.device == "cuda")
+    runs = run_peers(args)
+    print_table(runs, args.device == "cuda")
+    if args.top:
+        print_top_ops(runs, args.top)
     return 0
 
 
