@@ -152,6 +152,19 @@ def test_logits_beyond_exps_range_are_shifted_and_stay_exact(autocast):
                 assert_matches(fused, reference)
 
 
+def test_fp16_logits_beyond_fp16s_exp_range_keep_finite_gradients():
+    """fp16 holds exp(z) only up to z = 11 (65,504): a model as confident as a trained one (logits near 15) must
+    still get finite gradients, or DeepSpeed's fp16 loss scaler skips every step. Logits in fp16 like the reference's."""
+    hidden, weight, labels = random_case(16, 64, 16, 300)
+    weight[:, -1], hidden[:, -1] = 1.0, 15.0
+    fused = loss_and_grads(linear_cross_entropy, hidden.half(), weight.half(), labels, chunk_size=16)
+    assert torch.isfinite(fused[2]).all() and torch.isfinite(fused[3]).all()
+    reference = loss_and_grads(unfused, hidden.half().float(), weight.half().float(), labels)
+    assert abs(fused[0].item() - reference[0].item()) <= 1e-3 * abs(reference[0].item())
+    for got, want in zip(fused[2:], reference[2:]):
+        assert (got.float() - want).abs().max().item() <= 2e-2 * want.abs().max().item()
+
+
 @pytest.mark.parametrize("as_bf16", ["weights", "autocast"])
 def test_cpu_exp_in_blocks_of_rows_gives_the_bits_of_whole_chunks(monkeypatch, as_bf16):
     """On CPU a bf16 chunk's exp and sums run a few rows at a time in an fp32 scratch (CPU_BLOCK_BYTES): the loss and

@@ -279,7 +279,9 @@ def _chunk(h, w, y, opts: _Options, grad_h_out, grad_w, buffers: _LogitBuffers) 
     target = z.gather(1, local.unsqueeze(1)).squeeze(1).float().masked_fill(~here, 0.0)
     # On CPU, exp without the max shift first, and the shift only where the sums show it was needed (one pass over
     # [chunk, V] fewer); on accelerators reading the sums on the host would synchronise, so the shift always applies.
-    shift = None if z.device.type == "cpu" else _row_max(z, opts)
+    # So it does in fp16, whose largest value is e^11: unshifted, exp of a confident logit is inf there.
+    unshifted = z.device.type == "cpu" and torch.finfo(z.dtype).max >= math.exp(EXP_SAFE_LOGIT)
+    shift = None if unshifted else _row_max(z, opts)
     # One collective for both: Σ exp over the whole vocabulary, and the target logit from the rank that holds it.
     sum_exp, target = all_reduce_sum(torch.stack([buffers.exp_and_row_sums(z, shift), target]), opts.group)
     if shift is None and not _exp_was_safe(sum_exp):
