@@ -173,3 +173,35 @@ def test_fp16_run_whose_loss_scale_reaches_its_floor_stops_naming_the_step(tmp_p
     log = strict_train_log(out)
     assert [(r["step"], r["skipped"], r["loss_scale"]) for r in log] == [(1, True, 2.0**29), (2, True, 2.0**28)]
     assert not (out / "model.safetensors").exists()  # nothing of a run that stopped is saved as its result
+
+
+@pytest.mark.skipif(not _deepspeed_runs_fp16_here(), reason="DeepSpeed's CPU accelerator has no fp16 on this CPU "
+                    "(needs AVX512-FP16/AMX); tests/test_fused_cross_entropy.py's fp16 test covers the loss everywhere")
+def test_fp16_fine_tuning_of_a_confident_model_applies_its_steps(tmp_path):
+    """The user's path: run_clm_neox.py fine-tuning a saved model in DeepSpeed fp16. A trained model's logits reach
+    beyond 11, where exp overflows fp16; the fused loss must keep its gradients finite, or the loss scaler takes
+    every step for an overflow and skips it (what the loss did on CPU before it shifted fp16 logits by their max)."""
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=50304, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=256, max_position_embeddings=64)
+    model = GPTNeoXForCausalLM(config)
+    model.get_output_embeddings().weight.data.mul_(25.0)  # logits as large as a trained model's
+    with torch.no_grad():
+        assert model(torch.arange(32)[None]).logits.max() > 15  # beyond fp16's exp range (11.09)
+    model.save_pretrained(tmp_path / "confident")
+    override = tmp_path / "ds.json"
+    override.write_text(json.dumps({"fp16": {"initial_scale_power": 8}}))  # low: no overflow of the scaled loss
+    out = tmp_path / "run"
+    command = accelerate_launch_command(
+        REPO / "run_clm_neox.py", REPO / "recipes" / "tiny.yaml", "--model.from_pretrained", tmp_path / "confident",
+        "--parallel.zero_stage", "1", "--train.precision", "fp16", "--parallel.deepspeed_config", override,
+        "--train.train_iters", "3", "--train.eval_iters", "0", "--train.log_interval", "1", "--model.seq_length", "64",
+        "--train.micro_batch_size", "2", "--output.dir", out, "--output.tensorboard", "false", zero_stage=1,
+        num_processes=1)
+    done = subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = [r for r in strict_train_log(out) if "loss" in r]
+    assert [(r["step"], r["skipped"]) for r in log] == [(1, False), (2, False), (3, False)]
