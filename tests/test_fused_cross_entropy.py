@@ -227,14 +227,16 @@ def test_misaligned_labels_are_refused_with_the_fix():
 
 
 class LargestAllocation(TorchDispatchMode):
-    """The largest tensor any op creates inside the block, in elements."""
+    """The largest tensor any op creates inside the block (of `dtype` only, where given), in elements."""
 
-    largest = 0
+    def __init__(self, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.dtype, self.largest = dtype, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and self.dtype in (None, t.dtype):
                 self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
         return out
 
@@ -258,25 +260,14 @@ def test_bf16_on_cpu_never_allocates_an_fp32_chunk_of_logits():
     tokens, width, vocab, chunk = 64, 16, 50304, 32
     hidden, weight, labels = random_case(15, tokens, width, vocab)
     hidden.requires_grad_(), weight.requires_grad_()
-    with FloatAllocations() as fp32_run, torch.autocast("cpu", dtype=torch.bfloat16):
+    with LargestAllocation(torch.float32) as fp32_run, torch.autocast("cpu", dtype=torch.bfloat16):
         loss, _ = linear_cross_entropy(hidden, weight, labels, chunk_size=chunk)
         loss.backward()
     assert torch.isfinite(loss)
     assert fp32_run.largest == vocab * width  # the weight's gradient; a chunk's logits would be chunk × vocab
-    with FloatAllocations() as unfused_run:
+    with LargestAllocation(torch.float32) as unfused_run:
         unfused(hidden, weight, labels).backward()
     assert unfused_run.largest >= tokens * vocab
-
-
-class FloatAllocations(LargestAllocation):
-    """The largest fp32 tensor any op creates inside the block, in elements."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
-                self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
-        return out
 
 
 def test_vocab_parallel_tp2_equals_one_process(tmp_path):
