@@ -38,6 +38,16 @@ def device_name(device: torch.device | str) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
 
 
+def reset_accelerate_state() -> None:
+    """Forget Accelerate's singletons between runs in one process: the next run may use another precision, which
+    the previous run's AcceleratorState would refuse."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
 def reset_peak_memory(device: torch.device | str) -> None:
     """Start a peak-memory measurement (CUDA's allocator statistics; CPU has none)."""
     if torch.device(device).type == "cuda":

@@ -39,7 +39,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from bench_common import StepClock, cpu_name  # noqa: E402
+from bench_common import StepClock, cpu_name, reset_accelerate_state  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 GSM8K = SHARED / "corpora" / "gsm8k" / "train.jsonl"
@@ -173,14 +173,6 @@ def pipeline_tokens_per_second(tok, n_batches: int) -> float:
     return real / (time.perf_counter() - start)
 
 
-def reset_accelerate() -> None:
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
-
-
 def auto_precision() -> str:
     """What the recipe default `train.precision: auto` trains in on this machine."""
     from neox_hf.parallel.accelerator import resolve_precision
@@ -220,7 +212,7 @@ def main(argv=None) -> None:
         for i in chosen:
             result = modes[i][1]()
             torch.set_num_threads(2)  # Trainer / Accelerate may change it
-            reset_accelerate()  # the next mode may run another precision, which Accelerate's singletons would refuse
+            reset_accelerate_state()  # the next mode may run another precision, which Accelerate's singletons would refuse
             if i not in best or result["tokens_per_s"] > best[i]["tokens_per_s"]:
                 best[i] = result
     rows = [(modes[i][0], best[i]) for i in chosen]

@@ -41,7 +41,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from bench_common import StepClock, device_name, gemm_peak, peak_memory, reset_peak_memory  # noqa: E402
+from bench_common import (StepClock, device_name, gemm_peak, peak_memory, reset_accelerate_state,  # noqa: E402
+                          reset_peak_memory)
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data"  # in every clone (../shared/data is not)
@@ -110,19 +111,11 @@ def ours_seconds(config, shape: tuple[int, int], warmup: int, steps: int, precis
         with StepClock() as clock, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             train(recipe)  # its report and progress bars would break up the table (an exception still propagates)
         peak = peak_memory(device)
-        _reset_accelerate_state()  # the next precision builds a new Accelerator in this process
+        reset_accelerate_state()  # the next precision builds a new Accelerator in this process
         log = [json.loads(line) for line in (Path(tmp) / "train_log.jsonl").read_text().splitlines()]
     if len(log) != warmup + steps:
         raise RuntimeError(f"train(recipe) logged {len(log)} steps, {warmup + steps} expected")
     return clock.seconds(warmup, steps) / steps, peak
-
-
-def _reset_accelerate_state() -> None:
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
 
 
 def datasheet_peak(device: torch.device, precision: str) -> float | None:
