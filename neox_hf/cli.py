@@ -20,7 +20,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from neox_hf.errors import NeoXHFError
+from neox_hf.errors import NeoXHFError, print_to_stderr
 
 # subcommand → (module, add-arguments function, run function, help)
 _COMMANDS = {
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return getattr(importlib.import_module(module), run)(args)
     except NeoXHFError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print_to_stderr(f"error: {err}")
         return 2
 
 

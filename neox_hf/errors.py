@@ -4,6 +4,8 @@ Every message names the offending key / file and says how to fix it.
 They subclass ValueError so callers that already catch ValueError keep working.
 """
 
+import sys
+
 
 class NeoXHFError(ValueError):
     """Base class: bad input that the user can fix."""
@@ -35,3 +37,14 @@ class TrainingDiverged(NeoXHFError):
 
 class UsageError(NeoXHFError):
     """A command-line argument or flag is wrong (not a recipe value)."""
+
+
+def print_to_stderr(line: str) -> None:
+    """Write `line` and its newline to stderr in ONE write call.
+
+    The ranks of a launch share one stderr pipe, and `print` writes the text and its newline in two calls on Python's
+    unbuffered stderr, so two ranks refusing the same recipe at once could interleave as "error: …error: …\n\n".
+    One write of a line under PIPE_BUF (4 KiB) is atomic on a pipe.
+    """
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()

@@ -121,6 +121,34 @@ def test_an_agreeing_value_is_used_and_a_contradicting_one_refused_naming_both(l
            "`train.gradient_accumulation_steps`" in args.notices
 
 
+class _WritesRecorded:
+    """A stderr that keeps each write call apart, as the pipe a launch's ranks share receives them."""
+
+    def __init__(self):
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+def test_every_rank_writes_its_refusal_in_one_call_so_ranks_cannot_interleave_it(launched, monkeypatch):
+    """Every rank of a launch refuses a contradicting accelerate config and all share one stderr pipe. `print` wrote
+    the line and its newline in two calls, and CI caught two ranks' lines joined as "error: …error: …"."""
+    from neox_hf.train import main
+
+    launched("--use_deepspeed", "--num_processes", "2", "--zero_stage", "3")
+    stderr = _WritesRecorded()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    assert main([TINY, "--parallel.zero_stage", "1"]) == 2
+    assert len(stderr.writes) == 1
+    assert stderr.writes[0].startswith("error: `accelerate launch` sets `zero_stage: 3` but ")
+    assert stderr.writes[0].endswith("in `accelerate launch`\n") and stderr.writes[0].count("\n") == 1
+
+
 def test_accelerates_default_mixed_precision_does_not_contradict_an_fp16_recipe(tmp_path, launched):
     """Every `accelerate config` writes mixed_precision: 'no' unless asked otherwise; the Pythia recipes train fp16."""
     launched("--config_file", _user_config(tmp_path, zero_stage=1))

@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -39,7 +38,7 @@ import numpy as np
 
 from neox_hf.data.indexed import IndexedDataset, indexed_paths
 from neox_hf.data.packing import gpt_neox_num_epochs
-from neox_hf.errors import DataError
+from neox_hf.errors import DataError, print_to_stderr
 from neox_hf.io import atomic_path, atomic_write_text, load_npy_safely
 
 DEFAULT_SPLIT = "969, 30, 1"  # GPT-NeoX's default `split`
@@ -311,7 +310,7 @@ def load_or_build_index(spec: IndexSpec, sizes: np.ndarray, labels: Optional[Ind
         stale = _stale_reason(spec, source)
         if stale is not None:
             if stale:
-                print(f"note: GPT-NeoX index cache {Path(spec.stem()).name}_*.npy rebuilt: {stale}", file=sys.stderr)
+                print_to_stderr(f"note: GPT-NeoX index cache {Path(spec.stem()).name}_*.npy rebuilt: {stale}")
             _save_index(spec, build_index(spec, sizes, labels)[:3], source)
     missing = [str(f) for f in files.values() if not f.is_file()]
     if missing:

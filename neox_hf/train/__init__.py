@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from neox_hf.errors import NeoXHFError
+from neox_hf.errors import NeoXHFError, print_to_stderr
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_run_args(argv)
     except NeoXHFError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print_to_stderr(f"error: {err}")
         return 2
     if args.print_config:
         print(args.recipe.to_yaml(), end="")
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         train(args.recipe, notices=args.notices, overwrite=args.overwrite)
     except NeoXHFError as err:
         # A failure mid-run leaves the progress bar's line open (it ends in \r): start the error on a line of its own.
-        print(f"\nerror: {err}", file=sys.stderr)
+        print_to_stderr(f"\nerror: {err}")
         return 2
     return 0
 

@@ -31,11 +31,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from neox_hf.errors import CheckpointError
+from neox_hf.errors import CheckpointError, print_to_stderr
 from neox_hf.train.checkpoint.layout_free import (has_layout_free_state, load_from_accelerate_files, load_layout_free,
                                                   save_layout_free)
 from neox_hf.io import (TMP_PREFIX, atomic_torch_save, atomic_write_text, folder_refusal_message, give_umask_modes,
@@ -263,7 +262,7 @@ def _latest_or_newest(root: Path, notify) -> Path | None:
 
 
 def _print_notice(message: str) -> None:
-    print(f"note: {message}", file=sys.stderr)
+    print_to_stderr(f"note: {message}")
 
 
 def previous_checkpoint(folder: Path) -> Path | None:
