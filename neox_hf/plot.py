@@ -17,17 +17,21 @@ from neox_hf.train.run_log import LOG_NAME, PLOT_NAME, RunLog, read_run_log
 
 
 def write_run_plot(output_dir) -> Path:
-    """Draw `OUT/run.png` from the run's log; return its path."""
-    import matplotlib
+    """Draw `OUT/run.png` from the run's log; return its path.
 
-    matplotlib.use("Agg")  # a training node has no display; must precede pyplot
-    import matplotlib.pyplot as plt
+    A `Figure` drawn by the Agg canvas, not pyplot: pyplot's `matplotlib.use("Agg")` would switch the backend of the
+    whole process (a notebook calling `train` would lose its inline plots) and keeps every figure in a global
+    registry; the figure alone also skips pyplot's import (~0.2 s of every run's end)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     output_dir = Path(output_dir)
     log = read_run_log(output_dir)
     task_keys = sorted({k for e in log.evals for k in e if k not in ("step", "loss", "perplexity")})
     panels = 4 if task_keys else 3
-    figure, axes = plt.subplots(panels, 1, figsize=(8, 2.6 * panels), sharex=True, constrained_layout=True)
+    figure = Figure(figsize=(8, 2.6 * panels), layout="constrained")
+    FigureCanvasAgg(figure)  # attaches itself as figure.canvas
+    axes = figure.subplots(panels, 1, sharex=True)
     _loss_panel(axes[0], log)
     _lr_panel(axes[1], log)
     _throughput_panel(axes[2], log)
@@ -36,11 +40,8 @@ def write_run_plot(output_dir) -> Path:
     axes[-1].set_xlabel("step")
     figure.suptitle(f"{output_dir.resolve().name}: {len(log.steps)} steps")
     path = output_dir / PLOT_NAME
-    try:
-        with atomic_path(path) as temporary:
-            figure.savefig(temporary, dpi=100, format="png")  # the temporary name does not end in .png
-    finally:
-        plt.close(figure)
+    with atomic_path(path) as temporary:
+        figure.savefig(temporary, dpi=100, format="png")  # the temporary name does not end in .png
     return path
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -160,6 +162,21 @@ def test_plot_command_draws_run_png_and_refuses_a_folder_without_log(tmp_path, c
     assert tokens_per_second(read_run_log(tmp_path)) == [(5, 900.0), (10, 1000.0)]
     assert main(["plot", str(tmp_path / "nothing")]) == 2
     assert "train_log.jsonl not found" in capsys.readouterr().err
+
+
+def test_drawing_the_run_leaves_the_callers_matplotlib_backend_and_figures_alone(tmp_path):
+    """`train` from a notebook draws run.png at the end: the notebook's backend and pyplot figures must survive it
+    (pyplot's `matplotlib.use("Agg")`, what it did before, switched the whole process to Agg)."""
+    (tmp_path / "train_log.jsonl").write_text("".join(
+        json.dumps({"step": s, "loss": 5.0, "lr": 1e-3, "consumed_samples": s, "consumed_tokens": 64 * s}) + "\n"
+        for s in range(1, 4)))
+    script = ("import matplotlib; matplotlib.use('svg'); import matplotlib.pyplot as plt; plt.figure()\n"
+              f"from neox_hf.plot import write_run_plot; write_run_plot({str(tmp_path)!r})\n"
+              "print(matplotlib.get_backend(), plt.get_fignums())")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["svg", "[1]"]
+    assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_gpt_neox_logging_and_eval_task_keys_translate(tmp_path):
