@@ -162,7 +162,7 @@ def native_bf16(cpu_flags: set[str] | None = None) -> str | None:
     or None where bf16 is emulated (AVX2-only CPUs: far slower than fp32). Having them does not make bf16 faster:
     `bf16_verdict` decides that. `cpu_flags` defaults to /proc/cpuinfo's; given, the question is about that CPU, GPU
     or not."""
-    if cpu_flags is None and torch.cuda.is_available():
+    if _asks_about_this_gpu(cpu_flags):
         major, _ = torch.cuda.get_device_capability()
         return f"{torch.cuda.get_device_name()} (compute capability {major}.x) has bf16 tensor cores" if major >= 8 else None
     flags = _cpu_flags() if cpu_flags is None else cpu_flags
@@ -195,7 +195,7 @@ def bf16_verdict(cpu_flags: set[str] | None = None, measure=None) -> Bf16Verdict
     if native is None:
         return Bf16Verdict(False, "bf16 is emulated on this device: slower than fp32")
     flags = _cpu_flags() if cpu_flags is None else cpu_flags
-    if (cpu_flags is None and torch.cuda.is_available()) or "amx_bf16" in flags or _flags_overridden(cpu_flags):
+    if _asks_about_this_gpu(cpu_flags) or "amx_bf16" in flags or _flags_overridden(cpu_flags):
         return Bf16Verdict(True, native)
     measure = measure or _cpu_gemm_rate
     bf16, fp32 = measure(torch.bfloat16), measure(torch.float32)
@@ -210,6 +210,11 @@ def _cpu_gemm_rate(dtype: torch.dtype) -> float:
     from neox_hf.train.mfu import measured_gemm_rate
 
     return measured_gemm_rate(dtype, torch.device("cpu"))[0]
+
+
+def _asks_about_this_gpu(cpu_flags: set[str] | None) -> bool:
+    """Whether the question is about this machine's GPU: no CPU flags given, and torch sees a GPU."""
+    return cpu_flags is None and torch.cuda.is_available()
 
 
 def _flags_overridden(cpu_flags: set[str] | None) -> bool:
