@@ -30,7 +30,10 @@ setup(
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "lm-eval>=0.4.5", "wandb",
                  # tests/test_objectives.py compares DPO and the reward model with TRL's trainers (1.16 tokenises and
                  # computes the losses as tested; 1.x keeps transformers 5 / accelerate 1.x)
-                 "trl>=1.16,<2"],
+                 "trl>=1.16,<2",
+                 # the layering contract (.importlinter) and the docs site (mkdocs.yml), both checked by the fast tier
+                 "import-linter>=2.16", "mkdocs>=1.6", "mkdocs-material>=9"],
+        "docs": ["mkdocs>=1.6", "mkdocs-material>=9"],  # `mkdocs serve` / `mkdocs build` of docs/
         "eval": ["lm-eval>=0.4.5"],  # train.eval_tasks: lm-evaluation-harness during training
         "trackers": ["wandb"],  # output.report_to: [wandb]; comet_ml, mlflow, aim install the same way
     },
