@@ -79,8 +79,8 @@ def _measured(phase: str, save, folder: Path, accelerator) -> dict:
 
 
 def _savers(run, state, gather_seconds: list) -> dict:
-    from neox_hf.train.checkpoint import save_checkpoint
-    from neox_hf.train.checkpoint.layout_free import save_layout_free
+    from neox_hf.checkpoint import save_checkpoint
+    from neox_hf.checkpoint.layout_free import save_layout_free
 
     def old(folder: Path) -> None:
         run.accelerator.save_state(str(folder))
@@ -102,7 +102,7 @@ def _savers(run, state, gather_seconds: list) -> dict:
 
 def worker(argv: list[str], scratch: Path, result: Path) -> None:
     from neox_hf.recipe import settled
-    from neox_hf.train.args import parse_run_args
+    from neox_hf.recipe.args import parse_run_args
     from neox_hf.train.loop import build_run, run_steps
 
     recipe = settled(parse_run_args(argv).recipe)

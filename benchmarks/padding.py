@@ -175,7 +175,7 @@ def pipeline_tokens_per_second(tok, n_batches: int) -> float:
 
 def auto_precision() -> str:
     """What the recipe default `train.precision: auto` trains in on this machine."""
-    from neox_hf.parallel.accelerator import resolve_precision
+    from neox_hf.recipe.precision import resolve_precision
     from neox_hf.recipe import TrainConfig
 
     return resolve_precision(TrainConfig(precision="auto"))

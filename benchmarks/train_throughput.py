@@ -121,7 +121,7 @@ def ours_seconds(config, shape: tuple[int, int], warmup: int, steps: int, precis
 def datasheet_peak(device: torch.device, precision: str) -> float | None:
     """The dense tensor-core peak of this GPU's datasheet (neox_hf.train.mfu's table, as the training loop's MFU);
     None on CPU, in fp32, and for a GPU the table does not name."""
-    from neox_hf.train.mfu import datasheet_peak as named_part_peak
+    from neox_hf.hardware import datasheet_peak as named_part_peak
 
     if device.type != "cuda":
         return None

@@ -37,7 +37,7 @@ def add_batches_arguments(parser) -> None:
 def recipe_for_batches(configs: list[str], data_path: str | None, vocab_file: str | None, order: str | None = None):
     """The recipe the configs describe, with --data-path / --vocab-file applied and GPT-NeoX's order selected."""
     from neox_hf.neox_yaml import DEFAULT_SPLIT
-    from neox_hf.train.args import parse_run_args
+    from neox_hf.recipe.args import parse_run_args
 
     recipe = parse_run_args(list(configs)).recipe
     data = recipe.data

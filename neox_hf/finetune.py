@@ -39,7 +39,7 @@ from neox_hf.inference import (  # noqa: F401  (re-exported: callers loaded mode
 from neox_hf.interop.hf_folder import save_hf_folder
 from neox_hf.io import move_files_into, staging_folder
 from neox_hf.recipe import PeftConfig, Recipe
-from neox_hf.train.run_log import RECIPE_NAME
+from neox_hf.checkpoint.run_log import RECIPE_NAME
 
 if TYPE_CHECKING:  # peft is imported where a LoRA run or an adapter needs it: ~1.4 s of every process's start-up
     from peft import LoraConfig, PeftModel

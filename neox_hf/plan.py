@@ -506,7 +506,7 @@ def bubble(layout: Layout) -> float:
 
 
 def recipe_precision(recipe) -> str:
-    from neox_hf.parallel.accelerator import resolve_precision
+    from neox_hf.recipe.precision import resolve_precision
 
     return resolve_precision(recipe.train)
 
@@ -670,7 +670,7 @@ def run_plan(args) -> int:
 
 def _plan_from_options(args, recipe_argv: list[str]) -> Plan:
     from neox_hf.errors import UsageError
-    from neox_hf.train.args import parse_run_args
+    from neox_hf.recipe.args import parse_run_args
 
     if args.gpus is not None and args.gpus < 1:
         raise UsageError(f"--gpus must be ≥ 1, got {args.gpus}")
@@ -688,7 +688,7 @@ def _plan_from_options(args, recipe_argv: list[str]) -> Plan:
 
 def assumptions_for(gpu: str, mfu: float) -> Assumptions:
     from neox_hf.errors import UsageError
-    from neox_hf.train.mfu import DATASHEET_BF16, datasheet_peak
+    from neox_hf.hardware import DATASHEET_BF16, datasheet_peak
 
     peak = datasheet_peak(gpu, "bf16")
     if peak is None:

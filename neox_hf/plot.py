@@ -12,7 +12,7 @@ from pathlib import Path
 
 from neox_hf.eval_tasks import eval_tasks_card_section
 from neox_hf.io import atomic_path
-from neox_hf.train.run_log import LOG_NAME, PLOT_NAME, RunLog, read_run_log
+from neox_hf.checkpoint.run_log import LOG_NAME, PLOT_NAME, RunLog, read_run_log
 
 
 

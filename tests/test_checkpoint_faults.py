@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from neox_hf.train.checkpoint import checkpoint_name
+from neox_hf.checkpoint import checkpoint_name
 from tests.conftest import REPO, accelerate_launch_command, launch_env, reset_accelerate_state
 from tests.test_checkpoint_lifecycle import assert_refused, tiny_args
 

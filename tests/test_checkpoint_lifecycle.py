@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from neox_hf.train import main
-from neox_hf.train.checkpoint import checkpoint_name, is_complete_checkpoint
+from neox_hf.checkpoint import checkpoint_name, is_complete_checkpoint
 from tests.conftest import BUNDLED_TOKENIZER, REPO, launch_env, reset_accelerate_state
 
 

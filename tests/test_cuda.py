@@ -122,7 +122,7 @@ def test_tiny_recipe_trains_in_bf16_on_one_gpu_and_stock_transformers_generates_
     the CPU run does (tests/test_train.py, same thresholds) and the saved folder generates on the GPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXForCausalLM
 
-    from neox_hf.train.args import parse_run_args
+    from neox_hf.recipe.args import parse_run_args
     from neox_hf.train.loop import train
 
     out = tmp_path / "tiny"
@@ -169,7 +169,7 @@ def test_pythia_160m_fp16_skips_overflowing_steps_and_runs_to_the_end(tmp_path):
     """DeepSpeed's dynamic loss scaler started at 2^30: the first steps overflow and are skipped (logged with
     `skipped: true` and the scale), the scale halves until gradients fit fp16, and the run trains to its last step."""
     if not ON_GPU:
-        from neox_hf.parallel.accelerator import deepspeed_runs_fp16
+        from neox_hf.hardware import deepspeed_runs_fp16
 
         if not deepspeed_runs_fp16():  # the run would be refused by name, as tests/test_zero_equivalence.py checks
             pytest.skip("DeepSpeed has no fp16 on this CPU (AVX512-FP16/AMX); the skip logic's twins run everywhere: "

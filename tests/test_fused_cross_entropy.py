@@ -295,7 +295,7 @@ ops = sys.modules["neox_hf.ops.linear_cross_entropy"]
 calls = []
 as_module_forward = ops._as_module_forward
 ops._as_module_forward = lambda *a: calls.append(1) or as_module_forward(*a)
-from neox_hf.train.args import parse_run_args
+from neox_hf.recipe.args import parse_run_args
 from neox_hf.train.loop import train
 results = {}
 with runs_sharing_one_process_group():

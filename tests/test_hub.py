@@ -328,7 +328,7 @@ def test_training_run_pushes_pythia_step_branches_and_final_main(hub, tmp_path):
     Shakespeare (the start-up report and the held-out split tokenize the whole file: ~3.5 s for the 1 MB one)."""
     from transformers import GPTNeoXForCausalLM
 
-    from neox_hf.train.args import parse_run_args
+    from neox_hf.recipe.args import parse_run_args
     from neox_hf.train.loop import train
 
     repo_root = Path(__file__).resolve().parents[1]

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from neox_hf.errors import RecipeError
-from neox_hf.parallel.accelerator import bf16_verdict
-from neox_hf.train.args import parse_run_args
+from neox_hf.hardware import bf16_verdict
+from neox_hf.recipe.args import parse_run_args
 from tests.conftest import REPO, launch_env
 
 TINY = str(REPO / "recipes" / "tiny.yaml")
@@ -90,7 +90,7 @@ def test_every_deepspeed_key_of_a_users_accelerate_config_reaches_the_run(tmp_pa
     script.write_text(
         "import json, sys\n"
         "from neox_hf.parallel.accelerator import build_accelerator\n"
-        "from neox_hf.train.args import parse_run_args\n"
+        "from neox_hf.recipe.args import parse_run_args\n"
         "accelerator = build_accelerator(parse_run_args([sys.argv[1]]).recipe)\n"
         "ds = accelerator.state.deepspeed_plugin.deepspeed_config\n"
         "print(json.dumps({'ds': ds, 'gas': accelerator.gradient_accumulation_steps,"
@@ -186,7 +186,7 @@ def test_a_recipe_built_in_python_is_checked_against_the_launcher_too(launched, 
                                           r"`parallel.zero_stage: 1`"):
         build_accelerator(recipe_from_dict({"parallel": {"zero_stage": 1}}))
     recipe = recipe_from_dict({"parallel": {"zero_stage": 2}, "train": {"precision": "auto"}})
-    from neox_hf.parallel.launch_config import check_recipe_agrees_with_launcher
+    from neox_hf.recipe.launcher import check_recipe_agrees_with_launcher
 
     check_recipe_agrees_with_launcher(recipe)
     assert recipe.train.precision == "bf16"

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralForCausalLM
 
 from neox_hf.errors import NeoXHFError, RecipeError
 from neox_hf.recipe import recipe_from_dict
-from neox_hf.train.args import parse_run_args
+from neox_hf.recipe.args import parse_run_args
 from tests.conftest import REPO, SHARED_DATA, accelerate_launch_command, launch_env, shared
 from tests.test_resume import step_losses
 

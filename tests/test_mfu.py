@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from neox_hf.train.mfu import datasheet_peak, device_peak, flops_per_token, mfu
+from neox_hf.hardware import datasheet_peak, device_peak
+from neox_hf.train.mfu import flops_per_token, mfu
 
 
 @pytest.mark.parametrize("layers,hidden,heads,intermediate", [(2, 64, 4, None), (3, 96, 6, 200)])
@@ -46,11 +47,11 @@ def test_measuring_the_peak_leaves_the_runs_random_stream_alone():
     """The peak is measured once per process (the first run in it, not the later ones), on as many sizes as the
     machine's speed allows: drawing its matrices from the global generator, seeded by the run, gave two runs of one
     recipe in one process different dropout masks and losses from step 1."""
-    from neox_hf.train import mfu
+    from neox_hf import hardware
 
     torch.manual_seed(0)
     expected = torch.rand(4)
-    mfu._measured_gemm_rate.cache_clear()
+    hardware._measured_gemm_rate.cache_clear()
     torch.manual_seed(0)
-    mfu.measured_gemm_rate(torch.float32, torch.device("cpu"))
+    hardware.measured_gemm_rate(torch.float32, torch.device("cpu"))
     assert torch.equal(torch.rand(4), expected)

@@ -16,7 +16,7 @@ from neox_hf.batches import recipe_for_batches, step_batches
 from neox_hf.errors import RecipeError
 from neox_hf.neox_yaml import load_neox_recipe_dict, translate_neox_args
 from neox_hf.recipe import recipe_from_dict
-from neox_hf.train.args import parse_run_args
+from neox_hf.recipe.args import parse_run_args
 from tests.conftest import SHARED_DATA
 
 

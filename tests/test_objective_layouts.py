@@ -135,7 +135,7 @@ def test_reward_run_first_step_equals_trls_reward_trainer(base, one_process, tmp
     from neox_hf.data.preference import build_preference_train_loader
     from neox_hf.interop.tokenizer import load_tokenizer
     from neox_hf.objectives.rm import build_reward_model
-    from neox_hf.train.args import parse_run_args
+    from neox_hf.recipe.args import parse_run_args
 
     recipe_ = parse_run_args(recipe(base, tmp_path / "rebuilt", "rm", dp=1)).recipe
     tokenizer = load_tokenizer(recipe_.tokenizer.path, eos_token=recipe_.tokenizer.eos_token,

@@ -17,7 +17,7 @@ import torch
 
 from neox_hf.errors import TrainingDiverged
 from neox_hf.recipe import recipe_from_dict
-from neox_hf.train.checkpoint import TrainState
+from neox_hf.checkpoint import TrainState
 from neox_hf.train.guards import OverflowGuard
 from neox_hf.train.loop import History, StepLogger, TrainingRun, _advance_schedule
 from neox_hf.train.schedule import build_lr_scheduler

@@ -88,7 +88,7 @@ def test_plan_matches_measured_memory_per_rank(measured, name):
 
 
 def _recipe(*argv):
-    from neox_hf.train.args import parse_run_args
+    from neox_hf.recipe.args import parse_run_args
 
     return parse_run_args(list(argv)).recipe
 

@@ -13,7 +13,7 @@ import yaml
 from neox_hf.errors import RecipeError
 from neox_hf.neox_yaml import load_neox_recipe_dict, read_neox_files
 from neox_hf.recipe import recipe_from_dict
-from neox_hf.train.args import parse_run_args
+from neox_hf.recipe.args import parse_run_args
 from tests.conftest import REPO, SHARED_DATA, launch_env
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -186,7 +186,7 @@ def test_pipeline_with_zero1_is_accepted():
 # ----------------------------------------------------------------------------------------------------------------
 
 def test_native_bf16_is_read_from_the_cpu_flags():
-    from neox_hf.parallel.accelerator import native_bf16
+    from neox_hf.hardware import native_bf16
 
     assert native_bf16({"avx2", "avx512f", "avx512_bf16"}) == "this CPU has avx512_bf16"
     assert native_bf16({"avx2", "amx_bf16", "avx512_bf16"}) == "this CPU has amx_bf16"
@@ -215,7 +215,8 @@ def _never_measured(dtype):
 ])
 def test_auto_picks_bf16_only_where_it_is_faster(flags, measure, faster, why):
     """Given flags, the verdict is that CPU's on any machine (a GPU's own is read from its compute capability)."""
-    from neox_hf.parallel.accelerator import bf16_verdict, resolve_precision
+    from neox_hf.hardware import bf16_verdict
+    from neox_hf.recipe.precision import resolve_precision
     from neox_hf.recipe import TrainConfig
 
     verdict = bf16_verdict(flags, measure=measure)
@@ -229,7 +230,7 @@ def test_the_cpu_flags_variable_decides_without_measuring(monkeypatch):
     the fp32 branch; nothing is measured (another CPU's GEMMs cannot be measured here)."""
     import torch
 
-    from neox_hf.parallel.accelerator import bf16_verdict
+    from neox_hf.hardware import bf16_verdict
 
     if torch.cuda.is_available():
         pytest.skip("a GPU decides by its compute capability")
@@ -240,7 +241,8 @@ def test_the_cpu_flags_variable_decides_without_measuring(monkeypatch):
 
 
 def test_auto_precision_is_resolved_into_the_recipe_the_run_reports_and_saves(tmp_path, fresh_accelerate_state):
-    from neox_hf.parallel.accelerator import bf16_verdict, build_accelerator
+    from neox_hf.hardware import bf16_verdict
+    from neox_hf.parallel.accelerator import build_accelerator
 
     recipe = recipe_from_dict({"train": {"precision": "auto"}, "output": {"dir": str(tmp_path)}})
     accelerator = build_accelerator(recipe)
@@ -250,7 +252,7 @@ def test_auto_precision_is_resolved_into_the_recipe_the_run_reports_and_saves(tm
 
 
 def test_auto_is_the_default_but_a_gpt_neox_config_keeps_gpt_neoxs_precision(tmp_path):
-    from neox_hf.parallel.accelerator import bf16_verdict
+    from neox_hf.hardware import bf16_verdict
     from neox_hf.recipe import Recipe
 
     here = "bf16" if bf16_verdict().faster else "fp32"
@@ -266,7 +268,7 @@ def test_auto_is_the_default_but_a_gpt_neox_config_keeps_gpt_neoxs_precision(tmp
 
 
 def test_print_config_says_what_auto_chose_and_why(capsys):
-    from neox_hf.parallel.accelerator import bf16_verdict
+    from neox_hf.hardware import bf16_verdict
     from neox_hf.train import main
 
     assert main([str(REPO / "recipes" / "tiny.yaml"), "--print-config"]) == 0

@@ -13,13 +13,7 @@ from pathlib import Path
 import pytest
 
 from neox_hf.errors import CheckpointError, DataError, RecipeError, TrainingDiverged
-from neox_hf.train.checkpoint import (
-    LATEST,
-    checkpoint_name,
-    find_resume_checkpoint,
-    previous_checkpoint,
-    prune_checkpoints,
-)
+from neox_hf.checkpoint import LATEST, checkpoint_name, find_resume_checkpoint, previous_checkpoint, prune_checkpoints
 from neox_hf.train.guards import (
     LOCK_NAME,
     RunLock,
@@ -29,7 +23,7 @@ from neox_hf.train.guards import (
     check_skipped_documents,
     clear_previous_run,
 )
-from neox_hf.train.run_log import step_log_line, truncate_train_log
+from neox_hf.checkpoint.run_log import step_log_line, truncate_train_log
 from tests.conftest import BUNDLED_TOKENIZER, REPO
 
 

@@ -146,7 +146,7 @@ def assert_eval_tasks_match_the_saved_folder(out: Path, task: Path, step: int) -
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from neox_hf.eval_tasks import run_eval_tasks
-    from neox_hf.train.run_log import read_run_log
+    from neox_hf.checkpoint.run_log import read_run_log
 
     logged = read_run_log(out).evals[-1]
     assert logged["step"] == step

@@ -211,7 +211,7 @@ def test_export_reads_the_layout_free_state_of_pipeline2_tp2(runs, tmp_path, cap
 def _saved_tiny_state(folder: Path) -> dict:
     import torch
 
-    from neox_hf.train.checkpoint.layout_free import save_layout_free
+    from neox_hf.checkpoint.layout_free import save_layout_free
 
     state = {"model/w": torch.arange(12.0).reshape(3, 4), "exp_avg/w": torch.ones(3, 4)}
     save_layout_free(state, folder)
@@ -226,7 +226,7 @@ def test_layout_free_metadata_that_could_run_code_is_refused(tmp_path):
     import torch
 
     from neox_hf.errors import CheckpointError
-    from neox_hf.train.checkpoint.layout_free import FOLDER, load_layout_free
+    from neox_hf.checkpoint.layout_free import FOLDER, load_layout_free
 
     state = _saved_tiny_state(tmp_path)
     targets = {key: torch.zeros_like(value) for key, value in state.items()}
@@ -247,7 +247,7 @@ def test_layout_free_damage_and_another_shape_are_named(tmp_path):
     import torch
 
     from neox_hf.errors import CheckpointError
-    from neox_hf.train.checkpoint.layout_free import FOLDER, load_layout_free
+    from neox_hf.checkpoint.layout_free import FOLDER, load_layout_free
 
     _saved_tiny_state(tmp_path)
     with pytest.raises(CheckpointError, match=r"holds model/w of shape \[3, 4\]; this run builds \[4, 4\]"):

@@ -53,7 +53,7 @@ def test_run_logs_eval_tasks_to_log_trackers_plot_and_card(tmp_path, small_text,
     pytest.importorskip("wandb")
     from neox_hf.plot import model_card_section
     from neox_hf.train.loop import train
-    from neox_hf.train.run_log import read_run_log
+    from neox_hf.checkpoint.run_log import read_run_log
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -152,7 +152,7 @@ def test_plot_command_draws_run_png_and_refuses_a_folder_without_log(tmp_path, c
     assert png[:4] == b"\x89PNG" and struct.unpack(">II", png[16:24]) == (800, 780)  # 3 panels: no task scores
     assert not list(tmp_path.glob(".tmp*"))
     from neox_hf.plot import tokens_per_second
-    from neox_hf.train.run_log import read_run_log
+    from neox_hf.checkpoint.run_log import read_run_log
 
     # 256 tokens per 0.5 s; step 4's wall time includes the evaluation after step 3, so it is left out.
     assert tokens_per_second(read_run_log(tmp_path)) == [(s, 512.0) for s in range(2, 11) if s != 4]

@@ -23,8 +23,8 @@ def shakespeare_sources() -> str:
 
 @pytest.mark.distributed  # slow tier: a whole run in a subprocess or in process
 def test_tiny_recipe_trains_on_real_text_and_stock_transformers_loads_it(tmp_path, fresh_accelerate_state, capsys):
-    from neox_hf.parallel.accelerator import bf16_verdict
-    from neox_hf.train.args import parse_run_args
+    from neox_hf.hardware import bf16_verdict
+    from neox_hf.recipe.args import parse_run_args
     from neox_hf.train.loop import train
 
     out = tmp_path / "tiny"
@@ -66,10 +66,10 @@ def test_tiny_recipe_trains_on_real_text_and_stock_transformers_loads_it(tmp_pat
 @pytest.mark.distributed  # slow tier: two whole runs
 def test_bf16_autocast_trains_real_text_as_fp32_does(tmp_path, fresh_accelerate_state):
     """`auto` (the default) runs bf16 where the device has it natively: it must learn as fp32 does, step for step."""
-    from neox_hf.train.args import parse_run_args
+    from neox_hf.recipe.args import parse_run_args
     from neox_hf.train.loop import train
 
-    from neox_hf.parallel.accelerator import bf16_verdict
+    from neox_hf.hardware import bf16_verdict
 
     # Where bf16 is slower than fp32 a bf16 step of tiny.yaml's shape is costly: minutes where it is emulated (AVX2-only
     # CPUs: the vocabulary's head matmul; a quarter of the tokens still took 269 s for the test), 48 s of the suite
@@ -134,7 +134,7 @@ def test_two_process_zero3_run_saves_full_weights_exports_them_and_scores_eval_t
     by the TP2 one, tests/test_resume.py). One launch serves the three checks: start-up is most of it."""
     pytest.importorskip("lm_eval")
     from neox_hf.eval_tasks import run_eval_tasks
-    from neox_hf.train.run_log import read_run_log
+    from neox_hf.checkpoint.run_log import read_run_log
     from tests.test_eval_tasks import local_task
 
     zero_stage = 3
@@ -152,7 +152,7 @@ def test_two_process_zero3_run_saves_full_weights_exports_them_and_scores_eval_t
     model = GPTNeoXForCausalLM.from_pretrained(out).eval()
     # The saved weights are the trained ones: their loss on held-out text matches what training reported.
     from neox_hf.data import build_eval_loader
-    from neox_hf.train.args import parse_run_args
+    from neox_hf.recipe.args import parse_run_args
     from neox_hf.train.loss import causal_lm_loss
 
     recipe = parse_run_args([str(out / "recipe.yaml")]).recipe

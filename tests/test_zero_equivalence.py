@@ -91,7 +91,7 @@ def test_layout_matches_one_process(layout_launches, one_process_losses, layout)
 
 
 def _deepspeed_runs_fp16_here() -> bool:
-    from neox_hf.parallel.accelerator import deepspeed_runs_fp16
+    from neox_hf.hardware import deepspeed_runs_fp16
 
     return deepspeed_runs_fp16()  # NEOX_HF_CPU_FLAGS can make an fp16 CPU decide as an AVX2-only one does
 

@@ -34,7 +34,7 @@ from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
 from neox_hf.errors import HubError
-from neox_hf.train.run_log import RECIPE_NAME, RUN_STATE
+from neox_hf.checkpoint.run_log import RECIPE_NAME, RUN_STATE
 
 logger = logging.getLogger(__name__)
 

@@ -104,7 +104,7 @@ def training_checkpoint_state_dict(checkpoint_dir: Path, config=None) -> dict[st
     transformers names, whatever layout wrote them), else the accelerate/DeepSpeed files (ZeRO partitions gathered on
     CPU; pipeline stages' layer files and their tensor-parallel shards merged, which needs the checkpoint's
     `config`)."""
-    from neox_hf.train.checkpoint.layout_free import has_layout_free_state, read_model_weights
+    from neox_hf.checkpoint.layout_free import has_layout_free_state, read_model_weights
 
     if has_layout_free_state(checkpoint_dir):
         return read_model_weights(checkpoint_dir)
@@ -173,7 +173,7 @@ def _merge_tp_shards(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.T
 
 def export_training_checkpoint(checkpoint_dir, out_dir) -> Path:
     """`neox_hf export`: a resumable checkpoint (any ZeRO stage) → consolidated HF folder with tokenizer."""
-    from neox_hf.train.checkpoint import checkpoint_to_read, first_unreadable_file, previous_checkpoint
+    from neox_hf.checkpoint import checkpoint_to_read, first_unreadable_file, previous_checkpoint
 
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
@@ -212,8 +212,8 @@ def export_training_checkpoint(checkpoint_dir, out_dir) -> Path:
 
 
 def _refuse_truncated_layout_free_state(checkpoint_dir: Path) -> None:
-    from neox_hf.train.checkpoint import previous_checkpoint
-    from neox_hf.train.checkpoint.layout_free import has_layout_free_state, truncated_file
+    from neox_hf.checkpoint import previous_checkpoint
+    from neox_hf.checkpoint.layout_free import has_layout_free_state, truncated_file
 
     damaged = truncated_file(checkpoint_dir) if has_layout_free_state(checkpoint_dir) else None
     if damaged is not None:

@@ -12,14 +12,14 @@ import datetime
 import json
 import os
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from accelerate import Accelerator, DeepSpeedPlugin
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
 from neox_hf.errors import RecipeError
-from neox_hf.parallel.launch_config import check_recipe_agrees_with_launcher, launcher_environment_reconciled
+from neox_hf.hardware import deepspeed_runs_fp16
+from neox_hf.recipe.launcher import check_recipe_agrees_with_launcher, launcher_environment_reconciled
 from neox_hf.recipe import ParallelConfig, Recipe, TrainConfig, merge_dicts
 
 _MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -106,23 +106,6 @@ def deepspeed_config(parallel: ParallelConfig, train: TrainConfig) -> dict:
     return config
 
 
-# Read instead of /proc/cpuinfo's flags when set: the suite (and a user) can see what `auto` and the fp16 gate decide
-# on another CPU, e.g. NEOX_HF_CPU_FLAGS="avx2 fma" (AVX2-only) or "avx512f avx512_bf16 amx_bf16 avx512_fp16" (AMX).
-CPU_FLAGS_OVERRIDE = "NEOX_HF_CPU_FLAGS"
-
-
-def deepspeed_runs_fp16() -> bool:
-    """Whether DeepSpeed's accelerator here trains fp16: a GPU, or a CPU whose oneDNN has fp16 kernels (AVX512-FP16 /
-    AMX-FP16). Under NEOX_HF_CPU_FLAGS the CPU answer is the one those flags would give (it can only be narrowed:
-    flags claiming fp16 on a CPU without it do not give DeepSpeed the kernels)."""
-    from deepspeed.accelerator import get_accelerator
-
-    supported = bool(get_accelerator().is_fp16_supported())
-    if torch.cuda.is_available() or os.environ.get(CPU_FLAGS_OVERRIDE) is None:
-        return supported
-    return supported and bool(_cpu_flags() & {"avx512_fp16", "amx_fp16"})
-
-
 def check_deepspeed_precision(config: dict) -> None:
     """Refuse, naming the fix, an fp16 DeepSpeed config the accelerator here cannot run.
 
@@ -157,85 +140,6 @@ def _launched_distributed() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def native_bf16(cpu_flags: set[str] | None = None) -> str | None:
-    """Why this machine has bf16 matmul instructions ("this CPU has amx_bf16", a CUDA GPU of compute capability ≥ 8),
-    or None where bf16 is emulated (AVX2-only CPUs: far slower than fp32). Having them does not make bf16 faster:
-    `bf16_verdict` decides that. `cpu_flags` defaults to /proc/cpuinfo's; given, the question is about that CPU, GPU
-    or not."""
-    if _asks_about_this_gpu(cpu_flags):
-        major, _ = torch.cuda.get_device_capability()
-        return f"{torch.cuda.get_device_name()} (compute capability {major}.x) has bf16 tensor cores" if major >= 8 else None
-    flags = _cpu_flags() if cpu_flags is None else cpu_flags
-    native = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
-    if not native:
-        return None
-    return f"this CPU has {native[0]}" + (f" (as {CPU_FLAGS_OVERRIDE} says)" if _flags_overridden(cpu_flags) else "")
-
-
-class Bf16Verdict(NamedTuple):
-    """Whether bf16 trains faster than fp32 here (what `train.precision: auto` picks) and why, as one phrase."""
-    faster: bool
-    why: str
-
-
-# bf16 is chosen on an AVX512-BF16 CPU without AMX only where its GEMMs beat fp32's by this much: autocast adds a cast
-# around every matmul, and the two rates measured at start-up vary by ±10% with the machine's load.
-BF16_GEMM_ADVANTAGE = 1.25
-
-
-def bf16_verdict(cpu_flags: set[str] | None = None, measure=None) -> Bf16Verdict:
-    """Whether bf16 is faster than fp32 on this device. A GPU with bf16 tensor cores and an AMX CPU: yes (AMX's bf16
-    tiles run several times fp32's rate). An AVX2-only CPU: no (emulated). An AVX512-BF16 CPU without AMX: measured,
-    because the instruction alone is not enough: on a Xeon whose AMX the hypervisor hides (Emerald Rapids, 2 vCPUs)
-    bf16 GEMMs ran at 170 GFLOP/s against fp32's 340, and a bf16 run trained GSM8K at 0.59x fp32's tokens/s.
-    `measure(dtype) -> FLOP/s` defaults to `mfu.measured_gemm_rate` on this CPU (~0.3 s for both, once per process).
-    Under NEOX_HF_CPU_FLAGS the flags alone decide (another CPU's GEMMs cannot be measured here): a bf16 flag means bf16.
-    Given `cpu_flags`, the verdict is that CPU's, GPU or not."""
-    native = native_bf16(cpu_flags)
-    if native is None:
-        return Bf16Verdict(False, "bf16 is emulated on this device: slower than fp32")
-    flags = _cpu_flags() if cpu_flags is None else cpu_flags
-    if _asks_about_this_gpu(cpu_flags) or "amx_bf16" in flags or _flags_overridden(cpu_flags):
-        return Bf16Verdict(True, native)
-    measure = measure or _cpu_gemm_rate
-    bf16, fp32 = measure(torch.bfloat16), measure(torch.float32)
-    rates = f"its bf16 GEMMs measured {bf16 / 1e9:.0f} GFLOP/s against fp32's {fp32 / 1e9:.0f}"
-    if bf16 >= BF16_GEMM_ADVANTAGE * fp32:
-        return Bf16Verdict(True, f"{native} without AMX, and {rates}")
-    return Bf16Verdict(False, f"{native} but no AMX, and {rates}: bf16 is slower than fp32")
-
-
-def _cpu_gemm_rate(dtype: torch.dtype) -> float:
-    """FLOP/s of this CPU's GEMMs in `dtype` (measured once per process: the MFU peak reuses it)."""
-    from neox_hf.train.mfu import measured_gemm_rate
-
-    return measured_gemm_rate(dtype, torch.device("cpu"))[0]
-
-
-def _asks_about_this_gpu(cpu_flags: set[str] | None) -> bool:
-    """Whether the question is about this machine's GPU: no CPU flags given, and torch sees a GPU."""
-    return cpu_flags is None and torch.cuda.is_available()
-
-
-def _flags_overridden(cpu_flags: set[str] | None) -> bool:
-    """Whether the flags in question are NEOX_HF_CPU_FLAGS's (no flags given, and the variable set)."""
-    return cpu_flags is None and os.environ.get(CPU_FLAGS_OVERRIDE) is not None
-
-
-def _cpu_flags() -> set[str]:
-    """This CPU's feature flags, or NEOX_HF_CPU_FLAGS's (space- or comma-separated) where it is set."""
-    override = os.environ.get(CPU_FLAGS_OVERRIDE)
-    if override is not None:
-        return set(override.replace(",", " ").split())
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def check_ranks_agree_on_precision(precision: str) -> None:
     """Refuse, on every rank, a launch whose ranks settled `train.precision` differently. `auto` is settled in each
     process before any process group exists, on an AVX512-BF16 CPU without AMX from GEMM rates it measures; ranks
@@ -251,16 +155,6 @@ def check_ranks_agree_on_precision(precision: str) -> None:
         by_rank = ", ".join(f"rank {rank} {value}" for rank, value in enumerate(chosen))
         raise RecipeError(f"the ranks settled `train.precision` differently ({by_rank}; `auto` measures each "
                           "process's GEMMs on an AVX512-BF16 CPU without AMX): set `train.precision: fp32` or `bf16`")
-
-
-def resolve_precision(train: TrainConfig, *, verdict: Bf16Verdict | None = None) -> str:
-    """The precision `auto` stands for here: bf16 where it trains faster than fp32 (`bf16_verdict`), fp32 elsewhere.
-    Other values are returned as given."""
-    if train.precision != "auto":
-        return train.precision
-    if verdict is None:
-        verdict = bf16_verdict()
-    return "bf16" if verdict.faster else "fp32"
 
 
 def allow_tf32(enabled: bool) -> None:

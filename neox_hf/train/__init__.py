@@ -9,7 +9,7 @@ from neox_hf.errors import NeoXHFError, print_to_stderr
 
 def main(argv: list[str] | None = None) -> int:
     """`run_clm_neox.py` entry: parse → (print config | train). Bad input exits 2 with the message."""
-    from neox_hf.train.args import USAGE, parse_run_args
+    from neox_hf.recipe.args import USAGE, parse_run_args
 
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:

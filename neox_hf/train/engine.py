@@ -82,7 +82,7 @@ class Engine:
 
         return loss_scale_floor(self.accelerator, self.model)
 
-    # -- the layout-free checkpoint (files: neox_hf.train.checkpoint.layout_free) -------------------------------
+    # -- the layout-free checkpoint (files: neox_hf.checkpoint.layout_free) -------------------------------
 
     def named_full_parameters(self):
         """(transformers name, this rank's parameter, its tensor-parallel split dim or None) of every trained
@@ -270,7 +270,7 @@ def build_engine(recipe, accelerator, layout: Layout, *, model=None, optimizer=N
     return engine_class(recipe, accelerator, layout, model=model, optimizer=optimizer)
 
 
-# -- layout-free checkpoint state (neox_hf.train.checkpoint.layout_free owns the files) ----------------------------
+# -- layout-free checkpoint state (neox_hf.checkpoint.layout_free owns the files) ----------------------------
 # Gap filled: DeepSpeed's per-parameter accessors (`safe_get_full_fp32_param`, `safe_get_full_optimizer_state` and
 # their setters) give one rank's tensor-parallel shard of a ZeRO-managed parameter, not its place in the full tensor;
 # DCP needs that place. `_ShardViews` gives it: the shard's rows over the (tensor × data) mesh of this rank's stage.

@@ -30,7 +30,7 @@ from pathlib import Path
 from neox_hf.errors import DataError, RecipeError, TrainingDiverged
 from neox_hf.io import remove_stale_staging
 from neox_hf.recipe import Recipe
-from neox_hf.train.run_log import RUN_STATE
+from neox_hf.checkpoint.run_log import RUN_STATE
 
 LOCK_NAME = ".neox_hf.lock"
 # What a run writes besides the model files (`--overwrite` removes these, nothing else of the folder).
@@ -175,7 +175,7 @@ def check_resume_step(step: int, train_iters: int, checkpoint) -> None:
 
 def check_resume_path(recipe: Recipe) -> None:
     """An explicit `train.resume` path must be a checkpoint now (`auto` may find none: the run starts at step 0)."""
-    from neox_hf.train.checkpoint import find_resume_checkpoint
+    from neox_hf.checkpoint import find_resume_checkpoint
 
     if recipe.train.resume not in (None, "auto"):
         find_resume_checkpoint(recipe.train.resume, recipe.output.dir, notify=lambda message: None)

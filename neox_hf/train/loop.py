@@ -25,8 +25,7 @@ from neox_hf.parallel import init_distributed
 from neox_hf.plot import model_card_section, write_run_plot
 from neox_hf.recipe import Recipe, settled
 from neox_hf.trackers import init_tracker_kwargs, tracker_names
-from neox_hf.train.checkpoint import (TrainState, find_resume_checkpoint, load_checkpoint,
-                                      save_checkpoint)
+from neox_hf.checkpoint import TrainState, find_resume_checkpoint, load_checkpoint, save_checkpoint
 from neox_hf.train.guards import (
     OverflowGuard,
     check_before_build,
@@ -35,9 +34,10 @@ from neox_hf.train.guards import (
     check_skipped_documents,
     claim_output_dir,
 )
-from neox_hf.train.mfu import Peak, device_peak, flops_per_token, mfu
+from neox_hf.hardware import Peak, device_peak
+from neox_hf.train.mfu import flops_per_token, mfu
 from neox_hf.train.prefetch import Prefetcher, pinned, workers_for
-from neox_hf.train.run_log import RECIPE_NAME, append_step_entries, record_evaluation, truncate_train_log
+from neox_hf.checkpoint.run_log import RECIPE_NAME, append_step_entries, record_evaluation, truncate_train_log
 from neox_hf.train.schedule import build_lr_scheduler
 from neox_hf.train.engine import build_engine
 from neox_hf.train.preference import build_data, frozen_reference, with_reference_logps
@@ -528,7 +528,7 @@ def _data_reader_line(setting, device_type: str) -> str:
 
 def _precision_in_effect(t, accelerator) -> str:
     """What runs in which precision, as the start-up report states it, and whether bf16 is faster on this device."""
-    from neox_hf.parallel.accelerator import bf16_verdict
+    from neox_hf.hardware import bf16_verdict
 
     verdict = bf16_verdict()
     if t.precision == "fp32":

@@ -28,7 +28,7 @@ import torch
 
 from neox_hf.parallel import build_model, full_state_dict, init_distributed, parallelize
 from neox_hf.recipe import recipe_from_dict
-from neox_hf.train.checkpoint import TrainState
+from neox_hf.checkpoint import TrainState
 from neox_hf.train.loop import TrainingRun, run_steps
 from neox_hf.train.schedule import build_lr_scheduler
 

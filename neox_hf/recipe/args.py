@@ -8,7 +8,7 @@ from pathlib import Path
 
 from neox_hf.errors import UsageError
 from neox_hf.neox_yaml import looks_like_neox_config, read_neox_files, translate_neox_args
-from neox_hf.parallel.launch_config import reconcile_with_launcher
+from neox_hf.recipe.launcher import reconcile_with_launcher
 from neox_hf.recipe import Recipe, load_yaml_file, merge_dicts, parse_overrides, recipe_from_dict
 
 USAGE = ("run_clm_neox.py RECIPE.yaml [MORE.yml ...] [--section.key value ...] [--print-config] [--resume | --overwrite]")

@@ -3,11 +3,13 @@ precision into a recipe after that (the Accelerator, the report, checkpoints and
 
 `auto` takes the precision `accelerate launch` asks for (`--mixed_precision`, or its config file's); else it resumes
 in the precision its checkpoint was trained in (a DeepSpeed bf16 checkpoint holds bf16 weights an fp32
-engine cannot load); otherwise it is this device's choice (`parallel.accelerator.resolve_precision`: bf16 where it
+engine cannot load); otherwise it is this device's choice (`resolve_precision`: bf16 where it
 trains faster than fp32 on this device, fp32 elsewhere).
 """
 
 from __future__ import annotations
+
+from neox_hf.hardware import Bf16Verdict, bf16_verdict
 
 
 def settle_precision(recipe) -> list[str]:
@@ -17,7 +19,7 @@ def settle_precision(recipe) -> list[str]:
     if t.precision != "auto":
         return []
     notices: list[str] = []
-    from neox_hf.parallel.launch_config import launcher_precision
+    from neox_hf.recipe.launcher import launcher_precision
 
     launched = launcher_precision()
     if launched is not None:  # `accelerate launch --mixed_precision` (or its config file) asks for one
@@ -28,8 +30,6 @@ def settle_precision(recipe) -> list[str]:
         t.precision, checkpoint = resumed
         return [*notices, f"`train.precision: auto` resumes in {t.precision}, the precision {checkpoint} was "
                           "trained in"]
-    from neox_hf.parallel.accelerator import bf16_verdict, resolve_precision
-
     verdict = bf16_verdict()
     t.precision = resolve_precision(t, verdict=verdict)
     return [*notices, f"`train.precision: auto` chose {t.precision} on this device ({verdict.why}); set "
@@ -40,7 +40,7 @@ def _resumed_precision(recipe, notices: list[str]) -> tuple[str, str] | None:
     """(precision, checkpoint folder name) of the checkpoint this run resumes, where it recorded one."""
     if recipe.train.resume is None:
         return None
-    from neox_hf.train.checkpoint import checkpoint_precision, find_resume_checkpoint
+    from neox_hf.checkpoint import checkpoint_precision, find_resume_checkpoint
 
     try:
         folder = find_resume_checkpoint(recipe.train.resume, recipe.output.dir, notify=notices.append)
@@ -48,3 +48,13 @@ def _resumed_precision(recipe, notices: list[str]) -> tuple[str, str] | None:
         return None
     trained_in = checkpoint_precision(folder) if folder is not None else None
     return (trained_in, folder.name) if trained_in is not None else None
+
+
+def resolve_precision(train, *, verdict: Bf16Verdict | None = None) -> str:
+    """The precision `auto` stands for here: bf16 where it trains faster than fp32 (`bf16_verdict`), fp32 elsewhere.
+    Other values are returned as given."""
+    if train.precision != "auto":
+        return train.precision
+    if verdict is None:
+        verdict = bf16_verdict()
+    return "bf16" if verdict.faster else "fp32"

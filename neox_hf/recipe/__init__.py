@@ -280,7 +280,7 @@ def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:
 def settled(recipe: Recipe) -> Recipe:
     """`recipe` with `train.precision: auto` resolved for this device (or the checkpoint it resumes), validated.
     The start-up notices of that choice are in `recipe.settled_notices` (not a recipe key: never serialised)."""
-    from neox_hf.train.precision import settle_precision
+    from neox_hf.recipe.precision import settle_precision
 
     notices = settle_precision(recipe)
     validate(recipe)

@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from neox_hf.errors import CheckpointError, print_to_stderr
-from neox_hf.train.checkpoint.layout_free import (has_layout_free_state, load_from_accelerate_files, load_layout_free,
-                                                  save_layout_free)
+from neox_hf.checkpoint.layout_free import (has_layout_free_state, load_from_accelerate_files, load_layout_free,
+                                            save_layout_free)
 from neox_hf.io import (TMP_PREFIX, atomic_torch_save, atomic_write_text, folder_refusal_message, give_umask_modes,
                         is_weights_only_refusal, load_torch_safely, weights_only_loads)
 
