@@ -39,7 +39,7 @@ DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
 
 def loader(batch: int, seq: int):
     from neox_hf.data.loader import build_train_loader
-    from neox_hf.interop.tokenizer import load_tokenizer
+    from neox_hf.data.tokenizer import load_tokenizer
     from neox_hf.recipe import recipe_from_dict
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -102,7 +102,7 @@ def run_mode(mode: str, fused: bool, steps: int, micro_batch: int, data_file: Pa
 
     from neox_hf.data import build_eval_loader, build_train_loader
     from neox_hf.finetune import trainable_parameters_report, wrap_with_peft
-    from neox_hf.interop.tokenizer import load_tokenizer
+    from neox_hf.data.tokenizer import load_tokenizer
     from neox_hf.model import NeoXConfig, NeoXForCausalLM
     from neox_hf.recipe import DataConfig, DataSource, PeftConfig
 

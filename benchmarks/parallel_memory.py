@@ -223,7 +223,7 @@ def planned_total(processes: int, zero: int, tp: int, sp: bool, pp: int, args) -
 
 
 def worker(args) -> None:
-    from neox_hf.interop.tokenizer import load_tokenizer
+    from neox_hf.data.tokenizer import load_tokenizer
     from neox_hf.parallel.accelerator import build_accelerator
     from neox_hf.parallel import build_model, parallelize
     from neox_hf.parallel.layout import build_layout
@@ -288,7 +288,7 @@ def pipeline_worker(args, recipe, accelerator, tokenizer) -> None:
     """The pipeline rows: the same model as stages of DeepSpeed's pipeline engine; per-rank results, worst reported."""
     import torch.distributed as dist
 
-    from neox_hf.interop.tokenizer import padded_vocab_size
+    from neox_hf.model.vocab import padded_vocab_size
     from neox_hf.model import config_from_recipe
     from neox_hf.parallel.layout import build_layout
     from neox_hf.parallel.pipeline import build_pipeline_module, pipeline_train_step

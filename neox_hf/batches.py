@@ -132,7 +132,7 @@ def run_batches(args) -> int:
     print(f"wrote {output}: steps [{args.start_step}, {args.end_step}), {global_batch} samples per step, "
           f"{rows.shape[1]} tokens per sample")
     if args.decode:
-        from neox_hf.interop.tokenizer import load_tokenizer
+        from neox_hf.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(recipe.tokenizer.path)
         for row, tokens in enumerate(rows):

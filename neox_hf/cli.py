@@ -100,7 +100,7 @@ def _add_preprocess(parser):
 def _run_preprocess(args) -> int:
     from neox_hf.data import write_indexed_dataset
     from neox_hf.errors import UsageError
-    from neox_hf.interop.tokenizer import load_tokenizer
+    from neox_hf.data.tokenizer import load_tokenizer
 
     if args.workers < 1:
         raise UsageError(f"--workers must be ≥ 1, got {args.workers}")

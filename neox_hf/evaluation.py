@@ -275,7 +275,7 @@ def load_reward_model(model_path, tokenizer_path: str | None = None, *, device: 
 
     from neox_hf.errors import CheckpointError
     from neox_hf.inference import inference_device
-    from neox_hf.interop.tokenizer import load_tokenizer
+    from neox_hf.data.tokenizer import load_tokenizer
 
     folder = Path(model_path)
     if not (folder / "config.json").is_file():

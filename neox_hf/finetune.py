@@ -36,7 +36,7 @@ from neox_hf.inference import (  # noqa: F401  (re-exported: callers loaded mode
     load_base_model,
     load_for_inference,
 )
-from neox_hf.interop.hf_folder import save_hf_folder
+from neox_hf.model.folder import save_hf_folder
 from neox_hf.io import move_files_into, staging_folder
 from neox_hf.recipe import PeftConfig, Recipe
 from neox_hf.checkpoint.run_log import RECIPE_NAME

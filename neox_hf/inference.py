@@ -17,7 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXForCausalLM
 
 from neox_hf.errors import CheckpointError, UsageError
-from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, load_tokenizer
+from neox_hf.model.vocab import check_vocab_covers_tokenizer
+from neox_hf.data.tokenizer import load_tokenizer
 from neox_hf.io import folder_refusal_message, is_weights_only_refusal
 
 if TYPE_CHECKING:  # imported where an adapter is loaded: peft costs every process ~1.4 s of start-up

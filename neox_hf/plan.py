@@ -196,7 +196,7 @@ class ModelShape:
         return self.cached(("vocab", tp), lambda: self._vocab_rows(tp))
 
     def _vocab_rows(self, tp: int) -> int:
-        from neox_hf.interop.tokenizer import padded_vocab_size
+        from neox_hf.model.vocab import padded_vocab_size
 
         base = self.fixed_vocab or self.tokenizer_size
         vocab = base if self.fixed_vocab and base % tp == 0 else padded_vocab_size(base, self.vocab_divisible_by, tp)
@@ -205,7 +205,7 @@ class ModelShape:
 
 def model_shape(recipe) -> ModelShape:
     """The shape the run will build (config from the recipe or the pretrained folder, the tokenizer's size)."""
-    from neox_hf.interop.tokenizer import padded_vocab_size
+    from neox_hf.model.vocab import padded_vocab_size
     from neox_hf.model import NeoXConfig, config_from_recipe
 
     from neox_hf.errors import UsageError
@@ -227,7 +227,7 @@ def model_shape(recipe) -> ModelShape:
 
 @functools.lru_cache(maxsize=8)
 def _tokenizer_size(path: str, eos_token: str, pad_token: str) -> int:
-    from neox_hf.interop.tokenizer import load_tokenizer
+    from neox_hf.data.tokenizer import load_tokenizer
 
     return len(load_tokenizer(path, eos_token=eos_token, pad_token=pad_token))
 

@@ -146,7 +146,7 @@ def fresh_accelerate_state():
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from neox_hf.interop.tokenizer import load_tokenizer
+    from neox_hf.data.tokenizer import load_tokenizer
 
     return load_tokenizer(str(BUNDLED_TOKENIZER))
 

@@ -240,7 +240,7 @@ def packed_isolated_batch():
     """Two windows of 512 tokens of GSM8K (bundled sample) packed with `isolate_documents`: positions restart at
     each document, no attention mask, the cross-document targets dropped (as tests/test_data_batching.py builds)."""
     from neox_hf.data import build_eval_loader
-    from neox_hf.interop.tokenizer import load_tokenizer
+    from neox_hf.data.tokenizer import load_tokenizer
     from neox_hf.recipe import DataConfig, DataSource
 
     source = DataSource(path=str(DATA / "gsm8k-sample.jsonl"), template=GSM8K_TEMPLATE)

@@ -103,7 +103,8 @@ def test_whole_model_pipeline_stages_and_tp_shards_start_from_the_same_weights(f
 def test_layout_free_init_keeps_gpt_neox_roles_and_constants():
     """Per-role std (small_init, wang_init for the output projections), ones/zeros for norms and biases, and the
     rotary buffers of transformers' own init."""
-    from neox_hf.model.modeling import NeoXForCausalLM, init_std
+    from neox_hf.model.modeling import NeoXForCausalLM
+    from neox_hf.model.init import init_std
     from neox_hf.parallel.build import model_from_seed
 
     config = _neox_config(hidden_size=64, intermediate_size=256, num_hidden_layers=2)

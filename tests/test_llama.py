@@ -122,7 +122,7 @@ def test_tp_refuses_a_model_whose_key_value_heads_do_not_split():
 
 
 def test_the_llama_spec_is_transformers_own_plan():
-    from neox_hf.model.spec import LLAMA
+    from neox_hf.model.llama import LLAMA
     from neox_hf.parallel.tp_plan import partition_dim, transformers_tp_plan
 
     # transformers' Llama plan leaves the embedding whole; ours splits it along the vocabulary, as GPT-NeoX does.

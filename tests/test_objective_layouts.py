@@ -133,7 +133,7 @@ def test_reward_run_first_step_equals_trls_reward_trainer(base, one_process, tmp
     from trl import RewardConfig, RewardTrainer
 
     from neox_hf.data.preference import build_preference_train_loader
-    from neox_hf.interop.tokenizer import load_tokenizer
+    from neox_hf.data.tokenizer import load_tokenizer
     from neox_hf.objectives.rm import build_reward_model
     from neox_hf.recipe.args import parse_run_args
 

@@ -276,7 +276,7 @@ def test_startup_report_names_layers_parameters_and_bubble():
 
 def test_stage_builder_reads_only_its_tensors_and_initialises_like_gpt_neox(models):
     from neox_hf.model import NeoXConfig
-    from neox_hf.model.modeling import init_std
+    from neox_hf.model.init import init_std
     from neox_hf.parallel.layout import Layout
     from neox_hf.parallel.pipeline import StageBuilder
 

@@ -42,7 +42,7 @@ def test_20b_recipe_matches_gpt_neox_20b():
     assert (t.lr_decay_style, t.warmup, t.weight_decay, t.clip_grad) == ("cosine", 0.01, 0.01, 1.0)
     assert (t.micro_batch_size, t.gradient_accumulation_steps, p.zero_stage, p.tensor_parallel) == (4, 32, 1, 2)
     assert (p.pipeline_parallel, p.pipe_partition_method) == (4, "type:transformer")  # GPT-NeoX's 20B layout
-    from neox_hf.interop.tokenizer import padded_vocab_size
+    from neox_hf.model.vocab import padded_vocab_size
 
     assert padded_vocab_size(50277, m.make_vocab_size_divisible_by, p.tensor_parallel) == 50432
 

@@ -199,7 +199,7 @@ def test_skipped_documents_are_reported_and_fail_above_the_threshold():
 
 
 def test_special_tokens_must_already_be_in_the_vocabulary():
-    from neox_hf.interop.tokenizer import load_tokenizer
+    from neox_hf.data.tokenizer import load_tokenizer
 
     with pytest.raises(RecipeError, match="did you mean '<\\|endoftext\\|>'"):
         load_tokenizer(str(BUNDLED_TOKENIZER), eos_token="<|endoftxt|>")
@@ -208,7 +208,7 @@ def test_special_tokens_must_already_be_in_the_vocabulary():
 
 
 def test_default_tokenizer_path_resolves_from_the_repository(monkeypatch):
-    from neox_hf.interop.tokenizer import load_tokenizer
+    from neox_hf.data.tokenizer import load_tokenizer
     from neox_hf.recipe import TokenizerConfig
 
     monkeypatch.chdir(REPO)

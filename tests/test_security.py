@@ -390,7 +390,7 @@ def with_remote_code_tokenizer(folder: Path, marker: Path) -> Path:
 
 
 def test_tokenizer_folder_naming_remote_code_is_refused(tmp_path):
-    from neox_hf.interop.tokenizer import load_tokenizer
+    from neox_hf.data.tokenizer import load_tokenizer
 
     folder = with_remote_code_tokenizer(tmp_path / "tokenizer", tmp_path / "marker")
     with pytest.raises(RecipeError, match="custom code"):

@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 
 from neox_hf.errors import CheckpointError
-from neox_hf.interop.hf_folder import save_hf_folder
+from neox_hf.model.folder import save_hf_folder
 from neox_hf.interop.neox_checkpoint import export_neox_checkpoint, neox_to_hf_model
 from neox_hf.interop.neox_files import detect_checkpoint_files, embedding_rows
-from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, load_tokenizer, padded_vocab_size
+from neox_hf.model.vocab import check_vocab_covers_tokenizer, padded_vocab_size
+from neox_hf.data.tokenizer import load_tokenizer
 from neox_hf.io import folder_refusal_message, is_weights_only_refusal, weights_only_loads
 from neox_hf.model.spec import config_class_for_folder, config_from_recipe, model_class_for_config
 

@@ -18,7 +18,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel, MistralConfi
 from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
 from transformers.models.mistral.modeling_mistral import MistralPreTrainedModel
 
-from neox_hf.model.modeling import _NeoXInitMixin, family_config_kwargs
+from neox_hf.model.init import _NeoXInitMixin
+from neox_hf.model.spec import ModelSpec, family_config_kwargs, register_family
 
 _STOCK_ARCHITECTURES = {"NeoXLlamaForCausalLM": "LlamaForCausalLM", "NeoXLlamaModel": "LlamaModel",
                         "NeoXMistralForCausalLM": "MistralForCausalLM", "NeoXMistralModel": "MistralModel"}
@@ -130,3 +131,43 @@ def llama_intermediate_size(model_cfg) -> int:
 def llama_model_class(config):
     """Our class for a Llama-family config (Mistral where it has a sliding window)."""
     return NeoXMistralForCausalLM if getattr(config, "model_type", "llama") == "mistral" else NeoXLlamaForCausalLM
+
+
+LLAMA = ModelSpec(
+    family="llama",
+    model_types=("llama", "mistral"),
+    trunk="model",
+    embedding="model.embed_tokens",
+    layers="model.layers",
+    final_norm="model.norm",
+    head="lm_head",
+    # q/k/v rows are whole heads ([heads, head_dim], [kv_heads, head_dim]): contiguous row blocks give each rank
+    # heads/TP query heads and the kv_heads/TP key/value heads their groups use.
+    tp_plan={
+        "model.embed_tokens": "vocab_embedding",
+        "model.layers.*.self_attn.q_proj": "column",
+        "model.layers.*.self_attn.k_proj": "column",
+        "model.layers.*.self_attn.v_proj": "column",
+        "model.layers.*.self_attn.o_proj": "row",
+        "model.layers.*.mlp.gate_proj": "column",
+        "model.layers.*.mlp.up_proj": "column",
+        "model.layers.*.mlp.down_proj": "row",
+        "lm_head": "vocab_head",
+    },
+    # Llama has no embedding dropout and builds positions and masks from the embeddings: the first layer's input
+    # enters the sequence-parallel region; every RMSNorm leaves it.
+    sequence_parallel_plan={
+        "model.layers.0": "enter_sequence_parallel_layer",
+        "model.layers.*.input_layernorm": "sequence_norm",
+        "model.layers.*.post_attention_layernorm": "sequence_norm",
+        "model.norm": "sequence_norm",
+    },
+    # GPT-NeoX's attention.dense and mlp.linear2
+    output_layers=("self_attn.o_proj", "mlp.down_proj"),
+    kv_heads_attr="num_key_value_heads",
+    from_gpt_neox_names={"query_key_value": ("q_proj", "k_proj", "v_proj"), "dense": ("o_proj",),
+                         "dense_h_to_4h": ("gate_proj", "up_proj"), "dense_4h_to_h": ("down_proj",)},
+    model_class=llama_model_class,
+    config_from_recipe=llama_config_from_recipe,
+)
+register_family(LLAMA)

@@ -17,21 +17,17 @@ The model knows nothing of distribution: tensor parallelism and ZeRO are applied
 
 from __future__ import annotations
 
-import hashlib
-import math
-
-import torch
 from huggingface_hub.dataclasses import strict
 from torch import nn
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXModel
-from transformers import initialization as init
 from transformers.conversion_mapping import (
     get_checkpoint_conversion_mapping,
     register_checkpoint_conversion_mapping,
 )
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXPreTrainedModel
 
-INIT_METHODS = ("normal", "scaled_normal", "small_init", "wang_init")
+from neox_hf.model.init import _NeoXInitMixin
+from neox_hf.model.spec import ModelSpec, family_config_kwargs, register_family
 
 # Our class name → the stock class name written into config.json `architectures`.
 _STOCK_ARCHITECTURES = {"NeoXForCausalLM": "GPTNeoXForCausalLM", "NeoXModel": "GPTNeoXModel"}
@@ -52,77 +48,6 @@ class NeoXConfig(GPTNeoXConfig):
         if output.get("architectures"):
             output["architectures"] = [_STOCK_ARCHITECTURES.get(a, a) for a in output["architectures"]]
         return output
-
-
-def init_std(method: str, *, hidden_size: int, num_layers: int, sigma: float = 0.02) -> float:
-    """Standard deviation of GPT-NeoX's init functions (megatron/model/init_functions.py)."""
-    if method == "normal":
-        return sigma
-    if method == "scaled_normal":
-        return sigma / math.sqrt(2.0 * num_layers)
-    if method == "small_init":  # Nguyen & Salazar (2019): sqrt(2 / (5 d))
-        return math.sqrt(2.0 / (5.0 * hidden_size))
-    if method == "wang_init":  # Wang (2021), as in GPT-J / GPT-NeoX: 2 / (L sqrt(d))
-        return 2.0 / num_layers / math.sqrt(hidden_size)
-    raise ValueError(f"unknown init method {method!r}; choose one of {', '.join(INIT_METHODS)}")
-
-
-def parameter_generator(seed: int, name: str) -> torch.Generator:
-    """A CPU generator seeded by (run seed, parameter name) through SHA-256: the same stream in every process and
-    Python version (Python's `hash` of a string is salted per process)."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
-
-
-def initial_tensor(config, name: str, shape, seed: int) -> torch.Tensor:
-    """The full-size fp32 initial value of the parameter `name` (its key in the family's CausalLM, e.g.
-    `gpt_neox.layers.3.attention.dense.weight`): GPT-NeoX's per-role normal for matrices (Linear and Embedding weights,
-    the only 2-D parameters of our families), zeros for biases, ones for norm gains — as `_init_weights` gives, but
-    independent of which modules a rank builds and in which order."""
-    if name.endswith(".bias"):
-        return torch.zeros(shape)
-    if len(shape) == 1:
-        return torch.ones(shape)
-    from neox_hf.model.spec import spec_for_config
-
-    output_layer = name.rsplit(".", 1)[0].endswith(spec_for_config(config).output_layers)
-    method = config.output_layer_init_method if output_layer else config.init_method
-    std = init_std(method, hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
-                   sigma=config.initializer_range)
-    return torch.empty(shape).normal_(0.0, std, generator=parameter_generator(seed, name))
-
-
-class _NeoXInitMixin:
-    """Replaces transformers' single-std init by GPT-NeoX's per-role init.
-
-    Roles are tagged by module path before transformers runs its init, because `_init_weights` only sees the module.
-    A family's row-parallel output projections are its spec's `output_layers` (module-path suffixes), as for
-    `initial_tensor`.
-    """
-
-    def post_init(self):
-        from neox_hf.model.spec import spec_for_config
-
-        output_layers = spec_for_config(self.config).output_layers
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module._neox_output_layer = name.endswith(output_layers)
-        super().post_init()
-
-    def _init_weights(self, module):
-        if not isinstance(module, (nn.Linear, nn.Embedding)):
-            return super()._init_weights(module)
-        config = self.config
-        method = config.output_layer_init_method if getattr(module, "_neox_output_layer", False) else config.init_method
-        std = init_std(
-            method,
-            hidden_size=config.hidden_size,
-            num_layers=config.num_hidden_layers,
-            sigma=config.initializer_range,
-        )
-        init.normal_(module.weight, mean=0.0, std=std)
-        if getattr(module, "bias", None) is not None:
-            init.zeros_(module.bias)
 
 
 class NeoXModel(_NeoXInitMixin, GPTNeoXModel):
@@ -175,23 +100,31 @@ def config_from_recipe(
     )
 
 
-def family_config_kwargs(model_cfg, *, vocab_size: int, bos_token_id: int | None, eos_token_id: int | None,
-                         pad_token_id: int | None) -> dict:
-    """The config values every model family takes the same way from a recipe's `model` section (sizes, init,
-    dropout, special ids); each family's builder adds its own (norm, MLP width, rotary, attention layout)."""
-    return dict(
-        vocab_size=vocab_size,
-        hidden_size=model_cfg.hidden_size,
-        num_hidden_layers=model_cfg.num_layers,
-        num_attention_heads=model_cfg.num_attention_heads,
-        hidden_act=model_cfg.hidden_act,
-        max_position_embeddings=model_cfg.max_position_embeddings or model_cfg.seq_length,
-        tie_word_embeddings=model_cfg.tie_word_embeddings,
-        attention_dropout=model_cfg.attention_dropout,
-        initializer_range=model_cfg.init_method_std,
-        init_method=model_cfg.init_method,
-        output_layer_init_method=model_cfg.output_layer_init_method,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-    )
+GPT_NEOX = ModelSpec(
+    family="gpt_neox",
+    model_types=("gpt_neox",),
+    trunk="gpt_neox",
+    embedding="gpt_neox.embed_in",
+    layers="gpt_neox.layers",
+    final_norm="gpt_neox.final_layer_norm",
+    head="lm_head",
+    tp_plan={
+        "gpt_neox.embed_in": "vocab_embedding",
+        "gpt_neox.layers.*.attention.query_key_value": "column",
+        "gpt_neox.layers.*.attention.dense": "row",
+        "gpt_neox.layers.*.mlp.dense_h_to_4h": "column",
+        "gpt_neox.layers.*.mlp.dense_4h_to_h": "row",
+        "lm_head": "vocab_head",
+    },
+    # The embedding dropout enters the sequence-parallel region, every layer norm leaves it.
+    sequence_parallel_plan={
+        "gpt_neox.emb_dropout": "enter_sequence_parallel",
+        "gpt_neox.layers.*.input_layernorm": "sequence_norm",
+        "gpt_neox.layers.*.post_attention_layernorm": "sequence_norm",
+        "gpt_neox.final_layer_norm": "sequence_norm",
+    },
+    output_layers=("attention.dense", "mlp.dense_4h_to_h"),
+    model_class=lambda config: NeoXForCausalLM,
+    config_from_recipe=config_from_recipe,
+)
+register_family(GPT_NEOX)

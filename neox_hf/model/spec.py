@@ -4,12 +4,14 @@ A `ModelSpec` says which classes build the family, where its modules live (`trun
 head), which linear is column- or row-parallel (`tp_plan`, checked against transformers' own `base_model_tp_plan`
 in the tests), which modules run on sequence slices under sequence parallelism, which layers are output projections
 for GPT-NeoX's `output_layer_init_method`, the key/value-head attribute TP splits, and the model's names in GPT-NeoX
-checkpoints. Adding a family is one new entry in `SPECS`.
+checkpoints. Adding a family is one module that builds its classes and calls `register_family(ModelSpec(...))`,
+plus its import in `neox_hf/model/__init__.py`: this registry imports no family.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -30,74 +32,22 @@ class ModelSpec:
     # GPTNeoX module leaf names → this family's, so `peft.target_modules` written for GPTNeoX (the default) wraps
     # the same roles here
     from_gpt_neox_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # config → our CausalLM class (GPT-NeoX init, stock weights and config); recipe `model` section → config
+    model_class: Callable | None = field(default=None, compare=False)
+    config_from_recipe: Callable | None = field(default=None, compare=False)
 
     def layer_path(self, index: int) -> str:
         return f"{self.layers}.{index}"
 
 
-GPT_NEOX = ModelSpec(
-    family="gpt_neox",
-    model_types=("gpt_neox",),
-    trunk="gpt_neox",
-    embedding="gpt_neox.embed_in",
-    layers="gpt_neox.layers",
-    final_norm="gpt_neox.final_layer_norm",
-    head="lm_head",
-    tp_plan={
-        "gpt_neox.embed_in": "vocab_embedding",
-        "gpt_neox.layers.*.attention.query_key_value": "column",
-        "gpt_neox.layers.*.attention.dense": "row",
-        "gpt_neox.layers.*.mlp.dense_h_to_4h": "column",
-        "gpt_neox.layers.*.mlp.dense_4h_to_h": "row",
-        "lm_head": "vocab_head",
-    },
-    # The embedding dropout enters the sequence-parallel region, every layer norm leaves it.
-    sequence_parallel_plan={
-        "gpt_neox.emb_dropout": "enter_sequence_parallel",
-        "gpt_neox.layers.*.input_layernorm": "sequence_norm",
-        "gpt_neox.layers.*.post_attention_layernorm": "sequence_norm",
-        "gpt_neox.final_layer_norm": "sequence_norm",
-    },
-    output_layers=("attention.dense", "mlp.dense_4h_to_h"),
-)
+SPECS: dict[str, ModelSpec] = {}  # filled by the family modules as `neox_hf.model` imports them
 
-LLAMA = ModelSpec(
-    family="llama",
-    model_types=("llama", "mistral"),
-    trunk="model",
-    embedding="model.embed_tokens",
-    layers="model.layers",
-    final_norm="model.norm",
-    head="lm_head",
-    # q/k/v rows are whole heads ([heads, head_dim], [kv_heads, head_dim]): contiguous row blocks give each rank
-    # heads/TP query heads and the kv_heads/TP key/value heads their groups use.
-    tp_plan={
-        "model.embed_tokens": "vocab_embedding",
-        "model.layers.*.self_attn.q_proj": "column",
-        "model.layers.*.self_attn.k_proj": "column",
-        "model.layers.*.self_attn.v_proj": "column",
-        "model.layers.*.self_attn.o_proj": "row",
-        "model.layers.*.mlp.gate_proj": "column",
-        "model.layers.*.mlp.up_proj": "column",
-        "model.layers.*.mlp.down_proj": "row",
-        "lm_head": "vocab_head",
-    },
-    # Llama has no embedding dropout and builds positions and masks from the embeddings: the first layer's input
-    # enters the sequence-parallel region; every RMSNorm leaves it.
-    sequence_parallel_plan={
-        "model.layers.0": "enter_sequence_parallel_layer",
-        "model.layers.*.input_layernorm": "sequence_norm",
-        "model.layers.*.post_attention_layernorm": "sequence_norm",
-        "model.norm": "sequence_norm",
-    },
-    # GPT-NeoX's attention.dense and mlp.linear2
-    output_layers=("self_attn.o_proj", "mlp.down_proj"),
-    kv_heads_attr="num_key_value_heads",
-    from_gpt_neox_names={"query_key_value": ("q_proj", "k_proj", "v_proj"), "dense": ("o_proj",),
-                         "dense_h_to_4h": ("gate_proj", "up_proj"), "dense_4h_to_h": ("down_proj",)},
-)
 
-SPECS = {spec.family: spec for spec in (GPT_NEOX, LLAMA)}
+def register_family(spec: ModelSpec) -> ModelSpec:
+    """Add a family to the registry; its module calls this when imported (`neox_hf/model/__init__.py` imports
+    every family, and Python imports that package before any of its modules)."""
+    SPECS[spec.family] = spec
+    return spec
 
 
 def spec_for_family(family: str) -> ModelSpec:
@@ -126,14 +76,7 @@ def family_module_names(model, names) -> list[str]:
 
 def model_class_for_config(config):
     """Our CausalLM class (GPT-NeoX init, stock weights and config) for a transformers config."""
-    spec = spec_for_config(config)
-    if spec.family == "gpt_neox":
-        from neox_hf.model.modeling import NeoXForCausalLM
-
-        return NeoXForCausalLM
-    from neox_hf.model.llama import llama_model_class
-
-    return llama_model_class(config)
+    return spec_for_config(config).model_class(config)
 
 
 def config_class_for_folder(folder: str):
@@ -146,10 +89,26 @@ def config_class_for_folder(folder: str):
 
 def config_from_recipe(model_cfg, **kwargs):
     """The family's transformers config from a recipe's `model` section (`neox_hf.recipe.ModelConfig`)."""
-    if model_cfg.family == "llama":
-        from neox_hf.model.llama import llama_config_from_recipe
+    return spec_for_family(model_cfg.family).config_from_recipe(model_cfg, **kwargs)
 
-        return llama_config_from_recipe(model_cfg, **kwargs)
-    from neox_hf.model.modeling import config_from_recipe as neox_config_from_recipe
 
-    return neox_config_from_recipe(model_cfg, **kwargs)
+def family_config_kwargs(model_cfg, *, vocab_size: int, bos_token_id: int | None, eos_token_id: int | None,
+                         pad_token_id: int | None) -> dict:
+    """The config values every model family takes the same way from a recipe's `model` section (sizes, init,
+    dropout, special ids); each family's builder adds its own (norm, MLP width, rotary, attention layout)."""
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=model_cfg.hidden_size,
+        num_hidden_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_attention_heads,
+        hidden_act=model_cfg.hidden_act,
+        max_position_embeddings=model_cfg.max_position_embeddings or model_cfg.seq_length,
+        tie_word_embeddings=model_cfg.tie_word_embeddings,
+        attention_dropout=model_cfg.attention_dropout,
+        initializer_range=model_cfg.init_method_std,
+        init_method=model_cfg.init_method,
+        output_layer_init_method=model_cfg.output_layer_init_method,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )

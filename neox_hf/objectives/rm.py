@@ -56,7 +56,7 @@ def build_reward_model(recipe, tokenizer):
 def _reward_model(recipe, tokenizer):
     from transformers import AutoModelForSequenceClassification, GPTNeoXForSequenceClassification
 
-    from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, padded_vocab_size
+    from neox_hf.model.vocab import check_vocab_covers_tokenizer, padded_vocab_size
     from neox_hf.model import config_from_recipe
 
     m = recipe.model

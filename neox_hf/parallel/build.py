@@ -25,7 +25,7 @@ def build_model_plain(recipe, tokenizer, layout: Layout):
     `parallelize`. From scratch the model is layout-free (`model_from_seed`): each parameter drawn from the seed and
     its name, and under TP only this rank's shards ever exist.
     """
-    from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, padded_vocab_size
+    from neox_hf.model.vocab import check_vocab_covers_tokenizer, padded_vocab_size
     from neox_hf.model.spec import config_class_for_folder, config_from_recipe, model_class_for_config
     from neox_hf.parallel.tensor_parallel import from_pretrained_tensor_parallel
 
@@ -83,7 +83,7 @@ def _reinit_zero3_from_seed(model, config, seed: int):
     tensor's memory at a time), written (every rank draws the same values) and re-partitioned from the first rank."""
     import deepspeed
 
-    from neox_hf.model.modeling import initial_tensor
+    from neox_hf.model.init import initial_tensor
 
     for name, param in model.named_parameters():
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
@@ -101,7 +101,7 @@ def _tp_vocab_size(vocab: int, recipe) -> int:
     rows (real-token logits unchanged) and its config records the new size."""
     from accelerate import PartialState
 
-    from neox_hf.interop.tokenizer import padded_vocab_size
+    from neox_hf.model.vocab import padded_vocab_size
 
     tp = recipe.parallel.tensor_parallel
     if tp == 1 or vocab % tp == 0:

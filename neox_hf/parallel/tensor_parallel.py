@@ -255,7 +255,7 @@ def init_from_seed_(module: nn.Module, config, seed: int, *, prefix: str = "", t
     plus the largest single tensor, and the values are those of the whole model on one process.
     Gap filled: transformers' init (and torchtitan's `init_weights`) draw on one global generator in module order,
     so the values depend on which modules, and which slices, a rank builds."""
-    from neox_hf.model.modeling import initial_tensor
+    from neox_hf.model.init import initial_tensor
 
     with torch.no_grad():
         for name, param in module.named_parameters():

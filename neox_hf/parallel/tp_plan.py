@@ -45,7 +45,8 @@ HEAD_TENSORS = {"lm_head.weight": ("final_linear.weight", COLUMN)}
 
 # Module path → the layer that replaces it under TP (our kinds), and the sequence-parallel plan: each family's
 # entry in neox_hf.model.spec (the GPTNeoX names below are its spec's).
-from neox_hf.model.spec import GPT_NEOX, LLAMA, SPECS, spec_for_model  # noqa: E402
+from neox_hf.model.modeling import GPT_NEOX  # noqa: E402
+from neox_hf.model.spec import SPECS, spec_for_model  # noqa: E402
 
 TP_PLAN = GPT_NEOX.tp_plan
 SEQUENCE_PARALLEL_PLAN = GPT_NEOX.sequence_parallel_plan

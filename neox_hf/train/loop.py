@@ -19,8 +19,8 @@ from tqdm.auto import tqdm
 
 from neox_hf.data import DataNotes, gpt_neox_num_epochs, tokens_per_epoch
 from neox_hf.finetune import check_peft_recipe, save_finetuned, trainable_parameters_report, wrap_with_peft
-from neox_hf.interop.hf_folder import save_hf_folder
-from neox_hf.interop.tokenizer import load_tokenizer
+from neox_hf.model.folder import save_hf_folder
+from neox_hf.data.tokenizer import load_tokenizer
 from neox_hf.parallel import init_distributed
 from neox_hf.plot import model_card_section, write_run_plot
 from neox_hf.recipe import Recipe, settled

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from neox_hf.interop.hf_folder import save_hf_folder
-from neox_hf.interop.tokenizer import load_tokenizer
+from neox_hf.model.folder import save_hf_folder
+from neox_hf.data.tokenizer import load_tokenizer
 from neox_hf.recipe import recipe_from_dict
 
 REPO = Path(__file__).resolve().parents[2]

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from parallel_memory import live_tensor_bytes, step_peak_bytes  # noqa: E402
 
-from neox_hf.interop.tokenizer import load_tokenizer  # noqa: E402
+from neox_hf.data.tokenizer import load_tokenizer  # noqa: E402
 from neox_hf.parallel import build_model, init_distributed, parallelize  # noqa: E402
 from neox_hf.recipe import recipe_from_dict  # noqa: E402
 from neox_hf.train.step import train_step  # noqa: E402

@@ -74,7 +74,7 @@ def _communication_device(group) -> torch.device:
 def save_pipeline_hf_folder(engine, layout: Layout, config, out_dir, *, tokenizer=None,
                             extra_files: dict[str, str] | None = None, max_shard_size: str = "5GB") -> Path:
     """The merged, stock-loadable HF folder, written atomically by global rank 0. Collective."""
-    from neox_hf.interop.hf_folder import save_hf_folder
+    from neox_hf.model.folder import save_hf_folder
 
     full = gather_pipeline_state_dict(engine, layout)
     out = Path(out_dir)

@@ -234,7 +234,7 @@ def build_pipeline_model(recipe, tokenizer, layout: Layout):
     """This rank's stage as a PipelineModule, from the recipe: from scratch (GPT-NeoX init, padded vocabulary) or
     reading only the stage's TP slices of a local safetensors `model.from_pretrained` folder (vocabulary zero-padded
     when TP does not divide it). Collective; after the Accelerator exists."""
-    from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, padded_vocab_size
+    from neox_hf.model.vocab import check_vocab_covers_tokenizer, padded_vocab_size
     from neox_hf.model.spec import config_class_for_folder, config_from_recipe
 
     m, p = recipe.model, recipe.parallel

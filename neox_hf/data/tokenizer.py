@@ -12,7 +12,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from neox_hf.errors import CheckpointError, RecipeError
+from neox_hf.errors import RecipeError
 
 
 def load_tokenizer(path: str, *, eos_token: str = "<|endoftext|>", pad_token: str = "<|padding|>") -> PreTrainedTokenizerBase:
@@ -74,18 +74,3 @@ def _first_line(err: BaseException) -> str:
 def _require_token(tokenizer, token: str, role: str) -> None:
     if token not in tokenizer.get_vocab():
         raise RecipeError(f"tokenizer has no token {token!r} for `tokenizer.{role}`; set `tokenizer.{role}` to a token of its vocabulary")
-
-
-def check_vocab_covers_tokenizer(model_vocab_size: int, tokenizer, where: str = "model") -> None:
-    """Refuse a model whose embedding is smaller than the tokenizer: ids ≥ vocab_size would crash mid-run."""
-    if model_vocab_size < len(tokenizer):
-        raise CheckpointError(
-            f"{where} has vocab_size {model_vocab_size} but the tokenizer has {len(tokenizer)} tokens; "
-            "use the tokenizer the model was trained with, or resize the embedding (model.resize_token_embeddings)"
-        )
-
-
-def padded_vocab_size(tokenizer_size: int, divisible_by: int, tensor_parallel: int = 1) -> int:
-    """GPT-NeoX's rule: pad the vocabulary to a multiple of make_vocab_size_divisible_by × TP size."""
-    multiple = divisible_by * tensor_parallel
-    return ((tokenizer_size + multiple - 1) // multiple) * multiple
