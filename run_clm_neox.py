@@ -3,7 +3,7 @@
 
 import sys
 
-from neox_hf.train import main
+from neox_hf.cli import train_main as main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,7 +4,7 @@ One command, one table:
 
     OMP_NUM_THREADS=1 python benchmarks/finetune.py [--steps 200] [--micro-batch 4] [--losses fused,unfused]
 
-The loss is `neox_hf.train.loss.causal_lm_loss` (sum over labelled tokens, divided by their count here), fused or not;
+The loss is `neox_hf.ops.loss.causal_lm_loss` (sum over labelled tokens, divided by their count here), fused or not;
 where that module is absent (before the loop's rewrite) the same computation is done here from `neox_hf.ops`.
 
 The model is randomly initialised (Pythia-14M shape: 6 layers, hidden 128, 4 heads, vocab 50304, untied), so the
@@ -69,7 +69,7 @@ class PeakRSS:
 def loss_function(fused: bool):
     """batch → (loss sum, labelled tokens): the training loss of neox_hf, fused or not."""
     try:
-        from neox_hf.train.loss import causal_lm_loss
+        from neox_hf.ops.loss import causal_lm_loss
     except ImportError:  # before the loop's rewrite: the same computation from the op
         return lambda model, batch: _head_loss(model, batch, fused)
     return lambda model, batch: causal_lm_loss(model, batch, fused=fused)

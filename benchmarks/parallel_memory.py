@@ -4,10 +4,10 @@
 
     python benchmarks/parallel_memory.py --layouts "pipeline 2,pipeline 2 × TP2"   (the 1-process baseline always runs)
 
-Runs our training step (neox_hf.parallel: build_model → parallelize; neox_hf.train.loss: causal_lm_loss) under
+Runs our training step (neox_hf.parallel: build_model → parallelize; neox_hf.ops.loss: causal_lm_loss) under
 `accelerate launch` for: 1 process (no DeepSpeed), DP2 ZeRO-1/2/3, TP2 (ZeRO-1), TP2 with sequence parallelism,
 TP2×DP2 (ZeRO-1, 4 processes), and pipeline 2 / pipeline 2 × TP2 (DeepSpeed's pipeline engine through
-neox_hf.parallel.pipeline, PIPE_MICRO_BATCHES micro-batches of the same shape per step; ZeRO-1 as GPT-NeoX, and
+neox_hf.engines.pipeline, PIPE_MICRO_BATCHES micro-batches of the same shape per step; ZeRO-1 as GPT-NeoX, and
 without ZeRO: with one data-parallel rank ZeRO-1 shards nothing and DeepSpeed's ZeRO-1 optimizer keeps an fp32 master
 copy and a flat gradient copy besides the parameters and their gradients, 24 bytes per parameter against the 16 of
 one process, while without ZeRO fp32 keeps the 16), and prints per rank 0 (pipeline rows: the largest rank, since
@@ -172,7 +172,7 @@ def layers_peak(module, batch: dict) -> int:
 def loss_computation_peak(module, batch: dict) -> int:
     """Peak bytes of the head + cross-entropy, forward and backward to the hidden states and the head's weight (not
     kept: a model state)."""
-    from neox_hf.train.loss import head_loss
+    from neox_hf.ops.loss import head_loss
 
     with torch.no_grad():
         hidden = module.base_model(input_ids=batch["input_ids"], use_cache=False).last_hidden_state
@@ -225,10 +225,10 @@ def planned_total(processes: int, zero: int, tp: int, sp: bool, pp: int, args) -
 def worker(args) -> None:
     from neox_hf.data.tokenizer import load_tokenizer
     from neox_hf.parallel.accelerator import build_accelerator
-    from neox_hf.parallel import build_model, parallelize
+    from neox_hf.engines import build_engine
     from neox_hf.parallel.layout import build_layout
     from neox_hf.recipe import recipe_from_dict
-    from neox_hf.train.loss import causal_lm_loss
+    from neox_hf.ops.loss import causal_lm_loss
 
     recipe = recipe_from_dict(layout_recipe(args.processes, args.zero, args.tp, args.sequence_parallel, args.pp,
                                             args.layers, args.hidden, args.micro_batch, args.precision))
@@ -237,7 +237,8 @@ def worker(args) -> None:
     if args.pp > 1:
         return pipeline_worker(args, recipe, accelerator, tokenizer)
     layout = build_layout(recipe.parallel)
-    model, optimizer = parallelize(build_model(recipe, tokenizer, layout), layout, recipe, accelerator)
+    engine = build_engine(recipe, accelerator, layout)
+    model, optimizer = engine.parallelize(engine.build_model(tokenizer))
     generator = torch.Generator().manual_seed(0)
     module = getattr(model, "module", model)
     device = accelerator.device
@@ -291,8 +292,8 @@ def pipeline_worker(args, recipe, accelerator, tokenizer) -> None:
     from neox_hf.model.vocab import padded_vocab_size
     from neox_hf.model import config_from_recipe
     from neox_hf.parallel.layout import build_layout
-    from neox_hf.parallel.pipeline import build_pipeline_module, pipeline_train_step
-    from neox_hf.parallel import build_optimizer
+    from neox_hf.engines.pipeline import build_pipeline_module, pipeline_train_step
+    from neox_hf.engines.optimizer import build_optimizer
 
     layout = build_layout(recipe.parallel)
     vocab = padded_vocab_size(len(tokenizer), recipe.model.make_vocab_size_divisible_by, layout.tp)

@@ -45,7 +45,7 @@ def _build(path: str, config, rank: int):
     import torch.distributed as dist
 
     from neox_hf.model.modeling import NeoXForCausalLM
-    from neox_hf.parallel.build import model_from_seed
+    from neox_hf.engines.build import model_from_seed
     from neox_hf.parallel.layout import Layout
     from neox_hf.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -55,8 +55,8 @@ def _build(path: str, config, rank: int):
         return apply_tensor_parallel(whole, group)
     if path == "new":
         return model_from_seed(NeoXForCausalLM, config, 1234, Layout(tp=2, tp_rank=rank, tp_group=group))
-    from neox_hf.parallel.pipeline import StageBuilder
-    from neox_hf.parallel.pipeline.partition import partition_stages, pipeline_layer_infos
+    from neox_hf.engines.pipeline import StageBuilder
+    from neox_hf.engines.pipeline.partition import partition_stages, pipeline_layer_infos
 
     stage = int(path[-1])
     builder = StageBuilder(config, Layout(pp=2, pp_rank=stage, tp=2, tp_rank=rank, tp_group=group), seed=1234)
@@ -69,7 +69,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     import neox_hf.model.modeling  # noqa: F401  (imports counted in the baseline, not the build)
-    import neox_hf.parallel.pipeline  # noqa: F401
+    import neox_hf.engines.pipeline  # noqa: F401
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=2)

@@ -124,14 +124,14 @@ class _quiet_lm_eval:
         self._logger.setLevel(self._level)
 
 
-def eval_tasks_in_training(accelerator, model, tokenizer, tasks: list[str], *, layout=None, batch_size: int = 8,
+def eval_tasks_in_training(accelerator, model, tokenizer, tasks: list[str], *, engine=None, batch_size: int = 8,
                            max_length: int | None = None) -> dict[str, float]:
     """Scores on the main process (`{}` on the others), whatever the layout; every rank must call it.
 
     See the module docstring for how tensor parallelism and ZeRO-3 are handled (a gathered plain copy).
     """
     unwrapped = accelerator.unwrap_model(model)
-    full = _full_weights_copy(accelerator, model, unwrapped, layout)
+    full = _full_weights_copy(accelerator, unwrapped, engine)
     scores: dict[str, float] = {}
     if accelerator.is_main_process:
         target = full if full is not None else _plain_causal_lm(unwrapped)
@@ -141,14 +141,13 @@ def eval_tasks_in_training(accelerator, model, tokenizer, tasks: list[str], *, l
     return scores
 
 
-def _full_weights_copy(accelerator, model, unwrapped, layout):
+def _full_weights_copy(accelerator, unwrapped, engine):
     """A plain GPTNeoX holding the gathered weights on the main process, or None where the weights are whole."""
     zero3 = getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0) == 3
+    layout = engine.layout if engine is not None else None
     if (layout is None or (layout.tp == 1 and layout.pp == 1)) and not zero3:  # pipeline stages: merged too
         return None
-    from neox_hf.parallel import full_state_dict
-
-    state_dict = full_state_dict(model, layout, accelerator)  # collective: TP shards merged, ZeRO-3 gathered
+    state_dict = engine.full_state_dict()  # collective: TP shards merged, ZeRO-3 gathered, pipeline stages merged
     if not accelerator.is_main_process:
         return None
     from neox_hf.model.spec import model_class_for_config

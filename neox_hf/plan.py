@@ -5,7 +5,7 @@
 Gap filled: `accelerate estimate-memory` counts weights and Adam only; DeepSpeed's
 `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs` know ZeRO but not tensor or
 pipeline parallelism, activations or the loss. This module knows every part of our layout (the pipeline partition of
-`neox_hf.parallel.pipeline`, the tensor-parallel split table of `neox_hf.parallel.tp_plan`, the DeepSpeed config
+`neox_hf.engines.pipeline`, the tensor-parallel split table of `neox_hf.parallel.tp_plan`, the DeepSpeed config
 `neox_hf.parallel.accelerator` generates, the fused loss's chunking) and counts, per rank and per pipeline stage:
 
 - params / grads / optimizer: what the engine keeps. Without DeepSpeed (one process) fp32 weights, grads and two
@@ -239,7 +239,7 @@ def _pipeline_layer_tensors(config_json: str) -> tuple[tuple[tuple[str, int, boo
     import torch
 
     from neox_hf.model import NeoXConfig, NeoXForCausalLM
-    from neox_hf.parallel.pipeline import pipeline_layer_infos
+    from neox_hf.engines.pipeline import pipeline_layer_infos
     from neox_hf.parallel.tp_plan import partition_dim
 
     config = NeoXConfig.from_dict(json.loads(config_json))
@@ -275,7 +275,7 @@ def _layer_parameters_per_rank(shape: ModelShape, tp: int) -> list[int]:
 
 
 def stage_bounds(shape: ModelShape, pp: int, method: str) -> list[int]:
-    from neox_hf.parallel.pipeline import partition_stages
+    from neox_hf.engines.pipeline import partition_stages
 
     if pp == 1:
         return [0, len(layer_parameters_per_rank(shape, 1))]
@@ -301,7 +301,7 @@ def stage_transformer_layers(shape: ModelShape, pp: int, method: str) -> list[in
 
 
 def _stage_transformer_layers(shape: ModelShape, pp: int, method: str) -> list[int]:
-    from neox_hf.parallel.pipeline import pipeline_layer_infos
+    from neox_hf.engines.pipeline import pipeline_layer_infos
 
     infos, parts = shape.cached("infos", lambda: pipeline_layer_infos(shape.config)), stage_bounds(shape, pp, method)
     return [sum(i.name == "TransformerLayerPipe" for i in infos[parts[s]:parts[s + 1]]) for s in range(len(parts) - 1)]
@@ -495,7 +495,7 @@ def step_seconds(shape: ModelShape, layout: Layout, engine: Engine, params_per_r
 
 
 def bubble(layout: Layout) -> float:
-    from neox_hf.parallel.pipeline import bubble_fraction
+    from neox_hf.engines.pipeline import bubble_fraction
 
     return bubble_fraction(layout.pipeline, layout.gradient_accumulation_steps) if layout.pipeline > 1 else 0.0
 
@@ -620,6 +620,17 @@ def startup_memory_warnings(recipe, device_memory_bytes: int, gpus: int | None =
             f"more than this GPU's {_gib(device_memory_bytes)} GiB: expect out-of-memory; run `neox_hf plan "
             f"RECIPE --gpus {layout.layout.gpus} --gpu-memory {device_memory_bytes / GIB:.0f}` for layouts that fit"
             for s in layout.stages if s.total > limit]
+
+
+def gpu_memory_warnings(recipe, layout) -> list[str]:
+    """On a GPU: a line per pipeline stage whose planned peak exceeds this device's memory (the hook the training
+    entry point hands `neox_hf.train.loop.train`, printed before the model is built); nothing elsewhere."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return startup_memory_warnings(recipe, memory, gpus=layout.world_size)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ def train_in_this_process(argv: list[str]) -> str:
     DeepSpeed: a DeepSpeed engine is never built in a pytest worker."""
     import io
 
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
 
     printed = io.StringIO()
     # A test elsewhere on this worker that left its Accelerator (another precision) would make Accelerate refuse

@@ -35,7 +35,7 @@ def zero2_run(tmp_path_factory, small_text) -> Path:
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory, small_text) -> Path:
     """A 1-process run without DeepSpeed, checkpoints at steps 1 and 2."""
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
 
     out = tmp_path_factory.mktemp("plain") / "run"
     try:
@@ -83,7 +83,7 @@ def test_a_zero_checkpoint_resumes_on_one_plain_process_and_one_without_layout_f
     rest of both ranks' pass dealt to the one rank). A checkpoint without that state (written before it existed) is
     refused naming both launches: it was once called truncated or corrupt, with advice (start again with
     --overwrite) that deletes a good checkpoint."""
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
 
     out = tmp_path / "run"
     shutil.copytree(zero2_run, out)
@@ -115,7 +115,7 @@ def test_a_runs_files_get_the_umasks_mode(small_text, tmp_path, capsys, fresh_ac
     import os
     import stat
 
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
 
     out = tmp_path / "run"
     umask = os.umask(0o022)
@@ -177,7 +177,7 @@ def test_a_disk_that_fills_during_a_checkpoint_save_keeps_the_previous_one_and_n
     """Room for the step-1 checkpoint and part of step 2's: the save fails in safetensors' writer (`weights`) or in
     torch.save's zip writer (`optimizer`), which raised SafetensorError / `RuntimeError: [enforce fail at
     inline_container.cc]` and left the staging folder filling the disk. A real full disk: a tmpfs."""
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
 
     step1 = plain_run / "checkpoints" / checkpoint_name(1)
     sizes = {p.name: p.stat().st_size for p in step1.iterdir()}
@@ -199,7 +199,7 @@ def test_a_run_killed_after_its_final_evaluation_resumes_without_a_second_eval_l
     resume from that checkpoint evaluates again, and train_log.jsonl held two evaluation lines of the last step."""
     import json
 
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
 
     out = tmp_path / "run"
     args = tiny_args(out, small_text, "--train.precision", "fp32", "--train.eval_iters", "1", steps=2, save=2)
@@ -217,7 +217,7 @@ def test_a_resume_removes_the_staging_a_killed_run_left_and_nothing_else(plain_r
                                                                          fresh_accelerate_state):
     """A kill mid-save leaves `.tmp-*` staging (a checkpoint's, the final folder's, a file's) holding the space of a
     checkpoint; the next run that holds the folder's lock removes what matches the writers' names, and only that."""
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
 
     out = tmp_path / "run"
     shutil.copytree(plain_run, out)

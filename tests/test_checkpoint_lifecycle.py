@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from neox_hf.train import main
+from neox_hf.cli import train_main as main
 from neox_hf.checkpoint import checkpoint_name, is_complete_checkpoint
 from tests.conftest import BUNDLED_TOKENIZER, REPO, launch_env, reset_accelerate_state
 

@@ -91,7 +91,7 @@ def run_clm(*args, timeout: int = 300) -> subprocess.CompletedProcess:
 
 def in_process_run(*args: str, capsys) -> str:
     """`run_clm_neox.py ARGS` in this process (the CUDA context is already up); returns its stdout."""
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
 
     code = main([str(a) for a in args])
     captured = capsys.readouterr()

@@ -34,7 +34,7 @@ def tok():
 
 def run_train(tmp_path: Path, sources: str, capsys, *extra: str) -> tuple[int, str, str]:
     """recipes/tiny.yaml on `sources` (a YAML list), 2 steps of 32 tokens, no eval: (exit code, stdout, stderr)."""
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
 
     code = main([TINY, "--tokenizer.path", str(BUNDLED_TOKENIZER), "--output.dir", str(tmp_path / "out"),
                  "--data.sources", sources, "--data.validation_fraction", "0", "--model.seq_length", "32",

@@ -22,7 +22,7 @@ from neox_hf.data import build_train_loader
 from neox_hf.errors import CheckpointError, RecipeError
 from neox_hf.recipe import PeftConfig
 from neox_hf.train import loop
-from neox_hf.train.loss import causal_lm_loss
+from neox_hf.ops.loss import causal_lm_loss
 from tests.conftest import accelerate_launch_command, launch_env
 
 WORKERS = Path(__file__).parent / "workers"

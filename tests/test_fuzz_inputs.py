@@ -1,7 +1,7 @@
 """Bad input, as a new user types it: recipe values, YAML files, command-line arguments, files and folders.
 
 Every case must exit with status 2, print exactly one `error:` line that names the problem (the needle) and no
-`Traceback`. All run in-process through the entry-point functions (`neox_hf.train.main`, `neox_hf.cli.main`) and
+`Traceback`. All run in-process through the entry-point functions (`neox_hf.cli.train_main`, `neox_hf.cli.main`) and
 fail before any model is built, so the whole file takes seconds once the libraries are imported.
 """
 
@@ -62,7 +62,7 @@ RECIPE_VALUES = [
 
 
 def run_train(argv: list[str], capsys) -> tuple[int, str]:
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
 
     code = main(argv)
     return code, capsys.readouterr().err

@@ -138,7 +138,7 @@ class _WritesRecorded:
 def test_every_rank_writes_its_refusal_in_one_call_so_ranks_cannot_interleave_it(launched, monkeypatch):
     """Every rank of a launch refuses a contradicting accelerate config and all share one stderr pipe. `print` wrote
     the line and its newline in two calls, and CI caught two ranks' lines joined as "error: …error: …"."""
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
 
     launched("--use_deepspeed", "--num_processes", "2", "--zero_stage", "3")
     stderr = _WritesRecorded()

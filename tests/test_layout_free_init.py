@@ -33,7 +33,7 @@ def _llama_config():
 
 def _whole(config, seed=SEED) -> dict[str, torch.Tensor]:
     from neox_hf.model.spec import model_class_for_config
-    from neox_hf.parallel.build import model_from_seed
+    from neox_hf.engines.build import model_from_seed
 
     return model_from_seed(model_class_for_config(config), config, seed).state_dict()
 
@@ -59,10 +59,10 @@ def test_whole_model_pipeline_stages_and_tp_shards_start_from_the_same_weights(f
     """One process whole = two pipeline stages (each part built alone) = two TP ranks' slices, concatenated; every
     value drawn from the seed and the name, so another seed changes every matrix."""
     from neox_hf.model.spec import model_class_for_config
-    from neox_hf.parallel.build import model_from_seed
+    from neox_hf.engines.build import model_from_seed
     from neox_hf.parallel.layout import Layout
-    from neox_hf.parallel.pipeline import StageBuilder
-    from neox_hf.parallel.pipeline.partition import partition_stages, pipeline_layer_infos
+    from neox_hf.engines.pipeline import StageBuilder
+    from neox_hf.engines.pipeline.partition import partition_stages, pipeline_layer_infos
 
     config = {"gpt_neox": _neox_config, "llama": _llama_config,
               "gpt_neox_tied": lambda: _neox_config(tie_word_embeddings=True)}[family]()
@@ -105,7 +105,7 @@ def test_layout_free_init_keeps_gpt_neox_roles_and_constants():
     rotary buffers of transformers' own init."""
     from neox_hf.model.modeling import NeoXForCausalLM
     from neox_hf.model.init import init_std
-    from neox_hf.parallel.build import model_from_seed
+    from neox_hf.engines.build import model_from_seed
 
     config = _neox_config(hidden_size=64, intermediate_size=256, num_hidden_layers=2)
     model, stock = model_from_seed(NeoXForCausalLM, config, SEED), NeoXForCausalLM(config)

@@ -151,12 +151,12 @@ class _Tokenizer:
 
 @pytest.mark.parametrize("window,stock", [(None, LlamaForCausalLM), (8, MistralForCausalLM)])
 def test_built_from_scratch_with_gpt_neox_init_and_saved_for_stock_transformers(tmp_path, window, stock):
-    from neox_hf.parallel.build import build_model_plain
+    from neox_hf.engines.build import build_model_from_recipe
     from neox_hf.parallel.layout import Layout
 
     recipe = _tiny_llama_recipe(sliding_window=window, make_vocab_size_divisible_by=128)
     torch.manual_seed(0)
-    model = build_model_plain(recipe, _Tokenizer(), Layout()).eval()
+    model = build_model_from_recipe(recipe, _Tokenizer(), Layout()).eval()
     assert isinstance(model, stock) and model.config.vocab_size == 512
     assert model.config.num_key_value_heads == 2 and model.config.intermediate_size == 96
     # GPT-NeoX init: small_init sqrt(2 / 5d) for the inputs, wang_init 2 / (L sqrt(d)) for the output projections
@@ -172,7 +172,7 @@ def test_built_from_scratch_with_gpt_neox_init_and_saved_for_stock_transformers(
 
 def test_a_llama_folder_continues_in_its_own_family(tmp_path):
     from neox_hf.model.llama import NeoXLlamaForCausalLM
-    from neox_hf.parallel.build import build_model_plain
+    from neox_hf.engines.build import build_model_from_recipe
     from neox_hf.parallel.layout import Layout
 
     torch.manual_seed(0)
@@ -180,7 +180,7 @@ def test_a_llama_folder_continues_in_its_own_family(tmp_path):
                                          num_key_value_heads=2, intermediate_size=96, mlp_bias=True)).eval()
     stock.save_pretrained(tmp_path)
     recipe = recipe_from_dict({"model": {"from_pretrained": str(tmp_path)}})
-    model = build_model_plain(recipe, _Tokenizer(), Layout()).eval()
+    model = build_model_from_recipe(recipe, _Tokenizer(), Layout()).eval()
     assert isinstance(model, NeoXLlamaForCausalLM)
     ids = torch.randint(0, 500, (2, 24))
     assert torch.equal(model(ids).logits, stock(ids).logits)
@@ -372,7 +372,7 @@ def test_llama2_7b_recipe_is_llama_2_7b_shape():
 
 
 def _pipeline_builds_llama() -> bool:
-    from neox_hf.parallel.pipeline.partition import pipeline_layer_infos
+    from neox_hf.engines.pipeline.partition import pipeline_layer_infos
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
     return pipeline_layer_infos(config)[1].paths == ("model.layers.0",)
@@ -386,7 +386,7 @@ def test_pipeline2_trains_llama_as_one_process_and_saves_a_stock_folder(tmp_path
     sys.path.insert(0, str(REPO / "tests" / "workers"))
     from pipe_common import STEPS, eval_batches, rank_micro_batches, recipe_dict
 
-    from neox_hf.parallel import build_optimizer
+    from neox_hf.engines.optimizer import build_optimizer
     from neox_hf.train.schedule import build_lr_scheduler
 
     torch.manual_seed(0)

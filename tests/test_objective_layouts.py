@@ -1,6 +1,6 @@
 """DPO and reward-model runs on every layout equal one process (fp32): the step's pair weighting over micro-batches
 and data-parallel ranks, ZeRO's partitions and tensor parallelism do not change the losses, through the real entry
-point `run_clm_neox.py` calls (`neox_hf.train.main`).
+point `run_clm_neox.py` calls (`neox_hf.cli.train_main`).
 
 Layouts: DPO on DP2 ZeRO-1, DP2 ZeRO-3 and TP2; RM on DP2 ZeRO-0, DP2 ZeRO-2 and TP2 — every ZeRO stage and TP for
 each step path the objectives share (the plain engine's step is the same code for both; one objective per stage). One
@@ -8,9 +8,9 @@ process runs micro-batches of 2 pairs × 2 accumulation steps; DP2 runs 2 pairs 
 loader hands both the same 4 pairs per step (global windows of dp × P pairs).
 
 What runs where: the six layouts run one after the other in ONE 2-process `accelerate launch` of
-tests/workers/init_layouts.py (each its own recipe file, `neox_hf.train.main` per run, the ZeRO-3 one last): on 2
+tests/workers/init_layouts.py (each its own recipe file, `neox_hf.cli.train_main` per run, the ZeRO-3 one last): on 2
 cores a launch's start-up (importing torch, transformers and DeepSpeed in a launcher and two ranks) costs far more
-than a tiny run, so six launches cost ~six times one. The one-process references run `neox_hf.train.main` in the test
+than a tiny run, so six launches cost ~six times one. The one-process references run `neox_hf.cli.train_main` in the test
 process itself (no DeepSpeed there: their recipes set `use_deepspeed: false`), sparing a process start each.
 """
 
@@ -74,7 +74,7 @@ def steps(out) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def one_process(base, tmp_path_factory):
-    """The reference runs: `neox_hf.train.main` (what `run_clm_neox.py` calls) in this process, per objective;
+    """The reference runs: `neox_hf.cli.train_main` (what `run_clm_neox.py` calls) in this process, per objective;
     `one_process(objective)` runs it the first time a test of the module asks for it, so the fast tier (the TRL
     comparison alone) runs the reward model's only, not DPO's too."""
     runs = {}

@@ -285,7 +285,7 @@ def test_reward_loss_metrics_and_gradients_equal_trl(trl_rm, tokenizer, tmp_path
 
 
 def test_lm_objective_is_the_causal_lm_loss(tokenizer):
-    from neox_hf.train.loss import causal_lm_loss
+    from neox_hf.ops.loss import causal_lm_loss
 
     policy = _policy_and_reference()[0]
     batch = {"input_ids": torch.tensor([[5, 6, 7, 8], [9, 10, 1, 1]]), "attention_mask": torch.tensor([[1] * 4, [1, 1, 0, 0]]),

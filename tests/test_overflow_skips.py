@@ -21,7 +21,7 @@ from neox_hf.checkpoint import TrainState
 from neox_hf.train.guards import OverflowGuard
 from neox_hf.train.loop import History, StepLogger, TrainingRun, _advance_schedule
 from neox_hf.train.schedule import build_lr_scheduler
-from neox_hf.train.step import StepResult
+from neox_hf.parallel.layout import StepResult
 
 
 def _train_log(run) -> list[dict]:
@@ -132,7 +132,7 @@ def test_a_fused_optimizer_step_the_grad_scaler_skipped_is_seen_as_skipped():
     """fp16 without DeepSpeed (torch AMP): with the fused AdamW GradScaler always calls optimizer.step() and the kernel
     skips the update itself, so a 'was step() called' test (Accelerate's optimizer_step_was_skipped) says applied.
     The scaler's back-off is what tells. The CPU GradScaler runs the same logic as the CUDA one."""
-    from neox_hf.train.step import scaler_backed_off
+    from neox_hf.engines.scaler import scaler_backed_off
 
     param = torch.nn.Parameter(torch.ones(4))
     optimizer = torch.optim.AdamW([param], lr=0.1, fused=True)

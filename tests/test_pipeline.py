@@ -91,7 +91,7 @@ def _forward_sums(model, batch) -> tuple[torch.Tensor, int]:
 def one_process(model_dir, mode: str, tmp_path, dp_for_eval: int = 1):
     """(per-step losses, tokens, eval losses before/after, trained model) of the one-process reference."""
     from neox_hf.recipe import recipe_from_dict
-    from neox_hf.parallel import build_optimizer
+    from neox_hf.engines.optimizer import build_optimizer
     from neox_hf.train.schedule import build_lr_scheduler
 
     recipe = recipe_from_dict(recipe_dict(tmp_path / "reference"))
@@ -238,13 +238,13 @@ def assert_export_equals_final(run_dir, exported_dir):
 @pytest.mark.parametrize("method,parts", [("type:transformer", [0, 3, 7]), ("uniform", [0, 4, 7]),
                                           ("parameters", [0, 3, 7])])
 def test_partition_methods_split_the_pipeline_layers(method, parts):
-    from neox_hf.parallel.pipeline import partition_stages
+    from neox_hf.engines.pipeline import partition_stages
 
     assert partition_stages(tiny_config(), 2, method) == parts  # embedding, 4 layers, final norm, head
 
 
 def test_gpt_neox_20b_partition_puts_11_transformer_layers_on_each_of_4_stages():
-    from neox_hf.parallel.pipeline import partition_stages, pipeline_layer_infos
+    from neox_hf.engines.pipeline import partition_stages, pipeline_layer_infos
 
     config = tiny_config(num_hidden_layers=44)
     parts = partition_stages(config, 4)
@@ -255,7 +255,7 @@ def test_gpt_neox_20b_partition_puts_11_transformer_layers_on_each_of_4_stages()
 
 def test_bad_partitions_are_refused_by_name():
     from neox_hf.errors import RecipeError
-    from neox_hf.parallel.pipeline import partition_stages
+    from neox_hf.engines.pipeline import partition_stages
 
     with pytest.raises(RecipeError, match="type:attention.*matches none"):
         partition_stages(tiny_config(), 2, "type:attention")
@@ -264,7 +264,7 @@ def test_bad_partitions_are_refused_by_name():
 
 
 def test_startup_report_names_layers_parameters_and_bubble():
-    from neox_hf.parallel.pipeline import bubble_fraction, partition_stages, pipeline_report
+    from neox_hf.engines.pipeline import bubble_fraction, partition_stages, pipeline_report
 
     config = tiny_config(tie_word_embeddings=True)
     lines = pipeline_report(config, partition_stages(config, 2), micro_batches=4, tp=2)
@@ -278,7 +278,7 @@ def test_stage_builder_reads_only_its_tensors_and_initialises_like_gpt_neox(mode
     from neox_hf.model import NeoXConfig
     from neox_hf.model.init import init_std
     from neox_hf.parallel.layout import Layout
-    from neox_hf.parallel.pipeline import StageBuilder
+    from neox_hf.engines.pipeline import StageBuilder
 
     config = NeoXConfig.from_pretrained(models / "untied")
     stock = GPTNeoXForCausalLM.from_pretrained(models / "untied")

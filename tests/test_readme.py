@@ -147,7 +147,7 @@ def _python_snippets() -> list[str]:
 @pytest.mark.distributed  # slow tier: a whole run in a subprocess or in process
 def test_readme_commands_run_as_written(workspace, capsys):
     from neox_hf.cli import main as cli_main
-    from neox_hf.train import main as train_main
+    from neox_hf.cli import train_main as train_main
 
     small = workspace / "small.txt"
     placeholders = {"BASE": "outputs/tiny", "ADAPTER": "outputs/finetune-lora-gsm8k"}

@@ -269,7 +269,7 @@ def test_auto_is_the_default_but_a_gpt_neox_config_keeps_gpt_neoxs_precision(tmp
 
 def test_print_config_says_what_auto_chose_and_why(capsys):
     from neox_hf.hardware import bf16_verdict
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
 
     assert main([str(REPO / "recipes" / "tiny.yaml"), "--print-config"]) == 0
     printed = capsys.readouterr().out
@@ -305,7 +305,7 @@ def test_tf32_is_off_unless_the_recipe_asks(tmp_path, fresh_accelerate_state):
 
 def test_print_config_ends_with_the_plans_line_for_the_recipes_layout(capsys):
     """`--print-config` shows what `neox_hf plan` says of the recipe's own layout: memory per rank before launch."""
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
 
     assert main([str(REPO / "recipes" / "tiny.yaml"), "--print-config", "--parallel.zero_stage", "1"]) == 0
     last = capsys.readouterr().out.splitlines()[-1]

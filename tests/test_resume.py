@@ -169,7 +169,7 @@ def assert_tp2_folder_is_merged(out: Path, stdout: str) -> None:
 @pytest.mark.distributed  # slow tier: a whole (tiny) run, then its resume
 def test_resuming_a_checkpoint_past_train_iters_is_refused_naming_the_step(tmp_path, capsys, fresh_accelerate_state):
     """It would train nothing and save the longer run's model under a recipe.yaml that says the shorter one."""
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
 
     out = tmp_path / "run"
     common = [str(REPO / "recipes" / "tiny.yaml"), "--model.hidden_size", "32", "--model.seq_length", "32",

@@ -9,7 +9,7 @@ is kept per data-parallel rank: the pairs compared with the source run keep the 
 another data-parallel size (the rest of the pass dealt to the new ranks: other batches, so not compared) only has to
 go on to step 6 with finite losses.
 
-Every run goes through the entry point `run_clm_neox.py` calls (`neox_hf.train.main`). To keep the module's CPU
+Every run goes through the entry point `run_clm_neox.py` calls (`neox_hf.cli.train_main`). To keep the module's CPU
 down (start-up, ~10 s of imports per process on 2 cores, is most of a tiny run), the runs of one process count share
 a launch (tests/workers/init_layouts.py: the 2-process sources in one launch, the 2-process resumes in another) and
 the one-process runs run in the test process: 11 processes instead of 32."""

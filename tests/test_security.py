@@ -82,7 +82,7 @@ def test_the_payloads_do_run_when_unpickled_fully(tmp_path):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, small_text) -> Path:
     """A 1-process run of 2 steps with a checkpoint at step 2."""
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
 
     out = tmp_path_factory.mktemp("trained") / "run"
     try:
@@ -98,7 +98,7 @@ def trained(tmp_path_factory, small_text) -> Path:
 ], ids=["rng-state", "rng-state-raw-pickle", "trainer-state", "optimizer-state"])
 def test_resume_refuses_a_checkpoint_file_that_would_run_code(trained, small_text, tmp_path, capsys, name, payload,
                                                              raw_pickle, fresh_accelerate_state):
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
 
     out = tmp_path / "run"
     shutil.copytree(trained, out)
@@ -110,7 +110,7 @@ def test_resume_refuses_a_checkpoint_file_that_would_run_code(trained, small_tex
 
 
 def test_resume_of_the_untouched_checkpoint_still_works(trained, small_text, tmp_path, capsys, fresh_accelerate_state):
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
 
     out = tmp_path / "run"
     shutil.copytree(trained, out)
@@ -306,7 +306,7 @@ def test_index_cache_holding_pickled_objects_is_refused(tmp_path, build):
 
 def test_pipeline_checkpoint_export_refuses_a_layer_file_that_would_run_code(tmp_path):
     from neox_hf.model import NeoXConfig
-    from neox_hf.parallel.pipeline import pipeline_checkpoint_state_dict
+    from neox_hf.engines.pipeline import pipeline_checkpoint_state_dict
 
     config = NeoXConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                         intermediate_size=64, tie_word_embeddings=False)

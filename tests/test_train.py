@@ -153,7 +153,7 @@ def test_two_process_zero3_run_saves_full_weights_exports_them_and_scores_eval_t
     # The saved weights are the trained ones: their loss on held-out text matches what training reported.
     from neox_hf.data import build_eval_loader
     from neox_hf.recipe.args import parse_run_args
-    from neox_hf.train.loss import causal_lm_loss
+    from neox_hf.ops.loss import causal_lm_loss
 
     recipe = parse_run_args([str(out / "recipe.yaml")]).recipe
     tokenizer = AutoTokenizer.from_pretrained(out)

@@ -24,17 +24,9 @@ import numpy as np
 from neox_hf.data import packing, padding
 from neox_hf.data.packing import TokenStream
 from neox_hf.data.sources import check_sources, document_stream, resolve_files, source_format
+from neox_hf.data.state import STATE_VERSION, empty_stats
 from neox_hf.errors import DataError
 from neox_hf.recipe import DataConfig
-
-STATE_VERSION = 1
-STAT_KEYS = ("documents", "skipped_empty", "skipped_undecodable", "truncated", "no_answer", "real_tokens",
-             "padded_tokens")
-
-
-def empty_stats() -> dict:
-    return {key: 0 for key in STAT_KEYS}
-
 
 PROBE_DOCUMENTS = 1000  # a source whose first this many documents on a rank all fail is refused mid-epoch
 TALLY_KEYS = ("rows", "usable", "answered", "no_answer", "empty", "undecodable", "split")

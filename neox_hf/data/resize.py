@@ -30,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from neox_hf.data.loader import STATE_VERSION, empty_stats
+from neox_hf.data.state import STATE_VERSION, empty_stats
 from neox_hf.data.packing import TokenStream
 from neox_hf.errors import DataError
 

@@ -111,7 +111,7 @@ def training_checkpoint_state_dict(checkpoint_dir: Path, config=None) -> dict[st
         return read_model_weights(checkpoint_dir)
     deepspeed_tag = checkpoint_dir / "pytorch_model"
     if deepspeed_tag.is_dir():
-        from neox_hf.parallel.pipeline import is_pipeline_checkpoint, pipeline_checkpoint_state_dict
+        from neox_hf.engines.pipeline import is_pipeline_checkpoint, pipeline_checkpoint_state_dict
 
         if is_pipeline_checkpoint(deepspeed_tag):
             # The module weights of every stage (in the training dtype; the fp32 masters are ZeRO optimizer state).

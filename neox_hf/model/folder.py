@@ -1,4 +1,5 @@
-"""Writing consolidated Hugging Face model folders atomically.
+"""Writing consolidated Hugging Face model folders atomically, from a model or from a merged state dict
+(`model_holding`: what a pipeline run, whose ranks each hold one stage, saves from).
 
 Gap filled: `save_pretrained` writes straight into the target folder, so a crash leaves a half-written model that
 still looks loadable. We write into a staging folder beside the target and move the files in, `config.json` last,
@@ -10,7 +11,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
 from neox_hf.io import move_files_into, staging_folder
+from neox_hf.model.spec import model_class_for_config
 
 
 def save_hf_folder(model, out_dir, *, state_dict=None, tokenizer=None, extra_files: dict[str, str] | None = None,
@@ -36,3 +40,15 @@ def _remove_stale_weights(out_dir: Path, keep: set[str]) -> None:
         for path in out_dir.glob(pattern):
             if path.name not in keep:
                 path.unlink()
+
+
+def model_holding(state_dict: dict[str, torch.Tensor], config):
+    """The family's CausalLM whose parameters ARE `state_dict`'s tensors (built on meta, no copy)."""
+    with torch.device("meta"):
+        model = model_class_for_config(config)(config)
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    rotary = model.base_model.rotary_emb
+    model.base_model.rotary_emb = type(rotary)(config=config)  # non-persistent buffer, still on meta
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model

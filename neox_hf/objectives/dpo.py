@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from neox_hf.errors import DataError
-from neox_hf.objectives import Objective, ObjectiveLoss
-from neox_hf.ops import head_loss
-from neox_hf.train.loss import MODEL_INPUTS, causal_lm_module
+from neox_hf.objectives.base import Objective, ObjectiveLoss
+from neox_hf.ops.linear_cross_entropy import head_loss
+from neox_hf.ops.loss import MODEL_INPUTS, causal_lm_module
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -53,6 +53,10 @@ def dpo_losses(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor,
 
 class DPOObjective(Objective):
     name, unit, metric_names = "dpo", "pair", METRICS
+
+    @classmethod
+    def from_train(cls, train_config) -> "DPOObjective":
+        return cls(beta=train_config.dpo_beta, loss_type=train_config.dpo_loss_type)
 
     def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", reference_model=None):
         if beta <= 0:

@@ -1,12 +1,12 @@
-"""`train.objective: lm`: next-token prediction, the loss of `neox_hf.train.loss.causal_lm_loss` per labelled token."""
+"""`train.objective: lm`: next-token prediction, the loss of `neox_hf.ops.loss.causal_lm_loss` per labelled token."""
 
 from __future__ import annotations
 
 import torch
 
 from neox_hf.data.padding import IGNORE_INDEX
-from neox_hf.objectives import Objective, ObjectiveLoss
-from neox_hf.train.loss import causal_lm_loss
+from neox_hf.objectives.base import Objective, ObjectiveLoss
+from neox_hf.ops.loss import causal_lm_loss
 
 
 class LMObjective(Objective):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from neox_hf.objectives import Objective, ObjectiveLoss
-from neox_hf.train.loss import causal_lm_module
+from neox_hf.objectives.base import Objective, ObjectiveLoss
+from neox_hf.ops.loss import causal_lm_module
 
 METRICS = ("accuracy", "margin", "mean_reward")
 

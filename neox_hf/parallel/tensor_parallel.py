@@ -19,7 +19,7 @@ length must be divisible by the TP size.
 
 After `apply_tensor_parallel` the model is still a working `GPTNeoXForCausalLM`:
 `model(...)`, `model(..., labels=...)` and `generate` give full (gathered) logits. Training's
-loss (`neox_hf.train.loss`) calls the head's `loss_sum`, which keeps logits sharded along the vocabulary.
+loss (`neox_hf.ops.loss`) calls the head's `loss_sum`, which keeps logits sharded along the vocabulary.
 
 Attention needs no patching: `GPTNeoXAttention.forward` reshapes with -1 heads
 (`(*input_shape, -1, 3 * head_size)`) and `head_size` is fixed at construction, so a

@@ -202,7 +202,7 @@ class VocabParallelLMHead(ColumnParallelLinear):
 
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(Σ cross-entropy over labelled tokens, their count) from the final hidden states, labels aligned with
-        them. The hook `neox_hf.train.loss.head_loss` looks for: a head that can compute its own loss."""
+        them. The hook `neox_hf.ops.loss.head_loss` looks for: a head that can compute its own loss."""
         loss = vocab_parallel_cross_entropy(self.forward_shard(hidden), labels, self.group, self.vocab_start,
                                             reduction="sum")
         return loss, (labels != -100).sum()

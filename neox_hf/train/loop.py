@@ -39,9 +39,9 @@ from neox_hf.train.mfu import flops_per_token, mfu
 from neox_hf.train.prefetch import Prefetcher, pinned, workers_for
 from neox_hf.checkpoint.run_log import RECIPE_NAME, append_step_entries, record_evaluation, truncate_train_log
 from neox_hf.train.schedule import build_lr_scheduler
-from neox_hf.train.engine import build_engine
+from neox_hf.engines import build_engine
 from neox_hf.train.preference import build_data, frozen_reference, with_reference_logps
-from neox_hf.train.step import StepResult, dp_sum
+from neox_hf.parallel.layout import StepResult, dp_sum
 
 
 @dataclass
@@ -53,25 +53,28 @@ class RunResult:
     final_eval_loss: float | None
 
 
-def train(recipe: Recipe, *, notices: list[str] | None = None, overwrite: bool = False) -> RunResult:
+def train(recipe: Recipe, *, notices: list[str] | None = None, overwrite: bool = False,
+          startup_warnings=None) -> RunResult:
     """Run the recipe end to end; return where the model went and the losses seen.
 
     Before anything is built: the settings checkable without a model, and `output.dir` (refused when it holds an
-    earlier run, unless resuming or `overwrite`; locked for the run)."""
+    earlier run, unless resuming or `overwrite`; locked for the run). `startup_warnings(recipe, layout)`, where
+    given, returns lines printed before the model is built (the entry point passes `neox_hf.plan`'s memory check:
+    an out-of-memory would come later)."""
     if recipe.train.precision == "auto":  # built in Python, not by recipe_from_dict: settle a copy
         recipe = settled(copy.deepcopy(recipe))
     check_before_build(recipe)
     lock = claim_output_dir(recipe, overwrite=overwrite)
     try:
-        return _train(recipe, notices)
+        return _train(recipe, notices, startup_warnings)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train(recipe: Recipe, notices: list[str] | None) -> RunResult:
+def _train(recipe: Recipe, notices: list[str] | None, startup_warnings=None) -> RunResult:
     notices = [*(notices or []), *getattr(recipe, "settled_notices", [])]
-    run, state = build_run(recipe)
+    run, state = build_run(recipe, startup_warnings)
     accelerator, tokenizer, model = run.accelerator, run.tokenizer, run.model
     if accelerator.is_main_process:
         accelerator.print(startup_report(run, notices))
@@ -103,7 +106,7 @@ def _train(recipe: Recipe, notices: list[str] | None) -> RunResult:
     return RunResult(out, state.step, history.train_losses, history.eval_losses, final_eval)
 
 
-def build_run(recipe: Recipe) -> tuple["TrainingRun", TrainState]:
+def build_run(recipe: Recipe, startup_warnings=None) -> tuple["TrainingRun", TrainState]:
     """Everything `train` builds before its first step (distributed set-up, model, optimizer, data, the resumed
     state): the run and the state it starts from. Also the entry of `benchmarks/checkpoint_save.py`, which times
     saves of exactly the run a launch trains."""
@@ -112,7 +115,7 @@ def build_run(recipe: Recipe) -> tuple["TrainingRun", TrainState]:
     check_peft_recipe(recipe)
     tokenizer = load_tokenizer(recipe.tokenizer.path, eos_token=recipe.tokenizer.eos_token, pad_token=recipe.tokenizer.pad_token)
     engine = build_engine(recipe, accelerator, layout)
-    for warning in _planned_memory_warnings(recipe, layout):  # before the model is built: an OOM would come later
+    for warning in startup_warnings(recipe, layout) if startup_warnings else ():
         accelerator.print(warning)
     model = engine.build_model(tokenizer)
     if recipe.peft.method is not None:
@@ -165,7 +168,7 @@ class TrainingRun:
     tokenizer: object = None
     layout: object = None  # neox_hf.parallel.Layout; None means one process
     pusher: object = None  # HubPusher on the main process when train.push_to_hub is set
-    engine: object = None  # neox_hf.train.engine.Engine; None: the layout's engine around model and optimizer
+    engine: object = None  # neox_hf.engines.Engine; None: the layout's engine around model and optimizer
     loader_position: object = None  # set by run_steps: the prefetcher, whose state is the last consumed batch's
     has_eval: bool = field(init=False, default=False)  # any data-parallel rank has eval batches
     flops_per_token: float | None = field(init=False, default=None)  # model FLOPs (None: not a GPTNeoX config)
@@ -398,7 +401,7 @@ def eval_task_scores(run: TrainingRun) -> dict[str, float]:
     from neox_hf.eval_tasks import eval_tasks_in_training
 
     return eval_tasks_in_training(run.accelerator, run.model, run.tokenizer, run.recipe.train.eval_tasks,
-                                  layout=run.layout, batch_size=run.recipe.train.micro_batch_size)
+                                  engine=run.engine, batch_size=run.recipe.train.micro_batch_size)
 
 
 def evaluate(run: TrainingRun) -> float:
@@ -445,16 +448,6 @@ def save_final_model(run: TrainingRun, out_dir=None) -> Path:
                        extra_files={RECIPE_NAME: recipe.to_yaml()}, max_shard_size=recipe.output.max_shard_size)
     accelerator.wait_for_everyone()
     return out
-
-
-def _planned_memory_warnings(recipe: Recipe, layout) -> list[str]:
-    """On a GPU: a line per pipeline stage whose planned peak (`neox_hf plan`) exceeds this device's memory."""
-    if not torch.cuda.is_available():
-        return []
-    from neox_hf.plan import startup_memory_warnings
-
-    memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return startup_memory_warnings(recipe, memory, gpus=layout.world_size)
 
 
 def _hub_pusher(recipe: Recipe):

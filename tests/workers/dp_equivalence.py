@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from neox_hf.parallel import build_model, init_distributed, parallelize
+from neox_hf.engines import build_engine
+from neox_hf.parallel import init_distributed
 from neox_hf.recipe import recipe_from_dict
 from neox_hf.checkpoint import TrainState
 from neox_hf.train.loop import TrainingRun, run_steps
@@ -103,11 +104,12 @@ def main(args) -> None:
     # TP layouts load through the loop's sharded path: each rank reads only its slices of the folder.
     settings = recipe.to_dict()
     pretrained = recipe_from_dict({**settings, "model": {**settings["model"], "from_pretrained": args.model_dir}})
-    model = build_model(pretrained, TOKENIZER, layout)
-    model, optimizer = parallelize(model, layout, recipe, accelerator)
+    engine = build_engine(recipe, accelerator, layout)
+    model, optimizer = engine.parallelize(build_engine(pretrained, None, layout).build_model(TOKENIZER))
     scheduler = build_lr_scheduler(optimizer, recipe.train)
     loader = fixed_batches(layout.dp_rank, layout.dp)
-    run_steps(TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader, [], layout=layout), TrainState())
+    run_steps(TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader, [], layout=layout, engine=engine),
+              TrainState())
 
 
 if __name__ == "__main__":

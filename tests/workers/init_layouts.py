@@ -1,4 +1,4 @@
-"""Several runs of the real entry point (`neox_hf.train.main`, what `run_clm_neox.py` calls) in one launch, one
+"""Several runs of the real entry point (`neox_hf.cli.train_main`, what `run_clm_neox.py` calls) in one launch, one
 after the other, resetting Accelerate between them: a launch costs ~15 s of start-up on 2 cores, a tiny run a few.
 
     accelerate launch --use_deepspeed --num_processes 2 ... tests/workers/init_layouts.py [--keep-going] OUT_DIR \
@@ -22,7 +22,7 @@ from conftest import reset_accelerate_state, runs_sharing_one_process_group  # n
 
 
 def main(argv: list[str]) -> int:
-    from neox_hf.train import main as run
+    from neox_hf.cli import train_main as run
 
     keep_going = argv[:1] == ["--keep-going"]
     argv = argv[1:] if keep_going else argv

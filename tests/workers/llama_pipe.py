@@ -16,10 +16,10 @@ import torch
 from neox_hf.model.spec import config_class_for_folder
 from neox_hf.parallel.accelerator import build_accelerator
 from neox_hf.parallel.layout import build_layout
-from neox_hf.parallel.pipeline import build_pipeline_module
+from neox_hf.engines.pipeline import build_pipeline_module
 from neox_hf.recipe import recipe_from_dict
 from neox_hf.checkpoint import TrainState
-from neox_hf.train.engine import build_engine
+from neox_hf.engines import build_engine
 from neox_hf.train.loop import TrainingRun, evaluate, run_steps, save_final_model
 from neox_hf.train.schedule import build_lr_scheduler
 from pipe_common import FixedBatches, eval_batches, recipe_dict

@@ -29,9 +29,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from parallel_memory import live_tensor_bytes, step_peak_bytes  # noqa: E402
 
 from neox_hf.data.tokenizer import load_tokenizer  # noqa: E402
-from neox_hf.parallel import build_model, init_distributed, parallelize  # noqa: E402
+from neox_hf.engines import build_engine  # noqa: E402
+from neox_hf.parallel import init_distributed  # noqa: E402
 from neox_hf.recipe import recipe_from_dict  # noqa: E402
-from neox_hf.train.step import train_step  # noqa: E402
 
 TOKENIZER = str(REPO / "examples/data/gpt-neox-20b-tokenizer.json")
 LAYERS, HIDDEN, HEADS, SEQ, MICRO_BATCH, PIPE_MICRO_BATCHES = 4, 128, 4, 256, 4, 4
@@ -97,7 +97,8 @@ def measure_layout(out_dir: Path, spec: dict) -> None:
     recipe = recipe_from_dict(recipe_dict(str(out_dir), **spec))
     accelerator, layout = init_distributed(recipe)
     torch.manual_seed(0)
-    model, optimizer = parallelize(build_model(recipe, load_tokenizer(TOKENIZER), layout), layout, recipe, accelerator)
+    engine = build_engine(recipe, accelerator, layout)
+    model, optimizer = engine.parallelize(engine.build_model(load_tokenizer(TOKENIZER)))
     run = SimpleNamespace(accelerator=accelerator, model=model, optimizer=optimizer, recipe=recipe, layout=layout)
     found: dict = {}
     batch_bytes = [0]
@@ -112,9 +113,9 @@ def measure_layout(out_dir: Path, spec: dict) -> None:
         batch_bytes[0] = sum(mb["input_ids"].untyped_storage().nbytes() for mb in micro_batches[:1])
         found["armed"] = step == 1
         if step == 1:
-            found["total"] = step_peak_bytes(lambda: train_step(run, micro_batches), "cpu", batch_bytes[0]) - before
+            found["total"] = step_peak_bytes(lambda: engine.train_step(micro_batches), "cpu", batch_bytes[0]) - before
         else:
-            train_step(run, micro_batches)
+            engine.train_step(micro_batches)
     result = {"model_states": found["model_states"], "total": found["total"],
               "stage": layout.pp_rank, "tp_rank": layout.tp_rank, "dp_rank": layout.dp_rank}
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from neox_hf.parallel import build_model, full_state_dict, init_distributed, parallelize
+from neox_hf.engines import build_engine
+from neox_hf.parallel import init_distributed
 from neox_hf.recipe import recipe_from_dict
 from neox_hf.checkpoint import TrainState
 from neox_hf.train.loop import TrainingRun, run_steps
@@ -92,12 +93,13 @@ def main(args) -> None:
     accelerator, layout = init_distributed(recipe)
     settings = recipe.to_dict()
     pretrained = recipe_from_dict({**settings, "model": {**settings["model"], "from_pretrained": args.model_dir}})
-    model, optimizer = parallelize(build_model(pretrained, _SmallTokenizer(), layout), layout, recipe, accelerator)
+    engine = build_engine(recipe, accelerator, layout)
+    model, optimizer = engine.parallelize(build_engine(pretrained, None, layout).build_model(_SmallTokenizer()))
     scheduler = build_lr_scheduler(optimizer, recipe.train)
     loader = micro_batches(layout.dp_rank, layout.dp, args.micro, args.accumulation, args.sft)
-    run = TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader, [], layout=layout)
+    run = TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader, [], layout=layout, engine=engine)
     run_steps(run, TrainState())
-    weights = full_state_dict(model, layout, accelerator)
+    weights = engine.full_state_dict()
     if accelerator.is_main_process:
         torch.save({k: v.detach().float().cpu() for k, v in weights.items()}, f"{args.out_dir}/weights.pt")
 

@@ -79,7 +79,7 @@ def save_rank_result(out_dir: str, name: str, result: dict) -> None:
 def tp_causal_lm_loss(model, input_ids, labels, attention_mask=None, position_ids=None, real_vocab_size=None):
     """`model(input_ids, labels=labels).loss` of a tensor-parallel model without gathering logits: transformers'
     label convention (unshifted; position t predicts labels[t + 1]), mean over non-ignored tokens. Test-only:
-    training uses `neox_hf.train.loss.causal_lm_loss` (aligned labels, loss sum)."""
+    training uses `neox_hf.ops.loss.causal_lm_loss` (aligned labels, loss sum)."""
     from neox_hf.parallel.tp_layers import vocab_parallel_cross_entropy
 
     head = model.get_output_embeddings()

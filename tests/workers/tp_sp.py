@@ -19,7 +19,7 @@ from neox_hf.parallel.tensor_parallel import (
     build_parallel_groups,
     from_pretrained_tensor_parallel,
 )
-from neox_hf.train.loss import causal_lm_loss
+from neox_hf.ops.loss import causal_lm_loss
 
 
 def sp_model(folder, groups, sequence_parallel=True):

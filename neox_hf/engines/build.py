@@ -1,5 +1,5 @@
-"""`build_model`: the model a rank trains, before any engine wraps it — from scratch or pretrained, only this rank's
-tensor-parallel slices where the folder allows it (a pipeline rank builds only its stage)."""
+"""The model a plain-engine rank trains, before the engine wraps it: from scratch or pretrained, only this rank's
+tensor-parallel slices where the folder allows it (a pipeline rank builds only its stage: `engines/pipeline/stages`)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,7 @@ import torch
 from neox_hf.parallel.layout import Layout
 
 
-def build_model(recipe, tokenizer, layout: Layout):
-    """This rank's model as the layout's engine builds it (a pipeline rank: only its stage)."""
-    from neox_hf.train.engine import build_engine
-
-    return build_engine(recipe, None, layout).build_model(tokenizer)
-
-
-def build_model_plain(recipe, tokenizer, layout: Layout):
+def build_model_from_recipe(recipe, tokenizer, layout: Layout):
     """From a pretrained folder, or from scratch with GPT-NeoX init and the padded vocabulary.
 
     With tensor parallelism a local safetensors folder is loaded slice by slice, already split (and its vocabulary

@@ -11,24 +11,24 @@ own optimizer-state sharding and clipping across stages; we have not shown it co
 
 The package, one module per job: `stages` (the layers and this rank's materialised stage), `partition` (layer list,
 stage boundaries, report), `loss` (the last stage's loss), `schedule` (one train or eval step of the 1F1B schedule),
-`merge` (stages × TP shards → one stock state dict / HF folder), `checkpoint_files` (DeepSpeed's per-layer files).
-`neox_hf.engine.PipelineEngine` is what the loop talks to.
+`merge` (stages × TP shards → one stock state dict / HF folder), `checkpoint_files` (DeepSpeed's per-layer files),
+`engine` (the engine over all of them).
+`engine.PipelineEngine` is what the loop talks to (registered in `neox_hf.engines`).
 """
 
-from neox_hf.parallel.pipeline.checkpoint_files import is_pipeline_checkpoint, pipeline_checkpoint_state_dict
-from neox_hf.parallel.pipeline.loss import StageLoss, head_loss
-from neox_hf.parallel.pipeline.merge import (gather_pipeline_state_dict, model_holding, save_pipeline_hf_folder,
-                                             stage_hf_state_dict)
-from neox_hf.parallel.pipeline.partition import (bubble_fraction, full_parameter_count, layer_parameter_counts,
-                                                 partition_stages, pipeline_layer_infos, pipeline_report, stage_report)
-from neox_hf.parallel.pipeline.schedule import (pipe_micro_batch, pipeline_eval_loss, pipeline_eval_loss_sums,
-                                                pipeline_train_step)
-from neox_hf.parallel.pipeline.stages import (StageBuilder, build_pipeline_model, build_pipeline_module,
-                                              is_pipeline_module, tied_head)
+from neox_hf.engines.pipeline.checkpoint_files import is_pipeline_checkpoint, pipeline_checkpoint_state_dict
+from neox_hf.engines.pipeline.loss import StageLoss, head_loss
+from neox_hf.engines.pipeline.merge import gather_pipeline_state_dict, save_pipeline_hf_folder, stage_hf_state_dict
+from neox_hf.engines.pipeline.partition import (bubble_fraction, full_parameter_count, layer_parameter_counts,
+                                                partition_stages, pipeline_layer_infos, pipeline_report, stage_report)
+from neox_hf.engines.pipeline.schedule import (pipe_micro_batch, pipeline_eval_loss, pipeline_eval_loss_sums,
+                                               pipeline_train_step)
+from neox_hf.engines.pipeline.stages import (StageBuilder, build_pipeline_model, build_pipeline_module,
+                                             is_pipeline_module, tied_head)
 
 __all__ = ["StageBuilder", "StageLoss", "bubble_fraction", "build_pipeline_model", "build_pipeline_module",
            "full_parameter_count", "gather_pipeline_state_dict", "head_loss", "is_pipeline_checkpoint",
-           "is_pipeline_module", "layer_parameter_counts", "model_holding", "partition_stages", "pipe_micro_batch",
+           "is_pipeline_module", "layer_parameter_counts", "partition_stages", "pipe_micro_batch",
            "pipeline_checkpoint_state_dict", "pipeline_eval_loss", "pipeline_eval_loss_sums", "pipeline_layer_infos",
            "pipeline_report", "pipeline_train_step", "save_pipeline_hf_folder", "stage_hf_state_dict", "stage_report",
            "tied_head"]

@@ -1,7 +1,7 @@
 """Running DeepSpeed's 1F1B schedule for one optimizer step or one evaluation: the pipeline engine's step.
 
 Token weighting: N = labelled tokens of the whole step over all micro-batches and data-parallel ranks, counted on
-the last stage before the first backward; each micro-batch's loss is weighted by `neox_hf.train.weighting` exactly
+the last stage before the first backward; each micro-batch's loss is weighted by `neox_hf.ops.weighting` exactly
 as the plain engine weighs it, and DeepSpeed divides by gas and averages over data-parallel ranks.
 """
 
@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from neox_hf.errors import RecipeError
 from neox_hf.parallel.layout import Layout, StepResult, deepspeed_grad_norm, dp_sum, global_rank
-from neox_hf.parallel.pipeline.loss import IGNORE_INDEX
-from neox_hf.parallel.pipeline.stages import NO_PADDING_MASK_SHAPE
+from neox_hf.engines.pipeline.loss import IGNORE_INDEX
+from neox_hf.engines.pipeline.stages import NO_PADDING_MASK_SHAPE
 
 
 def pipe_micro_batch(batch: dict) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:

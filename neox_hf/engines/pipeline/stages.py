@@ -24,10 +24,11 @@ import torch
 from torch import nn
 
 from neox_hf.errors import CheckpointError
+from neox_hf.model.folder import model_holding
 from neox_hf.parallel.layout import Layout
 from neox_hf.recipe import TrainConfig
-from neox_hf.parallel.pipeline.loss import StageLoss
-from neox_hf.parallel.pipeline.partition import partition_stages
+from neox_hf.engines.pipeline.loss import StageLoss
+from neox_hf.engines.pipeline.partition import partition_stages
 from neox_hf.parallel.tensor_parallel import apply_tensor_parallel_to_part, init_from_seed_
 from neox_hf.parallel.tp_checkpoint import load_tp_shard_state_dict
 from neox_hf.parallel.tp_layers import VocabParallelEmbedding, VocabParallelLMHead
@@ -182,8 +183,6 @@ def _pipeline_module_class():
         def save_pretrained(self, folder, *, state_dict: dict, **kwargs):
             """`save_pretrained` of the whole model, given the merged state dict (`gather_pipeline_state_dict`):
             what `save_hf_folder` calls, so a pipeline run writes the same stock folder as any other."""
-            from neox_hf.parallel.pipeline.merge import model_holding  # merge reads the layers defined here
-
             model_holding(state_dict, self.config).save_pretrained(folder, **kwargs)
 
         def _partition_layers(self, method="uniform"):

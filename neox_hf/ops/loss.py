@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from neox_hf.ops import head_loss
+from neox_hf.ops.linear_cross_entropy import head_loss
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 

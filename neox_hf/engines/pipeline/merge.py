@@ -7,9 +7,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from neox_hf.model.folder import model_holding, save_hf_folder
 from neox_hf.parallel.layout import Layout, global_rank
 from neox_hf.parallel.mappings import gather_along_dim
-from neox_hf.parallel.pipeline.stages import _PipeLayer
+from neox_hf.engines.pipeline.stages import _PipeLayer
 from neox_hf.parallel.tp_plan import partition_dim
 
 
@@ -74,8 +75,6 @@ def _communication_device(group) -> torch.device:
 def save_pipeline_hf_folder(engine, layout: Layout, config, out_dir, *, tokenizer=None,
                             extra_files: dict[str, str] | None = None, max_shard_size: str = "5GB") -> Path:
     """The merged, stock-loadable HF folder, written atomically by global rank 0. Collective."""
-    from neox_hf.model.folder import save_hf_folder
-
     full = gather_pipeline_state_dict(engine, layout)
     out = Path(out_dir)
     if full is not None:
@@ -83,16 +82,3 @@ def save_pipeline_hf_folder(engine, layout: Layout, config, out_dir, *, tokenize
                        max_shard_size=max_shard_size)
     dist.barrier()
     return out
-
-def model_holding(state_dict: dict[str, torch.Tensor], config):
-    """The family's CausalLM whose parameters ARE `state_dict`'s tensors (built on meta, no copy)."""
-    from neox_hf.model.spec import model_class_for_config
-
-    with torch.device("meta"):
-        model = model_class_for_config(config)(config)
-    model.load_state_dict(state_dict, strict=True, assign=True)
-    rotary = model.base_model.rotary_emb
-    model.base_model.rotary_emb = type(rotary)(config=config)  # non-persistent buffer, still on meta
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model

@@ -1,13 +1,13 @@
 """The last stage's loss: the head applied inside the loss function (fused with the cross-entropy, vocab-parallel
 under TP), so no stage returns [batch, seq, vocab] logits; each micro-batch's loss weighted as the plain engine
-weighs it (`neox_hf.train.weighting`)."""
+weighs it (`neox_hf.ops.weighting`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from neox_hf.train.weighting import backward_scale
+from neox_hf.ops.weighting import backward_scale
 
 
 IGNORE_INDEX = -100

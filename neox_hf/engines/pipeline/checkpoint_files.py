@@ -9,7 +9,7 @@ import torch
 
 from neox_hf.errors import CheckpointError
 from neox_hf.io import load_torch_safely
-from neox_hf.parallel.pipeline.partition import pipeline_layer_infos
+from neox_hf.engines.pipeline.partition import pipeline_layer_infos
 from neox_hf.parallel.tp_plan import partition_dim
 
 
@@ -22,7 +22,7 @@ def is_pipeline_checkpoint(deepspeed_dir: Path) -> bool:
 def _layer_attributes(config):
     """Per pipeline layer: its module attribute → the transformers path it stands for."""
     from neox_hf.model.spec import spec_for_config
-    from neox_hf.parallel.pipeline.stages import embedding_paths
+    from neox_hf.engines.pipeline.stages import embedding_paths
 
     spec = spec_for_config(config)
     attributes_of = {"EmbeddingPipe": lambda info: embedding_paths(spec),

@@ -1,0 +1,34 @@
+"""What the training step asks of an objective (`neox_hf.objectives` says why the loss is a sum and a count)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ObjectiveLoss:
+    loss_sum: torch.Tensor  # 0-dim, Σ of the loss over this micro-batch's units, differentiable
+    units: torch.Tensor  # 0-dim, how many units (labelled tokens for lm, pairs for dpo/rm)
+    metric_sums: dict[str, torch.Tensor] = field(default_factory=dict)  # TRL's metric names → 0-dim Σ over units, detached
+
+
+class Objective:
+    """What the training step asks of an objective. `units(batch)` is known before the forward (the step sums it over
+    micro-batches and ranks before the first backward); `loss(model, batch)` runs the forward."""
+
+    name: str = ""
+    unit: str = ""
+    metric_names: tuple[str, ...] = ()
+
+    def units(self, batch: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    @classmethod
+    def from_train(cls, train_config) -> "Objective":
+        """The objective with its settings from a recipe's `train` section (`neox_hf.recipe.TrainConfig`)."""
+        return cls()
+
+    def loss(self, model, batch: dict, *, fused: bool = True, z_loss: float = 0.0) -> ObjectiveLoss:
+        raise NotImplementedError
