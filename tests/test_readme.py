@@ -1,6 +1,7 @@
-"""README.md's commands run as written. Every line of its ```bash blocks is either run here (in a copy of the
-repository layout, in README order, with a tiny step count appended to training commands) or listed in NOT_RUN with
-what else it needs, which the README states next to it. Training and `neox_hf` commands run in-process through their
+"""The commands of README.md and docs/*.md run as written. Every line of their ```bash blocks is either run here (in
+a copy of the repository layout, in reading order: README, then the pages in mkdocs.yml's nav order, with a tiny step
+count appended to training commands) or listed in NOT_RUN / CLUSTER with what else it needs, which the page states
+next to it. A command shown on several pages runs once. Training and `neox_hf` commands run in-process through their
 entry points; the 2-process ZeRO-2 command runs under `accelerate launch`."""
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import pytest
 from tests.conftest import reset_accelerate_state, REPO, free_port, launch_env
 
 README = REPO / "README.md"
+DOCS = REPO / "docs"
 
-# Commands the README shows that this test does not run, and why (the README says what they need).
+# Commands README.md or docs/ show that this test does not run, and why (the page says what they need).
 NOT_RUN = {
     "pip install torch==2.13.0": "installation",
     'pip install -e ".[test]"': "installation",
@@ -46,14 +48,31 @@ TINY_RUN = ["--model.num_layers", "1", "--model.hidden_size", "32", "--train.mic
             "--train.eval_iters", "1", "--train.eval_interval", "2", "--output.tensorboard", "false"]
 
 
+def documented_files() -> list[Path]:
+    """README.md, then docs/ in mkdocs.yml's nav order (a page the nav leaves out last, by name; test_docs refuses
+    one): the order a reader meets the commands in, which is the order they depend on each other in."""
+    import yaml
+
+    def pages(nav) -> list[str]:
+        if isinstance(nav, str):
+            return [nav]
+        items = nav.values() if isinstance(nav, dict) else nav
+        return [page for item in items for page in pages(item)]
+
+    listed = [DOCS / page for page in pages(yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"])]
+    return [README, *dict.fromkeys(listed + sorted(DOCS.glob("*.md")))]
+
+
 def readme_commands() -> list[str]:
-    """Every command of the README's bash blocks: continuations joined, comments dropped, `a && b` split."""
+    """Every command of the bash blocks of README.md and docs/: continuations joined, comments dropped, `a && b`
+    split."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = re.sub(r"\s+#(?![^\"]*\"[^\"]*$).*$", "", line).strip()  # a comment, not a '#' inside quotes
-            commands += [" ".join(part.split()) for part in line.split("&&") if part.strip()]
-    return list(dict.fromkeys(commands))  # README order, each once (the tiny run is shown twice)
+    for path in documented_files():
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = re.sub(r"\s+#(?![^\"]*\"[^\"]*$).*$", "", line).strip()  # a comment, not a '#' inside quotes
+                commands += [" ".join(part.split()) for part in line.split("&&") if part.strip()]
+    return list(dict.fromkeys(commands))  # reading order, each once (the tiny run is shown on several pages)
 
 
 def is_not_run(command: str) -> bool:
@@ -64,9 +83,9 @@ def test_every_readme_command_is_run_or_says_what_it_needs():
     commands = readme_commands()
     assert len(commands) >= 15
     unknown = [c for c in commands if not is_not_run(c) and not _runner(c)]
-    assert not unknown, f"README commands this test does not know how to run: {unknown}"
+    assert not unknown, f"README / docs commands this test does not know how to run: {unknown}"
     stale = [c for c in NOT_RUN if c not in commands]
-    assert not stale, f"NOT_RUN lists commands the README no longer shows: {stale}"
+    assert not stale, f"NOT_RUN lists commands README and docs/ no longer show: {stale}"
 
 
 def _runner(command: str) -> str | None:
@@ -141,7 +160,8 @@ def test_readme_zero_command_runs_on_two_processes(workspace):
 
 
 def _python_snippets() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    return [snippet for path in documented_files()
+            for snippet in re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)]
 
 
 @pytest.mark.distributed  # slow tier: a whole run in a subprocess or in process
@@ -152,7 +172,7 @@ def test_readme_commands_run_as_written(workspace, capsys):
     small = workspace / "small.txt"
     placeholders = {"BASE": "outputs/tiny", "ADAPTER": "outputs/finetune-lora-gsm8k"}
     ran = []
-    # `merge BASE ADAPTER` needs the LoRA run, which the README shows in the next section.
+    # `merge BASE ADAPTER` needs the LoRA run, which docs/post-training.md shows after it.
     ordered = sorted(readme_commands(), key=lambda c: c.startswith("neox_hf merge"))
     for command in ordered:
         if is_not_run(command):
@@ -164,7 +184,7 @@ def test_readme_commands_run_as_written(workspace, capsys):
             code = train_main(argv)
             assert code == 0, (command, capsys.readouterr().err[-3000:])
             if command.endswith("recipes/tiny.yaml"):
-                exec(compile(_python_snippets()[0], "README.md", "exec"), {})  # the from_pretrained snippet
+                exec(compile(_python_snippets()[0], "README.md", "exec"), {})  # the README's from_pretrained snippet
         else:
             argv = [placeholders.get(a, a) for a in shlex.split(command)[1:]]
             if argv[0] == "merge":
