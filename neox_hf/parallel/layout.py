@@ -75,7 +75,7 @@ class Layout:
 
 @dataclass
 class StepResult:
-    """What one optimizer step reports, whichever engine ran it (`train.step.train_step` or the pipeline engine)."""
+    """What one optimizer step reports, whichever engine ran it (`neox_hf.engines`: plain or pipeline)."""
 
     loss: torch.Tensor  # 0-dim, on device: the step's loss as the recipe normalises it, the same on every rank
     tokens: torch.Tensor  # 0-dim: labelled tokens of the step over every micro-batch and data-parallel rank

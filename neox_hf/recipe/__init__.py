@@ -193,7 +193,7 @@ class TrainConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     # auto (the default): bf16 where it trains faster than fp32 (GPUs with bf16 tensor cores, AMX CPUs, AVX512-BF16
-    # CPUs whose measured bf16 GEMMs beat fp32's), fp32 elsewhere (parallel.accelerator.bf16_verdict); the recipe
+    # CPUs whose measured bf16 GEMMs beat fp32's), fp32 elsewhere (neox_hf.hardware.bf16_verdict); the recipe
     # saved with a run records what `auto` resolved to
     precision: Literal["fp32", "bf16", "fp16", "auto"] = "auto"
     # fp16: overflow-skipped steps go on (LR held, as GPT-NeoX); more than this many in a row stop the run

@@ -5,7 +5,7 @@
 
 Each layout (run one after the other in the same processes, Accelerate reset between them, as
 tests/workers/dp_equivalence.py does: start-up is most of a launch) trains the recipe `recipe_dict` builds through the
-library's own verbs (init_distributed → build_model → parallelize → train.step.train_step), and every rank writes
+library's own verbs (init_distributed → build_engine → build_model → parallelize → train_step), and every rank writes
 OUT_DIR/NAME/rank{R}.json with what benchmarks/parallel_memory.py measures:
 - model_states: bytes of every live tensor just before the optimizer updates the weights (gradients reduced, optimizer
   states present from the first step), the step's batch left out;
