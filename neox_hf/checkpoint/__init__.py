@@ -79,7 +79,8 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
     try:
         accelerator.save_state(str(staging))
         layout_free = None
-        several = _uses_deepspeed(accelerator) or accelerator.num_processes > 1  # else accelerate's files are it
+        # else accelerate's files are it (an engine whose state Accelerate does not hold always writes it)
+        several = _uses_deepspeed(accelerator) or accelerator.num_processes > 1 or _layout_free_only(engine)
         if engine is not None and engine.has_layout_free_state() and (write_layout_free or not several):
             tensors, layout_free = engine.layout_free_state()
             if several:
@@ -90,7 +91,7 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
             "scheduler": scheduler.state_dict(),
             "data": data_loader.state_dict() if hasattr(data_loader, "state_dict") else None,
             "precision": precision,
-            "writer": run_description(accelerator),
+            "writer": run_description(accelerator, engine),
         }
         atomic_torch_save(trainer_state, staging / f"trainer_state_rank{accelerator.process_index}.pt")
     except Exception as err:
@@ -279,9 +280,10 @@ def load_checkpoint(accelerator, folder: Path, *, scheduler, data_loader, engine
     naming the file and the previous checkpoint to resume from instead. A checkpoint another launch wrote (DeepSpeed
     or not, ZeRO stage, data / tensor / pipeline sizes) is resumed from its layout-free state when it has one (and
     the run's `engine` is given; `notify` says what changed), else refused saying which, before anything is read."""
-    current = run_description(accelerator)
+    current = run_description(accelerator, engine)
     writer = checkpoint_writer(folder)
-    if engine is not None and writer_differs(writer, current) and _layout_free_reader(folder, writer):
+    if engine is not None and (writer_differs(writer, current) or _layout_free_only(engine)) \
+            and _layout_free_reader(folder, writer):
         return load_layout_free_checkpoint(engine, folder, writer=writer, scheduler=scheduler,
                                            data_loader=data_loader, notify=notify)
     check_same_writer(folder, current)
@@ -315,12 +317,23 @@ def checkpoint_precision(folder: Path) -> str | None:
 
 # What wrote a checkpoint. DeepSpeed's files hold each rank's ZeRO partitions and TP / pipeline slices under names of
 # that layout, accelerate's plain files the whole model of one process: only a run of the same description reads them.
-_LAYOUT_KEYS = ("deepspeed", "zero_stage", "processes", "data_parallel", "tensor_parallel", "pipeline_parallel")
+_LAYOUT_KEYS = ("backend", "deepspeed", "zero_stage", "processes", "data_parallel", "tensor_parallel",
+                "pipeline_parallel")
 
 
-def run_description(accelerator) -> dict:
-    """DeepSpeed or not, its ZeRO stage, and the process / data / tensor / pipeline sizes of a prepared run (what
-    `save_checkpoint` records as the trainer state's `writer`); None where unknown."""
+def _layout_free_only(engine) -> bool:
+    return engine is not None and not engine.reads_accelerate_checkpoint
+
+
+def run_description(accelerator, engine=None) -> dict:
+    """The backend (`parallel.backend`, from the run's engine), DeepSpeed or not, its ZeRO stage, and the process /
+    data / tensor / pipeline sizes of a prepared run (what `save_checkpoint` records as the trainer state's
+    `writer`); None where unknown."""
+    backend = {"backend": engine.backend} if engine is not None else {}
+    return {**backend, **_launch_description(accelerator)}
+
+
+def _launch_description(accelerator) -> dict:
     processes = accelerator.num_processes
     if not _uses_deepspeed(accelerator):  # plain Accelerate: one process (several always run through DeepSpeed)
         return {"deepspeed": False, "zero_stage": None, "processes": processes, "data_parallel": processes,
@@ -362,7 +375,7 @@ def load_layout_free_checkpoint(engine, folder: Path, *, writer: dict, scheduler
     counters and the data position (each rank reads the trainer state of a writer rank of its data-parallel rank; on
     another data-parallel size a streamed loader reads every writer data-parallel rank's, to deal out the rest of
     their pass; the loader maps it onto this layout or refuses). Collective."""
-    current = run_description(engine.accelerator)
+    current = run_description(engine.accelerator, engine)
     state = _read_torch_file(folder / "trainer_state_rank0.pt", folder)
     resized = _resizes_data_position(writer, engine.layout.dp, data_loader)
     data_state = (_writer_data_states(folder, writer) if resized else
@@ -459,6 +472,8 @@ def describe_run(run: dict) -> str:
     (2 data-parallel × tensor parallel 2)'."""
     count = run.get("processes")
     processes = f"{count} process{'es' if count != 1 else ''}" if count else "an unknown number of processes"
+    if run.get("backend") == "fsdp2":
+        return f"FSDP2 on {processes}"
     if not run.get("deepspeed"):
         return f"{processes} without DeepSpeed"
     stage = f"DeepSpeed ZeRO-{run['zero_stage']}" if run.get("zero_stage") is not None else "DeepSpeed"
@@ -472,6 +487,9 @@ def describe_run(run: dict) -> str:
 
 def launch_command(run: dict) -> str:
     """The command that resumes a run of this description."""
+    if run.get("backend") == "fsdp2":
+        return (f"`torchrun --standalone --nproc_per_node {run.get('processes') or 'N'} run_clm_neox.py RECIPE "
+                "--parallel.backend fsdp2 --resume`")
     if not run.get("deepspeed"):
         return "`python run_clm_neox.py RECIPE --parallel.zero_stage 0 --resume`"
     options = "".join(f" --parallel.{key} {run[key]}" for key in ("zero_stage", "tensor_parallel", "pipeline_parallel")

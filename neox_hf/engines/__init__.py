@@ -6,6 +6,7 @@ learns what a stage, a TP group or a ZeRO partition is.
 - `plain`: Accelerate alone or with DeepSpeed (ZeRO 0–3), with or without tensor / sequence parallelism; any
   objective.
 - `pipeline`: DeepSpeed's PipelineEngine over stages; the `lm` objective.
+- `fsdp2`: torch's fully_shard per decoder layer (`parallel.backend: fsdp2`), HSDP; any objective.
 
 Adding an engine is its module plus one line in `ENGINES`: `build_engine` takes the first whose `handles(recipe,
 layout)` is true, so a more specific engine is listed before the default.
@@ -14,11 +15,12 @@ layout)` is true, so a more specific engine is listed before the default.
 from __future__ import annotations
 
 from neox_hf.engines.base import Engine
+from neox_hf.engines.fsdp2 import FSDP2Engine
 from neox_hf.engines.pipeline.engine import PipelineEngine
 from neox_hf.engines.plain import PlainEngine
 from neox_hf.parallel.layout import Layout
 
-ENGINES: tuple[type[Engine], ...] = (PipelineEngine, PlainEngine)
+ENGINES: tuple[type[Engine], ...] = (PipelineEngine, FSDP2Engine, PlainEngine)
 
 
 def build_engine(recipe, accelerator, layout: Layout, *, model=None, optimizer=None) -> Engine:

@@ -20,6 +20,10 @@ from neox_hf.parallel.layout import Layout, StepResult
 
 class Engine:
     name: str = ""  # its key in `neox_hf.engines.ENGINES`
+    backend: str = "deepspeed"  # `parallel.backend` (Accelerate alone counts as deepspeed's); checkpoints record it
+    # Whether a checkpoint of the same layout resumes from accelerate's save_state files; False: always from the
+    # layout-free state (an engine whose model and optimizer Accelerate does not hold)
+    reads_accelerate_checkpoint: bool = True
     objectives: tuple[str, ...] = ("lm", "dpo", "rm")
 
     def __init__(self, recipe, accelerator, layout: Layout, *, model=None, optimizer=None):

@@ -21,28 +21,28 @@ _DS_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hystere
 def layout_free_state(engine) -> tuple[dict, dict]:
     """This rank's part of the layout-free training state: (tensors keyed `model|exp_avg|exp_avg_sq/<name>`,
     each this rank's chunk of the full tensor; plain data: Adam's step, the loss scaler). Collective."""
-    views, base = _shard_views(engine), _base_optimizer(engine.optimizer)
+    views, base = _shard_views(engine), base_optimizer(engine.optimizer)
     _link_zero_fragments(engine.optimizer)
     tensors = {}
     for name, param, tp_dim in engine.named_full_parameters():
         for key, value in _master_and_moments(param, base):
             tensors[f"{key}/{name}"] = views.for_save(value, tp_dim)
             del value  # under ZeRO a whole gathered tensor: one alive at a time, not three
-    return tensors, {"adam_step": _optimizer_step(base), "loss_scaler": _loss_scaler_state(engine)}
+    return tensors, {"adam_step": optimizer_step(base), "loss_scaler": _loss_scaler_state(engine)}
 
 
 def load_layout_free_state(engine, read, plain: dict) -> None:
     """Restore what `layout_free_state` returned, on this rank's layout: `read(targets)` fills the empty
     tensors (this rank's TP shards) in place. Collective."""
-    views, base = _shard_views(engine), _base_optimizer(engine.optimizer)
+    views, base = _shard_views(engine), base_optimizer(engine.optimizer)
     named = list(engine.named_full_parameters())
     device = engine.accelerator.device
     targets = {f"{key}/{name}": views.for_load(_local_shape(param), tp_dim, device)
                for name, param, tp_dim in named for key in ("model", *MOMENTS)}
     read(targets)
     step = float(plain["adam_step"])
-    _create_adam_state(base, engine.optimizer)
-    _set_optimizer_step(base, step)
+    create_adam_state(base, engine.optimizer)
+    set_optimizer_step(base, step)
     for name, param, _ in named:
         values = {key: _local(targets[f"{key}/{name}"]) for key in ("model", *MOMENTS)}
         _set_master_and_moments(param, base, values, step)
@@ -78,7 +78,7 @@ def _load_loss_scaler_state(engine, state: dict | None) -> None:
 
 
 
-def _base_optimizer(optimizer):
+def base_optimizer(optimizer):
     """The torch optimizer holding Adam's state, through Accelerate's and DeepSpeed's wrappers."""
     while hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
@@ -219,13 +219,13 @@ def _step_tensor(current, step: float, optimizer, param):
     return torch.tensor(step, dtype=torch.float32, device=param.device if fused else "cpu")
 
 
-def _optimizer_step(base_optimizer) -> float:
+def optimizer_step(base_optimizer) -> float:
     """Adam's step count (every parameter updates at every step, so one number)."""
     steps = [float(state["step"]) for state in base_optimizer.state.values() if "step" in state]
     return max(steps, default=0.0)
 
 
-def _create_adam_state(base_optimizer, wrapper) -> None:
+def create_adam_state(base_optimizer, wrapper=None) -> None:
     """Adam's state as its first step would create it (torch's AdamW creates it lazily, and DeepSpeed's ZeRO-1/2
     links each parameter's fragment of it only then), so that the loaded moments have somewhere to go."""
     for group in base_optimizer.param_groups:
@@ -247,7 +247,7 @@ def _link_zero_fragments(optimizer) -> None:
         optimizer._lazy_init_hp_params_optimizer_state()
 
 
-def _set_optimizer_step(base_optimizer, step: float) -> None:
+def set_optimizer_step(base_optimizer, step: float) -> None:
     for state in base_optimizer.state.values():
         if "step" in state:
             state["step"] = torch.full_like(state["step"], step) if isinstance(state["step"], torch.Tensor) else step

@@ -128,7 +128,7 @@ def lm_head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *,
         x = hidden if head.sequence_parallel else copy_to_tp_region(hidden, head.group)
         return linear_cross_entropy(x, head.weight, labels, group=head.group, vocab_start=head.vocab_start,
                                     z_loss=z_loss, ignore_index=ignore_index, chunk_size=chunk_size)
-    if type(head) is nn.Linear and head.bias is None:
+    if _unsharded_class(head) is nn.Linear and head.bias is None:
         return linear_cross_entropy(hidden, head.weight, labels, z_loss=z_loss, ignore_index=ignore_index,
                                     chunk_size=chunk_size)
     return cross_entropy_sum(head(hidden), labels, z_loss=z_loss, ignore_index=ignore_index)
@@ -355,9 +355,9 @@ def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, fu
     `fused` (train.fused_cross_entropy) takes the chunked op of `lm_head_loss`; otherwise a vocab-parallel head uses
     its unfused sharded cross-entropy and a plain head full logits. Under ZeRO-3 the weight is a partition that
     DeepSpeed gathers only around the head module's own forward and backward, so the fused op runs as that forward
-    (`_as_module_forward`).
+    (`_as_module_forward`); likewise a head FSDP2 shards as its own group (`neox_hf.engines.fsdp2`).
     """
-    if fused and hasattr(getattr(head, "weight", None), "ds_id"):  # a ZeRO-3 partition
+    if fused and (hasattr(getattr(head, "weight", None), "ds_id") or _fsdp_sharded(head)):  # ZeRO-3 / FSDP2 shards
         return _as_module_forward(head, lambda h, y: lm_head_loss(head, h, y, z_loss=z_loss), hidden, labels)
     if fused:
         return lm_head_loss(head, hidden, labels, z_loss=z_loss)
@@ -367,6 +367,18 @@ def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, fu
     if own_loss is not None:  # z-loss needs log Z, which only the (vocab-parallel) fused op computes without logits
         return lm_head_loss(head, hidden, labels, z_loss=z_loss)
     return cross_entropy_sum(head(hidden), labels, z_loss=z_loss)
+
+
+def _fsdp_sharded(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def _unsharded_class(module: nn.Module) -> type:
+    """The module's own class: FSDP2's fully_shard turns a `Class` into `FSDPClass(FSDPModule, Class)`."""
+    cls = type(module)
+    return cls.__bases__[1] if _fsdp_sharded(module) and len(cls.__bases__) == 2 else cls
 
 
 def _as_module_forward(module: nn.Module, function, *args):

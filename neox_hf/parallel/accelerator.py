@@ -33,7 +33,9 @@ def launched_with_deepspeed() -> bool:
 def wants_deepspeed(parallel: ParallelConfig) -> bool:
     """Every multi-process run goes through DeepSpeed (ZeRO stage 0 is plain data parallelism): it is what reduces
     gradients over our data-parallel group only, and the loss calls the decoder directly, which DDP's gradient
-    hooks would not see."""
+    hooks would not see. `parallel.backend: fsdp2` never does (its engine shards with torch's fully_shard)."""
+    if parallel.backend == "fsdp2":
+        return False
     if parallel.tensor_parallel > 1 or parallel.pipeline_parallel > 1 or _launched_distributed():
         if parallel.use_deepspeed is False:
             raise RecipeError("`parallel.use_deepspeed: false` with several processes: multi-process training runs "
@@ -174,9 +176,11 @@ def build_accelerator(recipe: Recipe, *, log_with: str | None = None) -> Acceler
                          "neox_hf.recipe.settled before building the Accelerator")
     allow_tf32(train.tf32)
     use_deepspeed = wants_deepspeed(parallel)
-    if use_deepspeed and not _launched_distributed():
+    # DeepSpeed and FSDP2 need a process group even in a plain `python` process (a group of one)
+    group_of_one = use_deepspeed or parallel.backend == "fsdp2"
+    if group_of_one and not _launched_distributed():
         _single_process_environment()
-    kwargs_handlers = [process_group_kwargs(parallel, distributed=use_deepspeed or _launched_distributed())]
+    kwargs_handlers = [process_group_kwargs(parallel, distributed=group_of_one or _launched_distributed())]
     ds_config = deepspeed_config(parallel, train) if use_deepspeed else None
     if ds_config is not None:
         check_deepspeed_precision(ds_config)

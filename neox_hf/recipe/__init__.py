@@ -149,8 +149,15 @@ class DataConfig:
 
 @dataclass
 class ParallelConfig:
-    """Distribution: pipeline stages × tensor parallel × ZeRO data parallel through Accelerate's DeepSpeed plugin."""
+    """Distribution: pipeline stages × tensor parallel × data parallel, sharded by DeepSpeed ZeRO (Accelerate's
+    DeepSpeed plugin) or by torch's FSDP2 (`backend: fsdp2`, `neox_hf.engines.fsdp2`)."""
 
+    # deepspeed: ZeRO 0–3, pipeline stages, tensor parallelism (GPT-NeoX's engine); fsdp2: torch's fully_shard per
+    # decoder layer (parameters, gradients and optimizer states sharded), HSDP with `dp_replicate`
+    backend: Literal["deepspeed", "fsdp2"] = "deepspeed"
+    # fsdp2 only: HSDP, the data-parallel ranks as dp_replicate groups of dp / dp_replicate shards (each group holds
+    # one whole copy; gradients all-reduced between groups)
+    dp_replicate: int = 1
     tensor_parallel: int = 1
     pipeline_parallel: int = 1  # GPT-NeoX `pipe_parallel_size`: layers split over this many stages (DeepSpeed pipeline)
     # GPT-NeoX `pipe_partition_method`: `type:transformer` balances transformer layers (GPT-NeoX's default), `uniform`
@@ -499,6 +506,7 @@ def validate(recipe: Recipe) -> None:
     _require(p.pipeline_parallel >= 1, f"`parallel.pipeline_parallel` must be ≥ 1, got {p.pipeline_parallel}")
     if p.pipeline_parallel > 1:
         _validate_pipeline(recipe)
+    _validate_fsdp2(recipe)
     _require(
         not (p.zero_stage == 3 and p.tensor_parallel > 1),
         "`parallel.zero_stage: 3` with `parallel.tensor_parallel > 1` is refused: ZeRO-3 partitions every parameter "
@@ -542,6 +550,31 @@ def validate(recipe: Recipe) -> None:
             "`peft.method` with `parallel.tensor_parallel > 1` is refused: LoRA wraps nn.Linear layers, which tensor "
             "parallelism replaces; fine-tune adapters with ZeRO data parallelism (tensor_parallel: 1)",
         )
+
+
+def _validate_fsdp2(recipe: Recipe) -> None:
+    """What `parallel.backend: fsdp2` runs (neox_hf.engines.fsdp2); DeepSpeed's own keys are refused by name."""
+    p, t = recipe.parallel, recipe.train
+    _require(p.dp_replicate >= 1, f"`parallel.dp_replicate` must be ≥ 1, got {p.dp_replicate}")
+    if p.backend != "fsdp2":
+        _require(p.dp_replicate == 1, "`parallel.dp_replicate` (HSDP) needs `parallel.backend: fsdp2`; DeepSpeed "
+                                      "shards over every data-parallel rank")
+        return
+    for key, off in (("zero_stage", 0), ("pipeline_parallel", 1), ("tensor_parallel", 1), ("offload_optimizer", False),
+                     ("offload_params", False), ("deepspeed_config", None), ("use_deepspeed", None)):
+        why = {"pipeline_parallel": "pipeline stages run on DeepSpeed's pipeline engine",
+               "tensor_parallel": "our TP layers are not combined with fully_shard yet (the DTensor mesh of TP × "
+                                  "FSDP2 is future work)",
+               "offload_optimizer": "CPU offload under FSDP2 (CPUOffloadPolicy) is not wired yet",
+               "offload_params": "CPU offload under FSDP2 (CPUOffloadPolicy) is not wired yet"
+               }.get(key, "it is a DeepSpeed setting; FSDP2 always shards parameters, gradients and optimizer states")
+        _require(getattr(p, key) == off or (key == "use_deepspeed" and p.use_deepspeed is False),
+                 f"`parallel.{key}: {getattr(p, key)}` with `parallel.backend: fsdp2` is refused: {why}; remove it "
+                 "or use `parallel.backend: deepspeed`")
+    _require(t.precision != "fp16", "`train.precision: fp16` with `parallel.backend: fsdp2` is refused: FSDP2 needs "
+                                    "a sharded loss scaler, not wired yet; use bf16 (fp32 masters and reductions)")
+    _require(recipe.peft.method is None, "`peft.method` with `parallel.backend: fsdp2` is refused: adapters train on "
+                                         "the DeepSpeed backend (frozen base weights need no sharded optimizer)")
 
 
 def _validate_pipeline(recipe: Recipe) -> None:

@@ -82,6 +82,18 @@ def _clipping(raw: str) -> float:
                           "clipping) or remove the key") from None
 
 
+def _fsdp_backend(raw: str) -> str:
+    """An accelerate FSDP config (`distributed_type: FSDP`) asks for our FSDP2 engine."""
+    return "fsdp2" if raw == "true" else "deepspeed"
+
+
+def _fsdp_version(raw: str) -> str:
+    if raw != "2":
+        raise RecipeError(f"the accelerate config sets `fsdp_version: {raw}`: neox_hf shards with FSDP2 only "
+                          "(`parallel.backend: fsdp2`); set `fsdp_version: 2` in the accelerate config")
+    return "fsdp2"
+
+
 _KEYS = (
     _Key("ACCELERATE_DEEPSPEED_ZERO_STAGE", "zero_stage", "parallel.zero_stage", int),
     _Key("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "offload_optimizer_device", "parallel.offload_optimizer",
@@ -94,6 +106,8 @@ _KEYS = (
     _Key("ACCELERATE_MIXED_PRECISION", "mixed_precision", "train.precision", _precision, neutral=("no",)),
     _Key("ACCELERATE_DEEPSPEED_CONFIG_FILE", "deepspeed_config_file", "parallel.deepspeed_config", str,
          neutral=("none",)),
+    _Key("ACCELERATE_USE_FSDP", "distributed_type: FSDP", "parallel.backend", _fsdp_backend, neutral=("false",)),
+    _Key("FSDP_VERSION", "fsdp_version", "parallel.backend", _fsdp_version),
 )
 
 

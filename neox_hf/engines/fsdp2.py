@@ -1,0 +1,156 @@
+"""The FSDP2 engine (`parallel.backend: fsdp2`): torch's `fully_shard` per decoder layer over a DeviceMesh of the
+data-parallel ranks, so parameters, gradients and AdamW's states are sharded (ZeRO-3's memory, as DTensors); with
+`parallel.dp_replicate` > 1 the mesh is 2-D (replicate × shard) and this is HSDP. The step, for any objective, is the
+replicas' shared one (`neox_hf.engines.replica`): FSDP2's reduce-scatter averages gradients over the data-parallel
+ranks as DeepSpeed does, so the token weighting needs nothing new.
+
+Groups: every decoder layer (the model's `_no_split_modules`, as accelerate's transformer_based_wrap picks them), the
+decoder itself (embeddings, final norm), the output head on its own (the fused loss runs as the head's forward:
+`neox_hf.ops.head_loss`), then the whole model for what is left (a reward model's score head). Mixed precision by
+`MixedPrecisionPolicy`: bf16 compute where the recipe trains bf16, fp32 sharded masters and fp32 reductions.
+
+Gap filled: accelerate (1.16) has an FSDP2 path (`FullyShardedDataParallelPlugin(fsdp_version=2)`, `_prepare_fsdp2`),
+but on CPU its state ignores the plugin (`DistributedType.NO` with a gloo group of several processes), so nothing is
+sharded; the engine calls `fully_shard` itself, the same calls `_prepare_fsdp2` makes on a GPU, and keeps Accelerate
+for accumulation, autocast and the process group. The optimizer is Accelerate's `AcceleratedOptimizer` (it steps once
+per accumulation cycle) without registering it with the Accelerator: its save_state would write rank 0's shards as
+if whole; the checkpoint is the layout-free state instead (DCP of the DTensors, `neox_hf.checkpoint.layout_free`),
+which a DeepSpeed or one-process run resumes as well.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from neox_hf.engines import zero_state
+from neox_hf.engines.optimizer import build_optimizer
+from neox_hf.engines.replica import ReplicaEngine, enable_activation_checkpointing
+from neox_hf.errors import LaunchError, RecipeError
+
+
+class FSDP2Engine(ReplicaEngine):
+    name = "fsdp2"
+    backend = "fsdp2"
+    reads_accelerate_checkpoint = False
+
+    @classmethod
+    def handles(cls, recipe, layout) -> bool:
+        return recipe.parallel.backend == "fsdp2"
+
+    def describe(self) -> str:
+        replicate = self.recipe.parallel.dp_replicate
+        if replicate > 1:
+            return f"FSDP2 HSDP ({replicate} replicas × {self.layout.dp // replicate} shards)"
+        return f"FSDP2 ({self.layout.dp} shards)"
+
+    def startup_lines(self) -> list[str]:
+        return [f"engine: {self.describe()}, per decoder layer, mixed precision {self.recipe.train.precision}"]
+
+    def device_mesh(self):
+        """The data-parallel mesh: 1-D (dp_shard), or 2-D (dp_replicate, dp_shard) for HSDP. Collective."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not dist.is_initialized():  # build_accelerator starts a group of one for a plain `python` run
+            raise LaunchError("`parallel.backend: fsdp2` needs a process group; launch with: torchrun --standalone "
+                              "--nproc_per_node N run_clm_neox.py RECIPE --parallel.backend fsdp2")
+        replicate, dp = self.recipe.parallel.dp_replicate, self.layout.dp
+        if dp % replicate:
+            raise LaunchError(f"`parallel.dp_replicate: {replicate}` must divide the {dp} data-parallel processes "
+                              f"(HSDP: replicas × shards); launch a multiple of {replicate} processes")
+        device = self.accelerator.device.type
+        if replicate == 1:
+            return init_device_mesh(device, (dp,), mesh_dim_names=("dp_shard",))
+        return init_device_mesh(device, (replicate, dp // replicate), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+    def parallelize(self, model):
+        """Activation checkpointing, then `fully_shard` per decoder layer, decoder, head and model; AdamW over the
+        sharded parameters. (model, optimizer), also kept on the engine."""
+        from accelerate.optimizer import AcceleratedOptimizer
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        recipe = self.recipe
+        if getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+            raise RecipeError("tied input and output embeddings with `parallel.backend: fsdp2` are refused: the head is "
+                              "sharded as its own group for the fused loss; set `model.tie_word_embeddings: false` or "
+                              "use `parallel.backend: deepspeed`")
+        if recipe.parallel.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        mesh = self.device_mesh()
+        bf16 = recipe.train.precision == "bf16"
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+        layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+        for module in [m for m in model.modules() if type(m).__name__ in layer_classes]:
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        for module in (model.base_model, head):
+            if module is not None and module is not model:
+                fully_shard(module, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        if recipe.train.compile:
+            model.base_model.compile()
+        self.model = model
+        self.optimizer = AcceleratedOptimizer(build_optimizer(model, recipe.train), device_placement=False)
+        return self.model, self.optimizer
+
+    def clip_gradients(self):
+        """The whole model's gradient norm (its shards' norms reduced over the mesh), clipped to `train.clip_grad`
+        (0: only measured). torchtitan's clip: `get_total_norm` of the DTensor gradients, made whole, then
+        `clip_grads_with_norm_`."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        if self.recipe.train.clip_grad > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.recipe.train.clip_grad, norm)
+        return norm
+
+    def full_state_dict(self) -> dict | None:
+        """The whole model's state dict on the main process (DCP's get_model_state_dict gathers each DTensor).
+        Collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def named_full_parameters(self):
+        for name, param in self.model.named_parameters():
+            if param.requires_grad:
+                yield name, param, None
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())  # a DTensor's numel is its full tensor's
+
+    def loss_scale(self) -> float | None:
+        return None  # fp16 is refused with this backend (recipe)
+
+    def loss_scale_floor(self) -> float | None:
+        return None
+
+    # -- the layout-free checkpoint: the DTensors themselves are layout-free ------------------------------
+
+    def layout_free_state(self) -> tuple[dict, dict]:
+        """Every parameter and Adam moment as the DTensor it is (full shape, this rank's shard; DCP writes each
+        chunk once, replicas deduplicated)."""
+        base = zero_state.base_optimizer(self.optimizer)
+        tensors = {}
+        for name, param, _ in self.named_full_parameters():
+            state = base.state.get(param, {})
+            tensors[f"model/{name}"] = param.detach()
+            for key in zero_state.MOMENTS:
+                tensors[f"{key}/{name}"] = state[key] if key in state else torch.zeros_like(param.detach())
+        return tensors, {"adam_step": zero_state.optimizer_step(base), "loss_scaler": None}
+
+    def load_layout_free_state(self, read, plain: dict) -> None:
+        base = zero_state.base_optimizer(self.optimizer)
+        named = [(name, param) for name, param, _ in self.named_full_parameters()]
+        targets = {f"{key}/{name}": torch.empty_like(param.detach(), dtype=torch.float32)
+                   for name, param in named for key in ("model", *zero_state.MOMENTS)}
+        read(targets)
+        step = float(plain["adam_step"])
+        zero_state.create_adam_state(base)
+        with torch.no_grad():
+            for name, param in named:
+                param.copy_(targets[f"model/{name}"])
+                for key in zero_state.MOMENTS:
+                    base.state[param][key] = targets[f"{key}/{name}"]
+        zero_state.set_optimizer_step(base, step)
