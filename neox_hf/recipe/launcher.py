@@ -106,7 +106,7 @@ _KEYS = (
     _Key("ACCELERATE_MIXED_PRECISION", "mixed_precision", "train.precision", _precision, neutral=("no",)),
     _Key("ACCELERATE_DEEPSPEED_CONFIG_FILE", "deepspeed_config_file", "parallel.deepspeed_config", str,
          neutral=("none",)),
-    _Key("ACCELERATE_USE_FSDP", "distributed_type: FSDP", "parallel.backend", _fsdp_backend, neutral=("false",)),
+    _Key("ACCELERATE_USE_FSDP", "use_fsdp", "parallel.backend", _fsdp_backend, neutral=("false",)),
     _Key("FSDP_VERSION", "fsdp_version", "parallel.backend", _fsdp_version),
 )
 

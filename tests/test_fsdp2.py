@@ -1,0 +1,181 @@
+"""`parallel.backend: fsdp2` (neox_hf/engines/fsdp2.py) against one process, through `run_clm_neox.py`'s entry
+point under torchrun (gloo, fp32, dropout 0, a 2-layer hidden-64 model):
+
+- FSDP2 over 2 data-parallel ranks trains the same 6 steps as one process: losses within 1e-5, final weights within
+  1e-4, in pack mode (GPT-NeoX's order: the global batch is layout-free) and pad mode (streamed sources);
+- its checkpoint (the layout-free DTensors) resumes on one process, one process's on FSDP2, and FSDP2's on FSDP2,
+  each continuing steps 4–6 as the uninterrupted run (tests/test_resume_any_layout.py's bound); `neox_hf export`
+  reads an FSDP2 step folder;
+- the recipe refuses what the backend does not run, each in one line.
+
+To keep CPU down, the 2-process runs of a phase share one launch (tests/workers/init_layouts.py) and the one-process
+runs run in the test process beside it."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, finish_launch, launch_env, train_in_this_process
+from tests.test_resume import step_losses
+from tests.test_resume_any_layout import TINY, assert_continues, pack_data, pad_data  # noqa: F401 (fixtures)
+
+FSDP2 = ["--parallel.backend", "fsdp2"]
+STEP3 = Path("checkpoints") / "step_00000003"
+
+
+def _one(micro: int = 4) -> list[str]:
+    return ["--train.micro_batch_size", str(micro)]
+
+
+def _dp2() -> list[str]:
+    return ["--train.micro_batch_size", "2"]
+
+
+def start_torchrun_layouts(out_dir: Path, layouts: dict[str, str], num_processes: int = 2):
+    """tests/workers/init_layouts.py under torchrun (not `accelerate launch --use_deepspeed`, whose environment asks
+    Accelerate for DeepSpeed): each NAME's overrides in OUT_DIR/NAME, one after the other."""
+    specs = [f"{name}={overrides}" for name, overrides in layouts.items()]
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                             str(num_processes), str(REPO / "tests/workers/init_layouts.py"), str(out_dir), *specs, "--"],
+                            cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, pack_data, pad_data) -> dict[str, Path]:  # noqa: F811
+    root = tmp_path_factory.mktemp("fsdp2")
+    data = {"pack": pack_data, "pad": pad_data}
+    recipe = [str(REPO / "recipes" / "tiny.yaml"), *TINY]
+
+    def args(name, mode, *extra):
+        return shlex.join([*recipe, *data[mode], *extra, "--output.dir", str(root / name)])
+
+    def in_process(name, mode, *extra):
+        train_in_this_process(shlex.split(args(name, mode, *extra)))
+
+    # Phase 1: the sources (6 steps, a checkpoint at step 3).
+    launch = start_torchrun_layouts(root, {"fsdp2_pack": args("fsdp2_pack", "pack", *_dp2(), *FSDP2),
+                                           "fsdp2_pad": args("fsdp2_pad", "pad", *_dp2(), *FSDP2)})
+    in_process("one_pack", "pack", *_one())
+    in_process("one_pad", "pad", *_one())
+    finish_launch(launch, "the FSDP2 sources", timeout=600)
+    # Phase 2: resumes from step 3.
+    resume = lambda source: ["--train.resume", str(root / source / STEP3)]  # noqa: E731
+    launch = start_torchrun_layouts(root, {
+        "one_to_fsdp2": args("one_to_fsdp2", "pack", *_dp2(), *FSDP2, *resume("one_pack")),
+        "fsdp2_to_fsdp2": args("fsdp2_to_fsdp2", "pad", *_dp2(), *FSDP2, *resume("fsdp2_pad"))})
+    in_process("fsdp2_to_one", "pack", *_one(), *resume("fsdp2_pack"))
+    finish_launch(launch, "the FSDP2 resumes", timeout=600)
+    return {name: root / name for name in ("fsdp2_pack", "fsdp2_pad", "one_pack", "one_pad", "one_to_fsdp2",
+                                           "fsdp2_to_fsdp2", "fsdp2_to_one")}
+
+
+def _assert_same_run(want: Path, got: Path, *, loss_tol: float = 1e-5, weight_tol: float = 1e-4) -> None:
+    from safetensors.torch import load_file
+
+    reference, losses = step_losses(want), step_losses(got)
+    assert sorted(losses) == sorted(reference) == [1, 2, 3, 4, 5, 6], (reference, losses)
+    worst_loss = max(abs(losses[s] - reference[s]) for s in reference)
+    assert worst_loss <= loss_tol, (reference, losses)
+    a, b = load_file(want / "model.safetensors"), load_file(got / "model.safetensors")
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= weight_tol, worst
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["pack", "pad"])
+def test_fsdp2_dp2_trains_as_one_process(runs, mode):
+    _assert_same_run(runs[f"one_{mode}"], runs[f"fsdp2_{mode}"])
+
+
+@pytest.mark.distributed
+def test_fsdp2_checkpoint_is_layout_free_and_resumes_on_one_process(runs):
+    step = runs["fsdp2_pack"] / STEP3
+    assert (step / "layout_free" / ".metadata").is_file()
+    assert not (step / "model.safetensors").exists()  # no second, per-rank copy of the weights
+    assert_continues(runs["fsdp2_pack"], runs["fsdp2_to_one"])
+
+
+@pytest.mark.distributed
+def test_one_process_checkpoint_resumes_on_fsdp2(runs):
+    assert_continues(runs["one_pack"], runs["one_to_fsdp2"])
+    printed = (runs["one_to_fsdp2"].parent / "one_to_fsdp2.stdout").read_text()
+    assert "resuming step 3 written by 1 process without DeepSpeed on FSDP2 on 2 processes" in printed, printed[-2000:]
+
+
+@pytest.mark.distributed
+def test_fsdp2_resumes_on_the_same_layout(runs):
+    assert_continues(runs["fsdp2_pad"], runs["fsdp2_to_fsdp2"])
+
+
+@pytest.mark.distributed
+def test_export_reads_an_fsdp2_step_folder(runs, tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file
+
+    from neox_hf.cli import main
+
+    source = runs["fsdp2_pack"]
+    assert main(["export", str(source / "checkpoints" / "step_00000006"), str(tmp_path / "hf")]) == 0, \
+        capsys.readouterr().err
+    want, got = load_file(source / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The recipe: what the backend refuses, in one line each (fast tier)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _recipe(**parallel):
+    from neox_hf.recipe import recipe_from_dict
+
+    return recipe_from_dict({"parallel": parallel, "train": {"precision": "fp32"}})
+
+
+def test_backend_defaults_to_deepspeed_and_unknown_values_are_refused():
+    from neox_hf.errors import RecipeError
+
+    assert _recipe().parallel.backend == "deepspeed"
+    assert _recipe(backend="fsdp2", dp_replicate=2).parallel.dp_replicate == 2
+    with pytest.raises(RecipeError, match=r"`parallel.backend` = 'fsdp' is not one of 'deepspeed', 'fsdp2'"):
+        _recipe(backend="fsdp")
+
+
+@pytest.mark.parametrize("key, value, why", [
+    ("zero_stage", 3, "it is a DeepSpeed setting"),
+    ("tensor_parallel", 2, "our TP layers are not combined with fully_shard yet"),
+    ("pipeline_parallel", 2, "pipeline stages run on DeepSpeed's pipeline engine"),
+    ("deepspeed_config", "ds.json", "it is a DeepSpeed setting"),
+])
+def test_fsdp2_refuses_deepspeed_keys_by_name(key, value, why):
+    from neox_hf.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=rf"`parallel.{key}: {value}` with `parallel.backend: fsdp2` is refused: {why}"):
+        _recipe(backend="fsdp2", **{key: value})
+
+
+def test_hsdp_needs_fsdp2():
+    from neox_hf.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=r"`parallel.dp_replicate` \(HSDP\) needs `parallel.backend: fsdp2`"):
+        _recipe(dp_replicate=2)
+
+
+def test_an_accelerate_fsdp_config_that_contradicts_the_recipe_is_refused():
+    from neox_hf.errors import RecipeError
+    from neox_hf.recipe.launcher import reconcile_with_launcher
+
+    fsdp = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+    raw, notes = reconcile_with_launcher({}, "recipe.yaml", fsdp)
+    assert raw["parallel"]["backend"] == "fsdp2"
+    with pytest.raises(RecipeError, match=r"sets `use_fsdp: true` but recipe.yaml sets "
+                                          r"`parallel.backend: deepspeed`"):
+        reconcile_with_launcher({"parallel": {"backend": "deepspeed"}}, "recipe.yaml", fsdp)
+    with pytest.raises(RecipeError, match=r"`fsdp_version: 1`: neox_hf shards with FSDP2 only"):
+        reconcile_with_launcher({}, "recipe.yaml", {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"})
