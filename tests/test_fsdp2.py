@@ -2,7 +2,8 @@
 point under torchrun (gloo, fp32, dropout 0, a 2-layer hidden-64 model):
 
 - FSDP2 over 2 data-parallel ranks trains the same 6 steps as one process: losses within 1e-5, final weights within
-  1e-4, in pack mode (GPT-NeoX's order: the global batch is layout-free) and pad mode (streamed sources);
+  1e-4, in pack mode (GPT-NeoX's order: the global batch is layout-free), and as DeepSpeed ZeRO-1 DP2 in pad mode
+  (streamed sources are read per data-parallel rank, so one process trains other batches);
 - its checkpoint (the layout-free DTensors) resumes on one process, one process's on FSDP2, and FSDP2's on FSDP2,
   each continuing steps 4–6 as the uninterrupted run (tests/test_resume_any_layout.py's bound); `neox_hf export`
   reads an FSDP2 step folder;
@@ -13,6 +14,7 @@ runs run in the test process beside it."""
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
@@ -59,19 +61,28 @@ def runs(tmp_path_factory, pack_data, pad_data) -> dict[str, Path]:  # noqa: F81
 
     # Phase 1: the sources (6 steps, a checkpoint at step 3).
     launch = start_torchrun_layouts(root, {"fsdp2_pack": args("fsdp2_pack", "pack", *_dp2(), *FSDP2),
-                                           "fsdp2_pad": args("fsdp2_pad", "pad", *_dp2(), *FSDP2)})
+                                           "fsdp2_pad": args("fsdp2_pad", "pad", *_dp2(), *FSDP2),
+                                           "zero1_pad": args("zero1_pad", "pad", *_dp2(), "--parallel.zero_stage", "1")})
     in_process("one_pack", "pack", *_one())
-    in_process("one_pad", "pad", *_one())
     finish_launch(launch, "the FSDP2 sources", timeout=600)
     # Phase 2: resumes from step 3.
     resume = lambda source: ["--train.resume", str(root / source / STEP3)]  # noqa: E731
     launch = start_torchrun_layouts(root, {
         "one_to_fsdp2": args("one_to_fsdp2", "pack", *_dp2(), *FSDP2, *resume("one_pack")),
-        "fsdp2_to_fsdp2": args("fsdp2_to_fsdp2", "pad", *_dp2(), *FSDP2, *resume("fsdp2_pad"))})
+        "fsdp2_to_fsdp2": args("fsdp2_to_fsdp2", "pad", *_dp2(), *FSDP2, *resume("fsdp2_pad")),
+        # the same global batch as micro-batches of 1 accumulated twice, layers recomputed in backward
+        "fsdp2_ac_gas2": args("fsdp2_ac_gas2", "pack", *FSDP2, "--train.micro_batch_size", "1",
+                              "--train.gradient_accumulation_steps", "2", "--parallel.activation_checkpointing", "true"),
+        "fsdp2_bf16": args("fsdp2_bf16", "pack", *_dp2(), *FSDP2, "--train.precision", "bf16")})
     in_process("fsdp2_to_one", "pack", *_one(), *resume("fsdp2_pack"))
     finish_launch(launch, "the FSDP2 resumes", timeout=600)
-    return {name: root / name for name in ("fsdp2_pack", "fsdp2_pad", "one_pack", "one_pad", "one_to_fsdp2",
-                                           "fsdp2_to_fsdp2", "fsdp2_to_one")}
+    # HSDP: 2 replicas × 2 shards, a micro-batch of 1 per rank.
+    launch = start_torchrun_layouts(root, {"hsdp_2x2": args("hsdp_2x2", "pack", *FSDP2, "--parallel.dp_replicate", "2",
+                                                            "--train.micro_batch_size", "1")}, num_processes=4)
+    finish_launch(launch, "HSDP 2 × 2", timeout=600)
+    return {name: root / name for name in ("fsdp2_pack", "fsdp2_pad", "one_pack", "zero1_pad", "one_to_fsdp2",
+                                           "fsdp2_to_fsdp2", "fsdp2_to_one", "fsdp2_ac_gas2", "fsdp2_bf16",
+                                           "hsdp_2x2")}
 
 
 def _assert_same_run(want: Path, got: Path, *, loss_tol: float = 1e-5, weight_tol: float = 1e-4) -> None:
@@ -83,14 +94,58 @@ def _assert_same_run(want: Path, got: Path, *, loss_tol: float = 1e-5, weight_to
     assert worst_loss <= loss_tol, (reference, losses)
     a, b = load_file(want / "model.safetensors"), load_file(got / "model.safetensors")
     assert a.keys() == b.keys()
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert worst <= weight_tol, worst
+    heads = json.loads((want / "config.json").read_text())["num_attention_heads"]
+    worst = {k: (_without_key_bias(a[k], k, heads) - _without_key_bias(b[k], k, heads)).abs().max().item() for k in a}
+    assert max(worst.values()) <= weight_tol, sorted(worst.items(), key=lambda kv: kv[1])[-3:]
+
+
+def _without_key_bias(tensor, name: str, heads: int):
+    """The key bias's gradient is zero in exact arithmetic (q·b_k is the same for every key: softmax ignores it), so
+    it is rounding noise of the reduction order, which Adam (g / √v) turns into ±lr steps on any two layouts; the
+    other tensors are compared whole. GPT-NeoX's fused bias is [heads, (q, k, v), head_dim]."""
+    if not name.endswith("attention.query_key_value.bias"):
+        return tensor
+    per_head = tensor.view(heads, 3, -1)
+    return per_head[:, [0, 2]]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode", ["pack", "pad"])
-def test_fsdp2_dp2_trains_as_one_process(runs, mode):
-    _assert_same_run(runs[f"one_{mode}"], runs[f"fsdp2_{mode}"])
+def test_fsdp2_dp2_trains_as_one_process_in_pack_mode(runs):
+    """GPT-NeoX's order gives every layout the same global batches."""
+    _assert_same_run(runs["one_pack"], runs["fsdp2_pack"])
+
+
+@pytest.mark.distributed
+def test_fsdp2_with_activation_checkpointing_and_accumulation_trains_as_one_process(runs):
+    _assert_same_run(runs["one_pack"], runs["fsdp2_ac_gas2"])
+
+
+@pytest.mark.distributed
+def test_hsdp_2x2_trains_as_one_process(runs):
+    _assert_same_run(runs["one_pack"], runs["hsdp_2x2"])
+    printed = (runs["hsdp_2x2"].parent / "hsdp_2x2.stdout").read_text()
+    assert "layout: 4 data-parallel = 4 process(es), FSDP2 HSDP (2 replicas), precision fp32" in printed
+    assert "engine: FSDP2 HSDP (2 replicas × 2 shards)" in printed
+
+
+@pytest.mark.distributed
+def test_fsdp2_bf16_keeps_fp32_masters_and_follows_the_fp32_run(runs):
+    """bf16 compute, fp32 sharded masters and reductions: the saved weights are fp32 and the losses stay within bf16's
+    rounding of the fp32 run's."""
+    from safetensors.torch import load_file
+
+    import torch
+
+    reference, losses = step_losses(runs["one_pack"]), step_losses(runs["fsdp2_bf16"])
+    assert max(abs(losses[s] - reference[s]) for s in reference) <= 0.05, (reference, losses)
+    assert all(t.dtype == torch.float32 for t in load_file(runs["fsdp2_bf16"] / "model.safetensors").values())
+
+
+@pytest.mark.distributed
+def test_fsdp2_dp2_trains_as_deepspeed_dp2_in_pad_mode(runs):
+    """Streamed sources are read per data-parallel rank (other batches than one process's): FSDP2 DP2 against
+    DeepSpeed ZeRO-1 DP2, which tests/test_zero_equivalence.py holds to one process on fixed batches."""
+    _assert_same_run(runs["zero1_pad"], runs["fsdp2_pad"])
 
 
 @pytest.mark.distributed

@@ -26,6 +26,7 @@ DOCUMENTED = {
     "8gpu_zero1_tp2.yaml": (DistributedType.DEEPSPEED, 8, 1, 1),
     "2x8gpu_pipeline.yaml": (DistributedType.DEEPSPEED, 16, 2, 1),
     "cpu_2proc_deepspeed.yaml": (DistributedType.DEEPSPEED, 2, 1, 2),
+    "cpu_2proc_fsdp2.yaml": (DistributedType.FSDP, 2, 1, None),
 }
 
 
@@ -97,6 +98,24 @@ def test_cpu_launch_file_as_written_trains_zero2_from_the_accelerate_config(tmp_
     assert "layout: 2 data-parallel = 2 process(es), ZeRO stage 2" in done.stdout
     assert ("note: `parallel.zero_stage: 2` comes from the accelerate config (`zero_stage: 2`; the recipe leaves it "
             "unset)") in done.stdout
+    _assert_trained(out)
+
+
+@pytest.mark.distributed
+def test_cpu_fsdp2_launch_file_as_written_trains_on_the_fsdp2_backend(tmp_path):
+    """The file's distributed_type FSDP (fsdp_version 2) picks `parallel.backend: fsdp2`, which the recipe leaves
+    unset; the run saves a checkpoint and trains to the end."""
+    out = tmp_path / "run"
+    done = subprocess.run(
+        _accelerate_launch("--config_file", LAUNCH / "cpu_2proc_fsdp2.yaml", "--main_process_port", free_port(),
+                           "run_clm_neox.py", "recipes/tiny.yaml", *SMALL_RUN, "--train.save_interval", 2,
+                           "--output.dir", out),
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "layout: 2 data-parallel = 2 process(es), FSDP2" in done.stdout
+    assert ("note: `parallel.backend: fsdp2` comes from `accelerate launch` (`use_fsdp: true`; the recipe leaves it "
+            "unset)") in done.stdout
+    assert (out / "checkpoints" / "step_00000002" / "layout_free" / ".metadata").is_file()
     _assert_trained(out)
 
 

@@ -42,8 +42,10 @@ from neox_hf.io import (TMP_PREFIX, atomic_torch_save, atomic_write_text, folder
 
 LATEST = "latest"
 _STEP_NAME = re.compile(r"step_(\d+)")
-# What accelerate.save_state writes for the model: safetensors without DeepSpeed, the engine folder with it.
-_MODEL_ENTRIES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model", "pytorch_model.bin")
+# What accelerate.save_state writes for the model: safetensors without DeepSpeed, the engine folder with it; an engine
+# whose model Accelerate does not hold (FSDP2) has only the layout-free state (its .metadata is written last).
+_MODEL_ENTRIES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model", "pytorch_model.bin",
+                  "layout_free/.metadata")
 
 
 @dataclass

@@ -87,6 +87,7 @@ class FSDP2Engine(ReplicaEngine):
             if module is not None and module is not model:
                 fully_shard(module, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
+        _keep_checkpoint_key_renames(model)
         if recipe.train.compile:
             model.base_model.compile()
         self.model = model
@@ -154,3 +155,16 @@ class FSDP2Engine(ReplicaEngine):
                 for key in zero_state.MOMENTS:
                     base.state[param][key] = targets[f"{key}/{name}"]
         zero_state.set_optimizer_step(base, step)
+
+
+def _keep_checkpoint_key_renames(model) -> None:
+    """fully_shard turns the model's class `C` into `FSDPC`, and transformers looks up the renames it applies when
+    saving (GPTNeoX's stored `embed_out.weight` ↔ our `lm_head.weight`) by class name: the sharded class gets the
+    original's, so the final folder is stock GPTNeoX as on every other backend."""
+    from transformers.conversion_mapping import (get_checkpoint_conversion_mapping,
+                                                 register_checkpoint_conversion_mapping)
+
+    sharded, original = type(model), type(model).__bases__[-1]
+    mapping = get_checkpoint_conversion_mapping(original.__name__)
+    if mapping is not None and sharded is not original:
+        register_checkpoint_conversion_mapping(sharded.__name__, mapping, overwrite=True)

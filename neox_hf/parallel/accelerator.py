@@ -191,6 +191,9 @@ def build_accelerator(recipe: Recipe, *, log_with: str | None = None) -> Acceler
             mixed_precision=_MIXED_PRECISION[train.precision],
             gradient_accumulation_steps=train.gradient_accumulation_steps,
             deepspeed_plugin=plugin,
+            # FSDP2 on CPU: without `cpu` Accelerate calls a torchrun launch of N CPU processes DistributedType.NO,
+            # whose wait_for_everyone / gather are no-ops (DeepSpeed's type covers its own runs)
+            cpu=parallel.backend == "fsdp2" and not torch.cuda.is_available(),
             kwargs_handlers=kwargs_handlers,
             project_config=project,
             log_with=log_with,

@@ -484,7 +484,7 @@ def startup_report(run: TrainingRun, notices: list[str]) -> str:
         f"neox_hf: {config.num_hidden_layers} layers, {run.engine.parameter_count() / 1e6:.2f}M parameters, "
         f"vocab {config.vocab_size} (tokenizer {len(run.tokenizer)})",
         f"layout: {layout.describe()}{' with sequence parallelism' if recipe.parallel.sequence_parallel else ''}, "
-        f"ZeRO stage {recipe.parallel.zero_stage if accelerator.state.deepspeed_plugin else 'off'}, precision {t.precision}",
+        f"{_sharding(recipe, accelerator)}, precision {t.precision}",
         f"batch: micro {t.micro_batch_size} × accumulation {t.gradient_accumulation_steps} × dp {layout.dp} = "
         f"{global_batch} {'pairs' if run.engine.objective.unit == 'pair' else 'samples'}/step, mode {recipe.data.mode}, seq_length {m.seq_length}, {t.train_iters} steps; "
         f"objective {t.objective}, loss weighted per "
@@ -539,3 +539,9 @@ def _mixed_precision_in_effect(t, accelerator) -> str:
         return (f"{t.precision} weights, activations and gradients, fp32 master weights and optimizer states "
                 f"(DeepSpeed {t.precision})")
     return f"{t.precision} autocast for matmuls, fp32 weights, gradients and optimizer states"
+
+
+def _sharding(recipe, accelerator) -> str:
+    if recipe.parallel.backend == "fsdp2":
+        return "FSDP2" + (f" HSDP ({recipe.parallel.dp_replicate} replicas)" if recipe.parallel.dp_replicate > 1 else "")
+    return f"ZeRO stage {recipe.parallel.zero_stage if accelerator.state.deepspeed_plugin else 'off'}"
