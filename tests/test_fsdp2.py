@@ -7,6 +7,8 @@ point under torchrun (gloo, fp32, dropout 0, a 2-layer hidden-64 model):
 - its checkpoint (the layout-free DTensors) resumes on one process, one process's on FSDP2, and FSDP2's on FSDP2,
   each continuing steps 4–6 as the uninterrupted run (tests/test_resume_any_layout.py's bound); `neox_hf export`
   reads an FSDP2 step folder;
+- HSDP 2 × 2 and our tensor parallelism (TP2 + sequence parallelism) inside FSDP2 DP2 train as one process too (4
+  processes), and TP2 × FSDP2's checkpoint resumes on one process;
 - the recipe refuses what the backend does not run, each in one line.
 
 To keep CPU down, the 2-process runs of a phase share one launch (tests/workers/init_layouts.py) and the one-process
@@ -42,8 +44,9 @@ def start_torchrun_layouts(out_dir: Path, layouts: dict[str, str], num_processes
     """tests/workers/init_layouts.py under torchrun (not `accelerate launch --use_deepspeed`, whose environment asks
     Accelerate for DeepSpeed): each NAME's overrides in OUT_DIR/NAME, one after the other."""
     specs = [f"{name}={overrides}" for name, overrides in layouts.items()]
+    worker = REPO / "tests/workers/init_layouts.py"
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                             str(num_processes), str(REPO / "tests/workers/init_layouts.py"), str(out_dir), *specs, "--"],
+                             str(num_processes), str(worker), str(out_dir), *specs, "--"],
                             cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -62,7 +65,8 @@ def runs(tmp_path_factory, pack_data, pad_data) -> dict[str, Path]:  # noqa: F81
     # Phase 1: the sources (6 steps, a checkpoint at step 3).
     launch = start_torchrun_layouts(root, {"fsdp2_pack": args("fsdp2_pack", "pack", *_dp2(), *FSDP2),
                                            "fsdp2_pad": args("fsdp2_pad", "pad", *_dp2(), *FSDP2),
-                                           "zero1_pad": args("zero1_pad", "pad", *_dp2(), "--parallel.zero_stage", "1")})
+                                           "zero1_pad": args("zero1_pad", "pad", *_dp2(),
+                                                             "--parallel.zero_stage", "1")})
     in_process("one_pack", "pack", *_one())
     finish_launch(launch, "the FSDP2 sources", timeout=600)
     # Phase 2: resumes from step 3.
@@ -72,17 +76,22 @@ def runs(tmp_path_factory, pack_data, pad_data) -> dict[str, Path]:  # noqa: F81
         "fsdp2_to_fsdp2": args("fsdp2_to_fsdp2", "pad", *_dp2(), *FSDP2, *resume("fsdp2_pad")),
         # the same global batch as micro-batches of 1 accumulated twice, layers recomputed in backward
         "fsdp2_ac_gas2": args("fsdp2_ac_gas2", "pack", *FSDP2, "--train.micro_batch_size", "1",
-                              "--train.gradient_accumulation_steps", "2", "--parallel.activation_checkpointing", "true"),
+                              "--train.gradient_accumulation_steps", "2",
+                              "--parallel.activation_checkpointing", "true"),
         "fsdp2_bf16": args("fsdp2_bf16", "pack", *_dp2(), *FSDP2, "--train.precision", "bf16")})
     in_process("fsdp2_to_one", "pack", *_one(), *resume("fsdp2_pack"))
     finish_launch(launch, "the FSDP2 resumes", timeout=600)
-    # HSDP: 2 replicas × 2 shards, a micro-batch of 1 per rank.
-    launch = start_torchrun_layouts(root, {"hsdp_2x2": args("hsdp_2x2", "pack", *FSDP2, "--parallel.dp_replicate", "2",
-                                                            "--train.micro_batch_size", "1")}, num_processes=4)
-    finish_launch(launch, "HSDP 2 × 2", timeout=600)
+    # 4 processes: HSDP 2 replicas × 2 shards (a micro-batch of 1 per rank); our TP2 (+ sequence parallelism)
+    # inside FSDP2 over 2 data-parallel ranks; then TP2 × FSDP2's checkpoint resumed on one process.
+    launch = start_torchrun_layouts(root, {
+        "hsdp_2x2": args("hsdp_2x2", "pack", *FSDP2, "--parallel.dp_replicate", "2", "--train.micro_batch_size", "1"),
+        "tp2_fsdp2_dp2": args("tp2_fsdp2_dp2", "pack", *FSDP2, *_dp2(), "--parallel.tensor_parallel", "2",
+                              "--parallel.sequence_parallel", "true")}, num_processes=4)
+    finish_launch(launch, "HSDP 2 × 2 and TP2 × FSDP2 DP2", timeout=600)
+    in_process("tp2_fsdp2_to_one", "pack", *_one(), *resume("tp2_fsdp2_dp2"))
     return {name: root / name for name in ("fsdp2_pack", "fsdp2_pad", "one_pack", "zero1_pad", "one_to_fsdp2",
                                            "fsdp2_to_fsdp2", "fsdp2_to_one", "fsdp2_ac_gas2", "fsdp2_bf16",
-                                           "hsdp_2x2")}
+                                           "hsdp_2x2", "tp2_fsdp2_dp2", "tp2_fsdp2_to_one")}
 
 
 def _assert_same_run(want: Path, got: Path, *, loss_tol: float = 1e-5, weight_tol: float = 1e-4) -> None:
@@ -126,6 +135,14 @@ def test_hsdp_2x2_trains_as_one_process(runs):
     printed = (runs["hsdp_2x2"].parent / "hsdp_2x2.stdout").read_text()
     assert "layout: 4 data-parallel = 4 process(es), FSDP2 HSDP (2 replicas), precision fp32" in printed
     assert "engine: FSDP2 HSDP (2 replicas × 2 shards)" in printed
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_2_inside_fsdp2_dp2_trains_as_one_process_and_resumes_on_one(runs):
+    _assert_same_run(runs["one_pack"], runs["tp2_fsdp2_dp2"])
+    printed = (runs["tp2_fsdp2_dp2"].parent / "tp2_fsdp2_dp2.stdout").read_text()
+    assert "engine: FSDP2 (2 shards) × tensor parallel 2" in printed
+    assert_continues(runs["tp2_fsdp2_dp2"], runs["tp2_fsdp2_to_one"])
 
 
 @pytest.mark.distributed
@@ -204,14 +221,14 @@ def test_backend_defaults_to_deepspeed_and_unknown_values_are_refused():
 
 @pytest.mark.parametrize("key, value, why", [
     ("zero_stage", 3, "it is a DeepSpeed setting"),
-    ("tensor_parallel", 2, "our TP layers are not combined with fully_shard yet"),
     ("pipeline_parallel", 2, "pipeline stages run on DeepSpeed's pipeline engine"),
     ("deepspeed_config", "ds.json", "it is a DeepSpeed setting"),
 ])
 def test_fsdp2_refuses_deepspeed_keys_by_name(key, value, why):
     from neox_hf.errors import RecipeError
 
-    with pytest.raises(RecipeError, match=rf"`parallel.{key}: {value}` with `parallel.backend: fsdp2` is refused: {why}"):
+    refusal = rf"`parallel.{key}: {value}` with `parallel.backend: fsdp2` is refused: {why}"
+    with pytest.raises(RecipeError, match=refusal):
         _recipe(backend="fsdp2", **{key: value})
 
 

@@ -1,6 +1,9 @@
 """The FSDP2 engine (`parallel.backend: fsdp2`): torch's `fully_shard` per decoder layer over a DeviceMesh of the
 data-parallel ranks, so parameters, gradients and AdamW's states are sharded (ZeRO-3's memory, as DTensors); with
-`parallel.dp_replicate` > 1 the mesh is 2-D (replicate × shard) and this is HSDP. The step, for any objective, is the
+`parallel.dp_replicate` > 1 the mesh is 2-D (replicate × shard) and this is HSDP. With `parallel.tensor_parallel` our
+TP layers (Megatron's, `neox_hf.parallel`) split each layer first and FSDP2 shards every rank's TP slices over its
+data-parallel ranks (the device mesh is tp × dp_replicate × dp_shard in the layout's rank order). The step, for any
+objective, is the
 replicas' shared one (`neox_hf.engines.replica`): FSDP2's reduce-scatter averages gradients over the data-parallel
 ranks as DeepSpeed does, so the token weighting needs nothing new.
 
@@ -24,8 +27,9 @@ import torch
 
 from neox_hf.engines import zero_state
 from neox_hf.engines.optimizer import build_optimizer
-from neox_hf.engines.replica import ReplicaEngine, enable_activation_checkpointing
+from neox_hf.engines.replica import ReplicaEngine, enable_activation_checkpointing, tensor_parallel_once
 from neox_hf.errors import LaunchError, RecipeError
+from neox_hf.parallel.tp_plan import partition_dim
 
 
 class FSDP2Engine(ReplicaEngine):
@@ -39,17 +43,20 @@ class FSDP2Engine(ReplicaEngine):
 
     def describe(self) -> str:
         replicate = self.recipe.parallel.dp_replicate
+        tp = f" × tensor parallel {self.layout.tp}" if self.layout.tp > 1 else ""
         if replicate > 1:
-            return f"FSDP2 HSDP ({replicate} replicas × {self.layout.dp // replicate} shards)"
-        return f"FSDP2 ({self.layout.dp} shards)"
+            return f"FSDP2 HSDP ({replicate} replicas × {self.layout.dp // replicate} shards){tp}"
+        return f"FSDP2 ({self.layout.dp} shards){tp}"
 
     def startup_lines(self) -> list[str]:
         return [f"engine: {self.describe()}, per decoder layer, mixed precision {self.recipe.train.precision}"]
 
     def device_mesh(self):
-        """The data-parallel mesh: 1-D (dp_shard), or 2-D (dp_replicate, dp_shard) for HSDP. Collective."""
+        """The (tp, dp_replicate, dp_shard) mesh in the layout's rank order (rank = dp_rank × tp + tp_rank); FSDP2
+        shards over its data-parallel dims (1-D, or 2-D for HSDP), the layout-free state is laid out over all three.
+        Collective."""
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh
 
         if not dist.is_initialized():  # build_accelerator starts a group of one for a plain `python` run
             raise LaunchError("`parallel.backend: fsdp2` needs a process group; launch with: torchrun --standalone "
@@ -58,10 +65,13 @@ class FSDP2Engine(ReplicaEngine):
         if dp % replicate:
             raise LaunchError(f"`parallel.dp_replicate: {replicate}` must divide the {dp} data-parallel processes "
                               f"(HSDP: replicas × shards); launch a multiple of {replicate} processes")
-        device = self.accelerator.device.type
-        if replicate == 1:
-            return init_device_mesh(device, (dp,), mesh_dim_names=("dp_shard",))
-        return init_device_mesh(device, (replicate, dp // replicate), mesh_dim_names=("dp_replicate", "dp_shard"))
+        ranks = torch.arange(self.layout.world_size).reshape(replicate, dp // replicate, self.layout.tp)
+        return DeviceMesh(self.accelerator.device.type, ranks.permute(2, 0, 1),
+                          mesh_dim_names=("tp", "dp_replicate", "dp_shard"))
+
+    def _data_parallel_mesh(self):
+        dims = ("dp_replicate", "dp_shard") if self.recipe.parallel.dp_replicate > 1 else ("dp_shard",)
+        return self.mesh[dims]
 
     def parallelize(self, model):
         """Activation checkpointing, then `fully_shard` per decoder layer, decoder, head and model; AdamW over the
@@ -71,12 +81,14 @@ class FSDP2Engine(ReplicaEngine):
 
         recipe = self.recipe
         if getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
-            raise RecipeError("tied input and output embeddings with `parallel.backend: fsdp2` are refused: the head is "
-                              "sharded as its own group for the fused loss; set `model.tie_word_embeddings: false` or "
-                              "use `parallel.backend: deepspeed`")
+            raise RecipeError("tied input and output embeddings with `parallel.backend: fsdp2` are refused: the head "
+                              "is sharded as its own group for the fused loss; set `model.tie_word_embeddings: false` "
+                              "or use `parallel.backend: deepspeed`")
+        model = tensor_parallel_once(model, self.layout, sequence_parallel=recipe.parallel.sequence_parallel)
         if recipe.parallel.activation_checkpointing:
             enable_activation_checkpointing(model)
-        mesh = self.device_mesh()
+        self.mesh = self.device_mesh()
+        mesh = self._data_parallel_mesh()
         bf16 = recipe.train.precision == "bf16"
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
         layer_classes = set(getattr(model, "_no_split_modules", None) or ())
@@ -97,29 +109,50 @@ class FSDP2Engine(ReplicaEngine):
     def clip_gradients(self):
         """The whole model's gradient norm (its shards' norms reduced over the mesh), clipped to `train.clip_grad`
         (0: only measured). torchtitan's clip: `get_total_norm` of the DTensor gradients, made whole, then
-        `clip_grads_with_norm_`."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
+        `clip_grads_with_norm_`; under TP the squares of TP-split gradients are summed over the TP group and the
+        replicated ones (norms, row-parallel biases) counted once."""
+        import torch.distributed as dist
+
+        named = [(name, p) for name, p in self.model.named_parameters() if p.grad is not None]
+        params = [p for _, p in named]
+        split = [p.grad for name, p in named if self.layout.tp > 1 and partition_dim(name) is not None]
+        whole = [p.grad for name, p in named if not (self.layout.tp > 1 and partition_dim(name) is not None)]
+        device = self.accelerator.device
+        squares = _norm(whole, device) ** 2
+        if split:
+            split_squares = _norm(split, device) ** 2
+            dist.all_reduce(split_squares, group=self.layout.tp_group)
+            squares = squares + split_squares
+        norm = squares.sqrt()
         if self.recipe.train.clip_grad > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.recipe.train.clip_grad, norm)
         return norm
 
     def full_state_dict(self) -> dict | None:
-        """The whole model's state dict on the main process (DCP's get_model_state_dict gathers each DTensor).
-        Collective."""
+        """The whole model's state dict on the main process (DCP's get_model_state_dict gathers each DTensor; under
+        TP each tensor is then gathered over the TP group, one at a time, into CPU memory). Collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        from neox_hf.parallel.mappings import gather_along_dim
+
+        if self.layout.tp == 1:
+            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        merged = {}
+        for key, tensor in self.model.state_dict().items():
+            local = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            dim = partition_dim(key)
+            merged[key] = (local if dim is None else gather_along_dim(local, dim, self.layout.tp_group)).detach().cpu()
+        return merged
 
     def named_full_parameters(self):
         for name, param in self.model.named_parameters():
             if param.requires_grad:
-                yield name, param, None
+                yield name, param, partition_dim(name) if self.layout.tp > 1 else None
 
     def parameter_count(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())  # a DTensor's numel is its full tensor's
+        """A DTensor's numel is its data-parallel whole (this rank's TP slice); × TP counts replicated norms once per
+        TP rank, as the plain engine does."""
+        return sum(p.numel() for p in self.model.parameters()) * self.layout.tp
 
     def loss_scale(self) -> float | None:
         return None  # fp16 is refused with this backend (recipe)
@@ -134,27 +167,44 @@ class FSDP2Engine(ReplicaEngine):
         chunk once, replicas deduplicated)."""
         base = zero_state.base_optimizer(self.optimizer)
         tensors = {}
-        for name, param, _ in self.named_full_parameters():
+        for name, param, tp_dim in self.named_full_parameters():
             state = base.state.get(param, {})
-            tensors[f"model/{name}"] = param.detach()
+            tensors[f"model/{name}"] = self._full_view(param.detach(), tp_dim)
             for key in zero_state.MOMENTS:
-                tensors[f"{key}/{name}"] = state[key] if key in state else torch.zeros_like(param.detach())
+                value = state[key] if key in state else torch.zeros_like(param.detach())
+                tensors[f"{key}/{name}"] = self._full_view(value, tp_dim)
         return tensors, {"adam_step": zero_state.optimizer_step(base), "loss_scaler": None}
 
     def load_layout_free_state(self, read, plain: dict) -> None:
         base = zero_state.base_optimizer(self.optimizer)
-        named = [(name, param) for name, param, _ in self.named_full_parameters()]
-        targets = {f"{key}/{name}": torch.empty_like(param.detach(), dtype=torch.float32)
-                   for name, param in named for key in ("model", *zero_state.MOMENTS)}
+        named = list(self.named_full_parameters())
+        targets = {f"{key}/{name}": self._full_view(torch.empty_like(param.detach(), dtype=torch.float32), tp_dim)
+                   for name, param, tp_dim in named for key in ("model", *zero_state.MOMENTS)}
         read(targets)
         step = float(plain["adam_step"])
         zero_state.create_adam_state(base)
         with torch.no_grad():
-            for name, param in named:
-                param.copy_(targets[f"model/{name}"])
+            for name, param, _ in named:
+                _local(param).copy_(_local(targets[f"model/{name}"]))
                 for key in zero_state.MOMENTS:
-                    base.state[param][key] = targets[f"{key}/{name}"]
+                    _local(base.state[param][key]).copy_(_local(targets[f"{key}/{name}"]))
         zero_state.set_optimizer_step(base, step)
+
+    def _full_view(self, value, tp_dim):
+        """`value` (a DTensor over the data-parallel mesh, whose whole is this rank's TP slice) as a DTensor of the
+        full tensor over the whole mesh: TP split (or replicated) first, then FSDP2's sharding of the slice."""
+        if self.layout.tp == 1:
+            return value
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        shape = list(value.shape)
+        if tp_dim is not None:
+            shape[tp_dim] *= self.layout.tp
+        full = torch.Size(shape)
+        replicas = [] if self.recipe.parallel.dp_replicate > 1 else [Replicate()]  # the mesh's dp_replicate dim of 1
+        placements = [Shard(tp_dim) if tp_dim is not None else Replicate(), *replicas, *value.placements]
+        return DTensor.from_local(value.to_local(), self.mesh, placements, run_check=False, shape=full,
+                                  stride=torch.empty(full, device="meta").stride())
 
 
 def _keep_checkpoint_key_renames(model) -> None:
@@ -168,3 +218,15 @@ def _keep_checkpoint_key_renames(model) -> None:
     mapping = get_checkpoint_conversion_mapping(original.__name__)
     if mapping is not None and sharded is not original:
         register_checkpoint_conversion_mapping(sharded.__name__, mapping, overwrite=True)
+
+
+def _local(value):
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
+def _norm(grads, device) -> torch.Tensor:
+    """The 2-norm of `grads` (DTensors over the data-parallel mesh) as a plain tensor, whole over that mesh."""
+    if not grads:
+        return torch.zeros((), device=device)
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 
 from neox_hf.engines.optimizer import build_optimizer
-from neox_hf.engines.replica import ReplicaEngine, enable_activation_checkpointing
-from neox_hf.parallel.tensor_parallel import apply_tensor_parallel, gather_full_state_dict
+from neox_hf.engines.replica import ReplicaEngine, enable_activation_checkpointing, tensor_parallel_once
+from neox_hf.parallel.tensor_parallel import gather_full_state_dict
 from neox_hf.parallel.tp_groups import DeepSpeedMPU, deepspeed_initialize_with_mpu
 from neox_hf.parallel.tp_plan import partition_dim
 
@@ -29,8 +29,7 @@ class PlainEngine(ReplicaEngine):
         both; DeepSpeed is handed the layout so ZeRO reduces over the data-parallel group only. (model, optimizer),
         also kept on the engine."""
         layout, recipe, accelerator = self.layout, self.recipe, self.accelerator
-        if layout.tp > 1 and not getattr(model.get_output_embeddings(), "loss_sum", None):
-            model = apply_tensor_parallel(model, layout.tp_group, sequence_parallel=recipe.parallel.sequence_parallel)
+        model = tensor_parallel_once(model, layout, sequence_parallel=recipe.parallel.sequence_parallel)
         if recipe.parallel.activation_checkpointing:
             enable_activation_checkpointing(model)
         if recipe.train.compile:

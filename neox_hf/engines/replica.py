@@ -122,6 +122,16 @@ def _clip_gradients(accelerator, model, clip_grad: float):
     return accelerator.clip_grad_norm_(model.parameters(), clip_grad)
 
 
+def tensor_parallel_once(model, layout, *, sequence_parallel: bool):
+    """`model` with our TP layers (+ sequence parallelism) where the layout has TP and the model is not split yet (a
+    model from scratch or a safetensors folder is built split: `neox_hf.engines.build`)."""
+    from neox_hf.parallel.tensor_parallel import apply_tensor_parallel
+
+    if layout.tp > 1 and not getattr(model.get_output_embeddings(), "loss_sum", None):
+        return apply_tensor_parallel(model, layout.tp_group, sequence_parallel=sequence_parallel)
+    return model
+
+
 def enable_activation_checkpointing(model) -> None:
     """transformers' gradient checkpointing of every decoder layer (renamed activation_checkpointing_enable after
     5.17; setup.py admits every 5.x)."""

@@ -143,16 +143,19 @@ def check_launch(recipe, recipe_path: str | None = None) -> None:
     if world == 1:
         raise LaunchError(
             f"the recipe's layout ({what}) needs {need} processes (or a multiple), but this is a single process; "
-            f"launch it with: {launch_command(need, recipe_path)}"
+            f"launch it with: {launch_command(need, recipe_path, backend=p.backend)}"
         )
     raise LaunchError(
         f"{world} processes cannot hold the recipe's layout ({what} = {need} per model replica): the number of "
-        f"processes must be a multiple of {need}; launch it with: {launch_command(need, recipe_path)}"
+        f"processes must be a multiple of {need}; launch it with: "
+        f"{launch_command(need, recipe_path, backend=p.backend)}"
     )
 
 
-def launch_command(num_processes: int, recipe_path: str | None = None) -> str:
+def launch_command(num_processes: int, recipe_path: str | None = None, *, backend: str = "deepspeed") -> str:
     args = " ".join(sys.argv[1:]) if recipe_path is None else recipe_path
+    if backend == "fsdp2":
+        return f"torchrun --standalone --nproc_per_node {num_processes} run_clm_neox.py {args}".rstrip()
     return f"accelerate launch --use_deepspeed --num_processes {num_processes} run_clm_neox.py {args}".rstrip()
 
 

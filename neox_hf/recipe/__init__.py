@@ -560,11 +560,9 @@ def _validate_fsdp2(recipe: Recipe) -> None:
         _require(p.dp_replicate == 1, "`parallel.dp_replicate` (HSDP) needs `parallel.backend: fsdp2`; DeepSpeed "
                                       "shards over every data-parallel rank")
         return
-    for key, off in (("zero_stage", 0), ("pipeline_parallel", 1), ("tensor_parallel", 1), ("offload_optimizer", False),
+    for key, off in (("zero_stage", 0), ("pipeline_parallel", 1), ("offload_optimizer", False),
                      ("offload_params", False), ("deepspeed_config", None), ("use_deepspeed", None)):
         why = {"pipeline_parallel": "pipeline stages run on DeepSpeed's pipeline engine",
-               "tensor_parallel": "our TP layers are not combined with fully_shard yet (the DTensor mesh of TP × "
-                                  "FSDP2 is future work)",
                "offload_optimizer": "CPU offload under FSDP2 (CPUOffloadPolicy) is not wired yet",
                "offload_params": "CPU offload under FSDP2 (CPUOffloadPolicy) is not wired yet"
                }.get(key, "it is a DeepSpeed setting; FSDP2 always shards parameters, gradients and optimizer states")
