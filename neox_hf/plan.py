@@ -71,6 +71,8 @@ class Layout:
     gradient_accumulation_steps: int
     activation_checkpointing: bool
     sequence_parallel: bool
+    backend: str = "deepspeed"  # `parallel.backend`; fsdp2 shards like ZeRO-3 (zero_stage is then 0)
+    dp_replicate: int = 1  # FSDP2's HSDP replicas: each shards over data / dp_replicate ranks
 
     @property
     def gpus(self) -> int:
@@ -322,10 +324,13 @@ class Engine:
     data: int
     offload_optimizer: bool = False
     offload_params: bool = False
+    fsdp2: bool = False  # torch's fully_shard: fp32 shards of params, grads and Adam over `shard` ranks
+    shard: int = 1
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes per parameter as the engine holds it: 16-bit only under DeepSpeed (autocast keeps fp32 weights)."""
+        """Bytes per parameter as the engine holds it: 16-bit only under DeepSpeed (autocast keeps fp32 weights;
+        FSDP2 keeps fp32 shards and casts a layer when it gathers it)."""
         return 2 if self.deepspeed and self.precision in ("bf16", "fp16") else 4
 
     @property
@@ -336,6 +341,9 @@ class Engine:
 def model_state_bytes(params: int, engine: Engine) -> dict[str, int]:
     """params / grads (at the optimizer step) / optimizer bytes per rank for `params` parameters on this rank."""
     w, d, stage = engine.weight_bytes, engine.data, engine.zero_stage
+    if engine.fsdp2:  # every state an fp32 shard (MixedPrecisionPolicy casts only the gathered layer)
+        partition = math.ceil(params / engine.shard)
+        return {"params": 4 * partition, "grads": 4 * partition, "optimizer": 8 * partition}
     if not engine.deepspeed:
         return {"params": 4 * params, "grads": 4 * params, "optimizer": 8 * params}
     sixteen_bit = w == 2
@@ -360,6 +368,8 @@ def model_state_bytes(params: int, engine: Engine) -> dict[str, int]:
 def backward_gradient_bytes(params: int, engine: Engine) -> int:
     """Gradient bytes alive at the end of a backward: whole gradients until the reduction at the accumulation
     boundary (no DeepSpeed, ZeRO-0 and ZeRO-1), the partition for ZeRO-2/3 (reduced while backward runs)."""
+    if engine.fsdp2:  # reduce-scattered layer by layer while backward runs
+        return 4 * math.ceil(params / engine.shard)
     if not engine.deepspeed or engine.zero_stage <= 1:
         return engine.weight_bytes * params
     return engine.weight_bytes * math.ceil(params / engine.data)
@@ -375,6 +385,8 @@ def deepspeed_buffer_bytes(shape: ModelShape, engine: Engine, largest_layer: int
 def zero3_gathered_bytes(shape: ModelShape, engine: Engine, largest_layer: int) -> int:
     """ZeRO-3's parameters gathered whole while a layer runs: the largest layer and the prefetch bucket
     (`stage3_prefetch_bucket_size: auto` = 0.9 × hidden²)."""
+    if engine.fsdp2:  # the running layer and the one prefetched, gathered in the compute dtype
+        return 0 if engine.shard == 1 else 2 * engine.activation_bytes * largest_layer
     if not (engine.deepspeed and engine.zero_stage == 3 and engine.data > 1):
         return 0
     return engine.weight_bytes * (largest_layer + int(0.9 * shape.hidden ** 2))
@@ -488,6 +500,12 @@ def step_seconds(shape: ModelShape, layout: Layout, engine: Engine, params_per_r
     compute /= 1 - bubble(layout)
     d = layout.data
     ring = 2 * (d - 1) / d * engine.weight_bytes * params_per_rank * (1.5 if engine.zero_stage == 3 else 1)
+    if engine.fsdp2:
+        # each shard group all-gathers every layer twice (forward, backward; compute dtype) and reduce-scatters its
+        # fp32 gradient; HSDP's replicas then all-reduce their shards
+        s, r = engine.shard, layout.dp_replicate
+        ring = ((s - 1) / s * params_per_rank * (2 * engine.activation_bytes + 4)
+                + 2 * (r - 1) / r * 4 * params_per_rank / s)
     t = layout.tensor
     tp_volume = (4 * 2 * (t - 1) / t * layout.micro_batch * shape.seq_length * shape.hidden * engine.activation_bytes
                  * shape.layers / layout.pipeline * micro)
@@ -516,11 +534,13 @@ def recipe_layout(recipe, gpus: int | None = None) -> Layout:
     model_parallel = p.pipeline_parallel * p.tensor_parallel
     return Layout(p.pipeline_parallel, p.tensor_parallel, max(1, (gpus or model_parallel) // model_parallel),
                   p.zero_stage, t.micro_batch_size, t.gradient_accumulation_steps, p.activation_checkpointing,
-                  p.sequence_parallel)
+                  p.sequence_parallel, p.backend, p.dp_replicate)
 
 
 def engine_for(recipe, layout: Layout, precision: str) -> Engine:
     p = recipe.parallel
+    if layout.backend == "fsdp2":
+        return Engine(precision, False, 0, layout.data, fsdp2=True, shard=max(1, layout.data // layout.dp_replicate))
     deepspeed = layout.gpus > 1 or layout.zero_stage > 0 or bool(p.use_deepspeed) or p.deepspeed_config is not None
     return Engine(precision, deepspeed, layout.zero_stage, layout.data, p.offload_optimizer, p.offload_params)
 
@@ -538,8 +558,9 @@ def plan_layout(recipe, shape: ModelShape, layout: Layout, precision: str, assum
 
 
 def candidate_layouts(recipe, shape: ModelShape, gpus: int, global_batch: int) -> list[Layout]:
-    """Every pipeline × tensor × data factorisation of `gpus`, ZeRO stage, micro batch (accumulation keeping the
-    global batch), activation checkpointing and sequence parallelism the recipe's validation would accept."""
+    """Every pipeline × tensor × data factorisation of `gpus`, ZeRO stage — or FSDP2 without pipeline stages, with
+    each HSDP replica count —, micro batch (accumulation keeping the global batch), activation checkpointing and
+    sequence parallelism the recipe's validation would accept."""
     heads = shape.heads
     layouts = []
     for pp in _divisors(gpus):
@@ -549,12 +570,15 @@ def candidate_layouts(recipe, shape: ModelShape, gpus: int, global_batch: int) -
             dp = gpus // (pp * tp)
             if heads % tp or global_batch % dp:
                 continue
-            for zero in _zero_stages(pp, tp):
+            sharding = [("deepspeed", zero, 1) for zero in _zero_stages(pp, tp)]
+            if pp == 1:
+                sharding += [("fsdp2", 0, replicas) for replicas in _divisors(dp)]
+            for backend, zero, replicas in sharding:
                 for micro in _divisors(global_batch // dp):
                     gas = global_batch // dp // micro
                     for checkpointing in (False, True):
                         for sp in _sequence_parallel_options(pp, tp, shape.seq_length):
-                            layouts.append(Layout(pp, tp, dp, zero, micro, gas, checkpointing, sp))
+                            layouts.append(Layout(pp, tp, dp, zero, micro, gas, checkpointing, sp, backend, replicas))
     return layouts
 
 
@@ -717,7 +741,12 @@ def check_gpus_hold_layout(recipe, gpus: int | None) -> None:
 
 
 def describe_layout(layout: Layout) -> str:
-    parts = [f"pipe {layout.pipeline} × tensor {layout.tensor} × data {layout.data}", f"ZeRO-{layout.zero_stage}",
+    if layout.backend == "fsdp2":
+        r = layout.dp_replicate
+        sharding = f"FSDP2 HSDP {r} × {layout.data // r}" if r > 1 else "FSDP2"
+    else:
+        sharding = f"ZeRO-{layout.zero_stage}"
+    parts = [f"pipe {layout.pipeline} × tensor {layout.tensor} × data {layout.data}", sharding,
              f"micro {layout.micro_batch} × accumulation {layout.gradient_accumulation_steps}"]
     if layout.activation_checkpointing:
         parts.append("checkpointing")

@@ -251,3 +251,43 @@ def test_an_accelerate_fsdp_config_that_contradicts_the_recipe_is_refused():
         reconcile_with_launcher({"parallel": {"backend": "deepspeed"}}, "recipe.yaml", fsdp)
     with pytest.raises(RecipeError, match=r"`fsdp_version: 1`: neox_hf shards with FSDP2 only"):
         reconcile_with_launcher({}, "recipe.yaml", {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# `neox_hf plan`: FSDP2 layouts ranked beside DeepSpeed's (fast tier)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _plan_recipe(*argv):
+    from neox_hf.recipe.args import parse_run_args
+
+    return parse_run_args([str(REPO / "recipes" / "tiny.yaml"), "--train.precision", "bf16", *argv]).recipe
+
+
+def test_plan_of_an_fsdp2_recipe_shards_every_model_state_over_a_replica():
+    """HSDP 2 × 2: params, grads and Adam are fp32 shards over the 2 ranks of a replica, 16 bytes per parameter / 2
+    (DeepSpeed ZeRO-3 on the same ranks keeps 16-bit weights beside its fp32 masters)."""
+    from neox_hf.plan import plan_for_recipe, stage_parameters, model_shape
+
+    recipe = _plan_recipe("--parallel.backend", "fsdp2", "--parallel.dp_replicate", "2")
+    own = plan_for_recipe(recipe, gpus=4).recipe_layout
+    assert (own.layout.backend, own.layout.dp_replicate, own.layout.data) == ("fsdp2", 2, 4)
+    params = stage_parameters(model_shape(recipe), 1, 1, "type:transformer")[0]
+    stage = own.stages[0]
+    assert (stage.params, stage.grads, stage.optimizer) == (4 * -(-params // 2), 4 * -(-params // 2), 8 * -(-params // 2))
+    four_shards = plan_for_recipe(_plan_recipe("--parallel.backend", "fsdp2"), gpus=4).recipe_layout.stages[0]
+    assert four_shards.model_states == 16 * -(-params // 4)
+
+
+def test_plan_ranks_fsdp2_layouts_beside_deepspeed_ones(capsys):
+    from neox_hf.cli import main
+    from neox_hf.plan import plan_for_recipe
+
+    plan = plan_for_recipe(_plan_recipe(), gpus=4, top=10_000)
+    backends = {(p.layout.backend, p.layout.dp_replicate > 1) for p in plan.ranked}
+    assert backends == {("deepspeed", False), ("fsdp2", False), ("fsdp2", True)}
+    assert all(p.layout.pipeline == 1 for p in plan.ranked if p.layout.backend == "fsdp2")
+    assert [p.step_seconds for p in plan.ranked] == sorted(p.step_seconds for p in plan.ranked)
+    assert main(["plan", str(REPO / "recipes/tiny.yaml"), "--parallel.backend", "fsdp2", "--parallel.dp_replicate",
+                 "2", "--gpus", "4"]) == 0
+    assert "recipe: pipe 1 × tensor 1 × data 4, FSDP2 HSDP 2 × 2, micro" in capsys.readouterr().out
