@@ -6,7 +6,9 @@
 
 Runs our training step (neox_hf.parallel: build_model → parallelize; neox_hf.ops.loss: causal_lm_loss) under
 `accelerate launch` for: 1 process (no DeepSpeed), DP2 ZeRO-1/2/3, TP2 (ZeRO-1), TP2 with sequence parallelism,
-TP2×DP2 (ZeRO-1, 4 processes), and pipeline 2 / pipeline 2 × TP2 (DeepSpeed's pipeline engine through
+TP2×DP2 (ZeRO-1, 4 processes); under torchrun the FSDP2 rows (`parallel.backend: fsdp2`: DP2, TP2 × FSDP2 DP2, HSDP
+2 replicas × 2 shards; no layer/loss peaks: those call the embedding and head outside the model's forward, which
+FSDP2 gathers around); and pipeline 2 / pipeline 2 × TP2 (DeepSpeed's pipeline engine through
 neox_hf.engines.pipeline, PIPE_MICRO_BATCHES micro-batches of the same shape per step; ZeRO-1 as GPT-NeoX, and
 without ZeRO: with one data-parallel rank ZeRO-1 shards nothing and DeepSpeed's ZeRO-1 optimizer keeps an fp32 master
 copy and a flat gradient copy besides the parameters and their gradients, 24 bytes per parameter against the 16 of
@@ -61,17 +63,20 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
-LAYOUTS = [  # name, processes, zero stage, tensor parallel, sequence parallel, pipeline stages
-    ("1 process", 1, 0, 1, False, 1),
-    ("DP2 ZeRO-1", 2, 1, 1, False, 1),
-    ("DP2 ZeRO-2", 2, 2, 1, False, 1),
-    ("DP2 ZeRO-3", 2, 3, 1, False, 1),
-    ("TP2 (ZeRO-1)", 2, 1, 2, False, 1),
-    ("TP2+SP (ZeRO-1)", 2, 1, 2, True, 1),
-    ("TP2×DP2 ZeRO-1", 4, 1, 2, False, 1),
-    ("pipeline 2", 2, 1, 1, False, 2),
-    ("pipeline 2 × TP2", 4, 1, 2, False, 2),
-    ("pp2×TP2 no ZeRO", 4, 0, 2, False, 2),
+LAYOUTS = [  # name, processes, zero stage, tensor parallel, sequence parallel, pipeline stages, backend, HSDP replicas
+    ("1 process", 1, 0, 1, False, 1, "deepspeed", 1),
+    ("DP2 ZeRO-1", 2, 1, 1, False, 1, "deepspeed", 1),
+    ("DP2 ZeRO-2", 2, 2, 1, False, 1, "deepspeed", 1),
+    ("DP2 ZeRO-3", 2, 3, 1, False, 1, "deepspeed", 1),
+    ("DP2 FSDP2", 2, 0, 1, False, 1, "fsdp2", 1),
+    ("TP2 (ZeRO-1)", 2, 1, 2, False, 1, "deepspeed", 1),
+    ("TP2+SP (ZeRO-1)", 2, 1, 2, True, 1, "deepspeed", 1),
+    ("TP2×DP2 ZeRO-1", 4, 1, 2, False, 1, "deepspeed", 1),
+    ("TP2×FSDP2 DP2", 4, 0, 2, False, 1, "fsdp2", 1),
+    ("HSDP 2×2", 4, 0, 1, False, 1, "fsdp2", 2),
+    ("pipeline 2", 2, 1, 1, False, 2, "deepspeed", 1),
+    ("pipeline 2 × TP2", 4, 1, 2, False, 2, "deepspeed", 1),
+    ("pp2×TP2 no ZeRO", 4, 0, 2, False, 2, "deepspeed", 1),
 ]
 MICRO_BATCH, SEQ = 2, 256
 PIPE_MICRO_BATCHES = 4
@@ -137,6 +142,7 @@ def live_tensor_bytes(device_type: str = "cpu") -> int:
             # Reading `.grad` of a leaf gives the accumulated gradient a Python object, so gc alone would miss it.
             grad = obj.grad if obj.is_leaf and obj.requires_grad else None
             for tensor in (obj, grad):
+                tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP2's DTensor: its shard
                 if tensor is not None and tensor.device.type == device_type:
                     storage = tensor.untyped_storage()
                     storages[storage.data_ptr()] = storage.nbytes()
@@ -196,29 +202,36 @@ def synchronize(device: torch.device) -> None:
 
 def rank_parameter_bytes(model) -> int:
     module = getattr(model, "module", model)
-    return sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size() for p in module.parameters())
+
+    def held(p):  # ZeRO-3's partition, FSDP2's shard
+        return p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
+
+    return sum(held(p).numel() * p.element_size() for p in module.parameters())
 
 
 def layout_recipe(processes: int, zero: int, tp: int, sp: bool, pp: int, layers: int, hidden: int, micro_batch: int,
-                  precision: str) -> dict:
+                  precision: str, backend: str = "deepspeed", replicate: int = 1) -> dict:
     """The recipe a layout row trains (and `neox_hf plan` plans)."""
+    sharding = ({"backend": "fsdp2", "dp_replicate": replicate} if backend == "fsdp2" else
+                {"zero_stage": zero, "use_deepspeed": processes > 1})
     return {
         "model": {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": 12, "seq_length": SEQ},
         "tokenizer": {"path": str(REPO / "examples/data/gpt-neox-20b-tokenizer.json")},
-        "parallel": {"zero_stage": zero, "tensor_parallel": tp, "use_deepspeed": processes > 1,
-                     "sequence_parallel": sp, "pipeline_parallel": pp},
+        "parallel": {**sharding, "tensor_parallel": tp, "sequence_parallel": sp, "pipeline_parallel": pp},
         "train": {"micro_batch_size": micro_batch, "precision": precision,
                   "gradient_accumulation_steps": PIPE_MICRO_BATCHES if pp > 1 else 1},
         "output": {"dir": tempfile.mkdtemp(), "tensorboard": False},
     }
 
 
-def planned_total(processes: int, zero: int, tp: int, sp: bool, pp: int, args) -> int:
+def planned_total(processes: int, zero: int, tp: int, sp: bool, pp: int, args, backend: str = "deepspeed",
+                  replicate: int = 1) -> int:
     """`neox_hf plan`'s peak bytes of the largest rank for the fp32 row (tests/test_plan.py holds it to measurement)."""
     from neox_hf.plan import plan_for_recipe
     from neox_hf.recipe import recipe_from_dict
 
-    recipe = recipe_from_dict(layout_recipe(processes, zero, tp, sp, pp, args.layers, args.hidden, MICRO_BATCH, "fp32"))
+    recipe = recipe_from_dict(layout_recipe(processes, zero, tp, sp, pp, args.layers, args.hidden, MICRO_BATCH, "fp32",
+                                            backend, replicate))
     return plan_for_recipe(recipe, gpus=processes).recipe_layout.largest_stage.total
 
 
@@ -231,7 +244,8 @@ def worker(args) -> None:
     from neox_hf.ops.loss import causal_lm_loss
 
     recipe = recipe_from_dict(layout_recipe(args.processes, args.zero, args.tp, args.sequence_parallel, args.pp,
-                                            args.layers, args.hidden, args.micro_batch, args.precision))
+                                            args.layers, args.hidden, args.micro_batch, args.precision, args.backend,
+                                            args.dp_replicate))
     accelerator = build_accelerator(recipe)
     tokenizer = load_tokenizer(recipe.tokenizer.path)
     if args.pp > 1:
@@ -364,19 +378,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_layout(processes: int, zero: int, tp: int, sp: bool, pp: int, args, precision: str = "fp32") -> dict:
+def run_layout(processes: int, zero: int, tp: int, sp: bool, pp: int, args, precision: str = "fp32",
+               backend: str = "deepspeed", replicate: int = 1) -> dict:
     out = Path(tempfile.mkdtemp()) / "result.json"
-    peaks = ["--peaks"] if pp == 1 else []  # the layer/loss peaks are measured on a whole model
+    # the layer/loss peaks call the embedding and head on their own: a whole model's (FSDP2 gathers around forwards)
+    peaks = ["--peaks"] if pp == 1 and backend != "fsdp2" else []
     shape = ["--micro-batch", str(MICRO_BATCH), "--seq", str(SEQ), *peaks] if precision == "fp32" else \
         ["--micro-batch", "1", "--seq", "8"]
     worker_args = ["--worker", "--processes", str(processes), "--zero", str(zero), "--tp", str(tp), "--out", str(out),
                    "--pp", str(pp),
                    "--steps", str(args.steps if precision == "fp32" else 1), "--layers", str(args.layers),
                    "--hidden", str(args.hidden), "--precision", precision, *shape,
-                   *(["--sequence-parallel"] if sp else []), "--device", args.device]
+                   *(["--sequence-parallel"] if sp else []), "--device", args.device, "--backend", backend,
+                   "--dp-replicate", str(replicate)]
     mixed = {"fp32": "no", "bf16": "bf16"}[precision]
     if processes == 1:
         command = [sys.executable, __file__, *worker_args]
+    elif backend == "fsdp2":
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+                   __file__, *worker_args]
     else:
         command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--num_machines", "1",
                    "--mixed_precision", mixed, "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", str(zero),
@@ -407,6 +427,8 @@ def main() -> None:
     parser.add_argument("--peaks", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--sequence-parallel", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--pp", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--backend", default="deepspeed", help=argparse.SUPPRESS)
+    parser.add_argument("--dp-replicate", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--layouts", default="", help="comma-separated layout names to run (default: all)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cpu: every rank on CPU/gloo, GPUs hidden; cuda: one GPU per rank (layouts that fit)")
@@ -425,12 +447,14 @@ def main() -> None:
     if too_large:
         print(f"left out on {gpus} GPU(s), one rank per GPU: {', '.join(too_large)}")
     results = {}
-    for name, processes, zero, tp, sp, pp in LAYOUTS:
+    for name, processes, zero, tp, sp, pp, backend, replicate in LAYOUTS:
         if chosen and name not in chosen and name != "1 process" or name in too_large:
             continue
-        results[name] = run_layout(processes, zero, tp, sp, pp, args)
-        results[name]["model_states_bf16"] = run_layout(processes, zero, tp, sp, pp, args, "bf16")["model_states"]
-        results[name]["plan_total"] = planned_total(processes, zero, tp, sp, pp, args)
+        sharding = {"backend": backend, "replicate": replicate}
+        results[name] = run_layout(processes, zero, tp, sp, pp, args, **sharding)
+        results[name]["model_states_bf16"] = run_layout(processes, zero, tp, sp, pp, args, "bf16",
+                                                        **sharding)["model_states"]
+        results[name]["plan_total"] = planned_total(processes, zero, tp, sp, pp, args, **sharding)
     print_table(results, args)
 
 

@@ -78,7 +78,10 @@ def runs(tmp_path_factory, pack_data, pad_data) -> dict[str, Path]:  # noqa: F81
         "fsdp2_ac_gas2": args("fsdp2_ac_gas2", "pack", *FSDP2, "--train.micro_batch_size", "1",
                               "--train.gradient_accumulation_steps", "2",
                               "--parallel.activation_checkpointing", "true"),
-        "fsdp2_bf16": args("fsdp2_bf16", "pack", *_dp2(), *FSDP2, "--train.precision", "bf16")})
+        "fsdp2_bf16": args("fsdp2_bf16", "pack", *_dp2(), *FSDP2, "--train.precision", "bf16"),
+        "zero1_to_fsdp2": args("zero1_to_fsdp2", "pad", *_dp2(), *FSDP2, *resume("zero1_pad")),
+        "fsdp2_to_zero1": args("fsdp2_to_zero1", "pad", *_dp2(), "--parallel.zero_stage", "1",
+                               *resume("fsdp2_pad"))})
     in_process("fsdp2_to_one", "pack", *_one(), *resume("fsdp2_pack"))
     finish_launch(launch, "the FSDP2 resumes", timeout=600)
     # 4 processes: HSDP 2 replicas × 2 shards (a micro-batch of 1 per rank); our TP2 (+ sequence parallelism)
@@ -91,7 +94,8 @@ def runs(tmp_path_factory, pack_data, pad_data) -> dict[str, Path]:  # noqa: F81
     in_process("tp2_fsdp2_to_one", "pack", *_one(), *resume("tp2_fsdp2_dp2"))
     return {name: root / name for name in ("fsdp2_pack", "fsdp2_pad", "one_pack", "zero1_pad", "one_to_fsdp2",
                                            "fsdp2_to_fsdp2", "fsdp2_to_one", "fsdp2_ac_gas2", "fsdp2_bf16",
-                                           "hsdp_2x2", "tp2_fsdp2_dp2", "tp2_fsdp2_to_one")}
+                                           "hsdp_2x2", "tp2_fsdp2_dp2", "tp2_fsdp2_to_one", "zero1_to_fsdp2",
+                                           "fsdp2_to_zero1")}
 
 
 def _assert_same_run(want: Path, got: Path, *, loss_tol: float = 1e-5, weight_tol: float = 1e-4) -> None:
@@ -178,6 +182,15 @@ def test_one_process_checkpoint_resumes_on_fsdp2(runs):
     assert_continues(runs["one_pack"], runs["one_to_fsdp2"])
     printed = (runs["one_to_fsdp2"].parent / "one_to_fsdp2.stdout").read_text()
     assert "resuming step 3 written by 1 process without DeepSpeed on FSDP2 on 2 processes" in printed, printed[-2000:]
+
+
+@pytest.mark.distributed
+def test_deepspeed_and_fsdp2_resume_each_others_checkpoints(runs):
+    """ZeRO-1 DP2 ↔ FSDP2 DP2 in pad mode (the same data-parallel size keeps each rank's streamed position)."""
+    assert_continues(runs["zero1_pad"], runs["zero1_to_fsdp2"])
+    assert_continues(runs["fsdp2_pad"], runs["fsdp2_to_zero1"])
+    printed = (runs["fsdp2_to_zero1"].parent / "fsdp2_to_zero1.stdout").read_text()
+    assert "resuming step 3 written by FSDP2 on 2 processes on DeepSpeed ZeRO-1 on 2 processes" in printed
 
 
 @pytest.mark.distributed
