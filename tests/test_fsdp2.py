@@ -245,11 +245,16 @@ def test_fsdp2_refuses_deepspeed_keys_by_name(key, value, why):
         _recipe(backend="fsdp2", **{key: value})
 
 
-def test_hsdp_needs_fsdp2():
+def test_hsdp_needs_fsdp2_and_fsdp2_refuses_what_it_does_not_run():
     from neox_hf.errors import RecipeError
+    from neox_hf.recipe import recipe_from_dict
 
     with pytest.raises(RecipeError, match=r"`parallel.dp_replicate` \(HSDP\) needs `parallel.backend: fsdp2`"):
         _recipe(dp_replicate=2)
+    for train, refusal in (({"precision": "fp16"}, r"`train.precision: fp16` with `parallel.backend: fsdp2` is refused"),
+                           ({"compile": True}, r"`train.compile: true` with `parallel.backend: fsdp2` is refused")):
+        with pytest.raises(RecipeError, match=refusal):
+            recipe_from_dict({"parallel": {"backend": "fsdp2"}, "train": {"precision": "fp32", **train}})
 
 
 def test_an_accelerate_fsdp_config_that_contradicts_the_recipe_is_refused():

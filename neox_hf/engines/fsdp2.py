@@ -3,9 +3,8 @@ data-parallel ranks, so parameters, gradients and AdamW's states are sharded (Ze
 `parallel.dp_replicate` > 1 the mesh is 2-D (replicate × shard) and this is HSDP. With `parallel.tensor_parallel` our
 TP layers (Megatron's, `neox_hf.parallel`) split each layer first and FSDP2 shards every rank's TP slices over its
 data-parallel ranks (the device mesh is tp × dp_replicate × dp_shard in the layout's rank order). The step, for any
-objective, is the
-replicas' shared one (`neox_hf.engines.replica`): FSDP2's reduce-scatter averages gradients over the data-parallel
-ranks as DeepSpeed does, so the token weighting needs nothing new.
+objective, is the replicas' shared one (`neox_hf.engines.replica`): FSDP2's reduce-scatter averages gradients over the
+data-parallel ranks as DeepSpeed does, so the token weighting needs nothing new.
 
 Groups: every decoder layer (the model's `_no_split_modules`, as accelerate's transformer_based_wrap picks them), the
 decoder itself (embeddings, final norm), the output head on its own (the fused loss runs as the head's forward:
@@ -14,8 +13,9 @@ decoder itself (embeddings, final norm), the output head on its own (the fused l
 
 Gap filled: accelerate (1.16) has an FSDP2 path (`FullyShardedDataParallelPlugin(fsdp_version=2)`, `_prepare_fsdp2`),
 but on CPU its state ignores the plugin (`DistributedType.NO` with a gloo group of several processes), so nothing is
-sharded; the engine calls `fully_shard` itself, the same calls `_prepare_fsdp2` makes on a GPU, and keeps Accelerate
-for accumulation, autocast and the process group. The optimizer is Accelerate's `AcceleratedOptimizer` (it steps once
+sharded; the engine calls `fully_shard` itself (per layer, as `_prepare_fsdp2`'s transformer-based wrap does, plus
+the head for the fused loss and the mesh our TP needs), and keeps Accelerate for accumulation, autocast and the
+process group. The optimizer is Accelerate's `AcceleratedOptimizer` (it steps once
 per accumulation cycle) without registering it with the Accelerator: its save_state would write rank 0's shards as
 if whole; the checkpoint is the layout-free state instead (DCP of the DTensors, `neox_hf.checkpoint.layout_free`),
 which a DeepSpeed or one-process run resumes as well.
@@ -100,8 +100,6 @@ class FSDP2Engine(ReplicaEngine):
                 fully_shard(module, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         _keep_checkpoint_key_renames(model)
-        if recipe.train.compile:
-            model.base_model.compile()
         self.model = model
         self.optimizer = AcceleratedOptimizer(build_optimizer(model, recipe.train), device_placement=False)
         return self.model, self.optimizer

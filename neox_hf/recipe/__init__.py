@@ -573,6 +573,8 @@ def _validate_fsdp2(recipe: Recipe) -> None:
                                     "a sharded loss scaler, not wired yet; use bf16 (fp32 masters and reductions)")
     _require(recipe.peft.method is None, "`peft.method` with `parallel.backend: fsdp2` is refused: adapters train on "
                                          "the DeepSpeed backend (frozen base weights need no sharded optimizer)")
+    _require(not t.compile, "`train.compile: true` with `parallel.backend: fsdp2` is refused: torch.compile around "
+                            "FSDP2's per-layer hooks is not tested here yet; set train.compile: false")
 
 
 def _validate_pipeline(recipe: Recipe) -> None:
