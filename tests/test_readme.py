@@ -35,6 +35,10 @@ NOT_RUN = {
         "needs Pythia's pre-shuffled Pile files (hundreds of GB); test_neox_order reads pre-shuffled rows",
     "neox_hf push OUT my-org/my-model [--revision step1000]": "needs a Hub and a token; test_hub pushes through the "
                                                               "CLI to a local fake Hub",
+    "torchrun --standalone --nproc_per_node 2 run_clm_neox.py recipes/tiny.yaml --parallel.backend fsdp2":
+        "test_fsdp2 launches the same entry point under torchrun (2 and 4 processes, a smaller model)",
+    "accelerate launch --config_file examples/launch/cpu_2proc_fsdp2.yaml run_clm_neox.py recipes/tiny.yaml":
+        "test_launch_files launches this file as written (its FSDP2 processes need the launcher, not this process)",
 }
 # GPU-cluster commands: the multi-node launch, the GPU launch configs (test_launch_files loads each with
 # Accelerate's own loader) and the SLURM script.
