@@ -98,10 +98,9 @@ class PeakTensorBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         # Views and in-place results share an input's storage: nothing new was allocated. Skipping them also keeps
         # tensors that existed before the block (the head's weight, seen first through its `.t()` view) out of the count.
-        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor)}
+        inputs = {_address(a) for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
         for tensor in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in inputs:
+            if isinstance(tensor, torch.Tensor) and _address(tensor) not in inputs | {None}:
                 self._track(tensor)
         return out
 
@@ -129,6 +128,14 @@ class PeakTensorBytes(TorchDispatchMode):
                 live += delta
                 peak = max(peak, live)
         return peak
+
+
+def _address(tensor: torch.Tensor) -> int | None:
+    """Its storage's address; None for a storage FSDP2 has freed (an unsharded parameter between uses)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 def live_tensor_bytes(device_type: str = "cpu") -> int:
