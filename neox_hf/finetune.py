@@ -246,16 +246,20 @@ def _recorded_base(adapter: Path) -> str | None:
 
 def _local_base(recorded: str) -> Path | None:
     """The recorded base's folder here: the path itself, or the Hub id's snapshot in the Hugging Face cache (looked up,
-    never downloaded); None where neither holds a config.json."""
-    if (Path(recorded) / "config.json").is_file():
-        return Path(recorded)
-    from huggingface_hub import try_to_load_from_cache
+    never downloaded); None where neither holds a model (a config.json and its weights) to compare."""
+    folder = Path(recorded)
+    if not (folder / "config.json").is_file():
+        from huggingface_hub import try_to_load_from_cache
 
-    try:
-        cached = try_to_load_from_cache(recorded, "config.json")
-    except ValueError:  # not a Hub id either (e.g. an absolute path of another machine): huggingface_hub refuses it
-        return None
-    return Path(cached).parent if isinstance(cached, str) else None
+        try:
+            cached = try_to_load_from_cache(recorded, "config.json")
+        except ValueError:  # not a Hub id either (e.g. an absolute path of another machine): huggingface_hub refuses it
+            return None
+        if not isinstance(cached, str):
+            return None
+        folder = Path(cached).parent
+    has_weights = _weight_files(folder, "model.safetensors") or _weight_files(folder, "pytorch_model.bin")
+    return folder if has_weights else None
 
 
 def _same_name(recorded: str, base: Path) -> bool:

@@ -560,7 +560,8 @@ def _batch_for_any_launch(train_batch: int | None, micro: int | None, accumulati
                           + (" (or set gradient_accumulation_steps, 1 when absent)" if accumulation == 1 else ""))
     notices.append(f"train_batch_size {train_batch} = micro batch {micro} × accumulation {accumulation} × {replicas} "
                    f"data-parallel processes: GPT-NeoX runs this config only on {replicas}; launch {replicas} "
-                   "data-parallel processes here for its global batch")
+                   "data-parallel processes here for its global batch (another launch is refused; on fewer, pass the "
+                   "--train.gradient_accumulation_steps that keeps it)")
     return micro, accumulation
 
 
