@@ -472,9 +472,10 @@ def _translate_batch(args: dict, recipe: dict, notices: list[str]) -> set[str]:
     the launch's: micro batch and accumulation given stand as they are (GPT-NeoX never changes them) and a
     train_batch_size they cannot reach at any data-parallel size is refused; one they reach is recorded in a note
     naming that size, and as `train.train_batch_size`, which the launch must reach (`parallel.layout.check_launch`
-    refuses it otherwise, as GPT-NeoX does, unless `--train.gradient_accumulation_steps` makes up the difference). Where the rule would divide train_batch_size by the unknown size (no micro batch, or
-    accumulation null) it is refused, asking for the missing value. A config with neither train_batch_size nor a
-    micro batch (a model-only file) keeps the recipe's defaults.
+    refuses it otherwise, as GPT-NeoX does, unless `--train.gradient_accumulation_steps` makes up the difference).
+    Where the rule would divide train_batch_size by the unknown size (no micro batch, or accumulation null) it is
+    refused, asking for the missing value. A config with neither train_batch_size nor a micro batch (a model-only
+    file) keeps the recipe's defaults.
     """
     keys = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "global_num_gpus",
             "num_gpus", "num_nodes"}

@@ -722,7 +722,8 @@ def check_gpus_hold_layout(recipe, gpus: int | None) -> None:
                          f"{t.micro_batch_size} × any gradient_accumulation_steps × {dp} data-parallel processes, so "
                          f"the recipe's layout cannot keep the config's batch on {gpus} GPUs; give --gpus "
                          f"{data_parallel_for_train_batch(t) * need} (a data-parallel size dividing "
-                         f"{t.train_batch_size // t.micro_batch_size}{per_replica}), or another --train.micro_batch_size")
+                         f"{t.train_batch_size // t.micro_batch_size}{per_replica}), or another "
+                         "--train.micro_batch_size")
 
 
 def describe_layout(layout: Layout) -> str:

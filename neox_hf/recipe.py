@@ -566,7 +566,9 @@ def _validate_train_batch(t: TrainConfig) -> None:
 
 def data_parallel_for_train_batch(t: TrainConfig) -> int | None:
     """The data-parallel size at which micro × accumulation gives train_batch_size (None: the recipe sets none)."""
-    return None if t.train_batch_size is None else t.train_batch_size // (t.micro_batch_size * t.gradient_accumulation_steps)
+    if t.train_batch_size is None:
+        return None
+    return t.train_batch_size // (t.micro_batch_size * t.gradient_accumulation_steps)
 
 
 def accumulation_for_train_batch(t: TrainConfig, data_parallel: int) -> int | None:
