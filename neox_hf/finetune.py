@@ -207,10 +207,11 @@ def check_adapter_base(base_path, adapter_path, *, force: bool = False) -> str |
     weights went unchecked, another name is refused. `force` merges anyway, with a note. Returns a note, or None when
     the base is the recorded folder itself."""
     adapter, base = Path(adapter_path), Path(base_path)
-    recorded = _recorded_base(adapter)
+    adapter_config = _adapter_config(adapter)
+    recorded = adapter_config.get("base_model_name_or_path")
     if not recorded:
         return f"{adapter_path}/{ADAPTER_CONFIG} records no base model; merged into {base_path} unchecked"
-    trained_on = _local_base(recorded)
+    trained_on = _local_base(recorded, adapter_config.get("revision"))
     if trained_on is not None:
         if trained_on.resolve() == base.resolve():  # one folder however spelled (relative, `..`, symlinks)
             return None
@@ -222,7 +223,7 @@ def check_adapter_base(base_path, adapter_path, *, force: bool = False) -> str |
             return f"--force: adapter {adapter_path}, trained on {recorded}, merged into {base_path} ({difference})"
         raise CheckpointError(f"adapter {adapter_path} was trained on {recorded}, and {base_path} is another model: "
                               f"{difference}; merge it into {recorded}, or pass --force to merge it into this one")
-    misfit = _adapter_shape_misfit(adapter, base)
+    misfit = _adapter_class_misfit(adapter_config, base) or _adapter_shape_misfit(adapter, base)
     if misfit is not None:  # no base of any name takes it; peft would stop on a size mismatch
         raise CheckpointError(f"adapter {adapter_path} does not fit base model {base_path}: {misfit}; use the base "
                               f"model the adapter was trained on ({recorded})")
@@ -236,15 +237,18 @@ def check_adapter_base(base_path, adapter_path, *, force: bool = False) -> str |
                           f"merge it into a copy of {recorded}, or pass --force if both are the same model")
 
 
-def _recorded_base(adapter: Path) -> str | None:
+def _adapter_config(adapter: Path) -> dict:
     config_file = adapter / ADAPTER_CONFIG
     try:
-        return json.loads(config_file.read_text()).get("base_model_name_or_path")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{config_file} is not a JSON object ({err}); save the adapter again") from err
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file} is not a JSON object; save the adapter again")
+    return config
 
 
-def _local_base(recorded: str) -> Path | None:
+def _local_base(recorded: str, revision: str | None = None) -> Path | None:
     """The recorded base's folder here: the path itself, or the Hub id's snapshot in the Hugging Face cache (looked up,
     never downloaded); None where neither holds a model (a config.json and its weights) to compare."""
     folder = Path(recorded)
@@ -252,7 +256,7 @@ def _local_base(recorded: str) -> Path | None:
         from huggingface_hub import try_to_load_from_cache
 
         try:
-            cached = try_to_load_from_cache(recorded, "config.json")
+            cached = try_to_load_from_cache(recorded, "config.json", revision=revision)
         except ValueError:  # not a Hub id either (e.g. an absolute path of another machine): huggingface_hub refuses it
             return None
         if not isinstance(cached, str):
@@ -352,6 +356,16 @@ def _weight_files(folder: Path, name: str) -> list[Path]:
     if index.is_file():
         return [folder / shard for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     return [folder / name] if (folder / name).is_file() else []
+
+
+def _adapter_class_misfit(adapter_config: dict, base: Path) -> str | None:
+    """The model class peft recorded for the adapter's base (`auto_mapping.base_model_class`) where the base's
+    config.json names other architectures; None when they agree or either is silent."""
+    trained = (adapter_config.get("auto_mapping") or {}).get("base_model_class")
+    architectures = _config(base).get("architectures") or []
+    if trained and architectures and trained not in architectures:
+        return f"it was trained on a {trained}, the base is a {' / '.join(map(str, architectures))}"
+    return None
 
 
 def _adapter_shape_misfit(adapter: Path, base: Path) -> str | None:

@@ -333,6 +333,12 @@ def test_merge_checks_shapes_alone_when_the_recorded_base_is_not_here(tmp_path, 
     assert main(["merge", str(named), str(wide), str(tmp_path / "wide-merged"), "--force"]) == 2  # no base takes it
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "lora_A.weight has shape [4, 128]" in err, err
+    # the model class peft records for the base (adapter_config.json auto_mapping) is the base's config too
+    config = json.loads((adapter / finetune.ADAPTER_CONFIG).read_text())
+    config["auto_mapping"] = {"base_model_class": "LlamaForCausalLM", "parent_library": "transformers"}
+    (adapter / finetune.ADAPTER_CONFIG).write_text(json.dumps(config))
+    assert main(["merge", str(named), str(adapter), str(tmp_path / "llama-merged")]) == 2
+    assert "trained on a LlamaForCausalLM, the base is a GPTNeoXForCausalLM" in capsys.readouterr().err
 
 
 def test_merge_without_base_folder_is_refused_before_training(tmp_path):
