@@ -71,6 +71,7 @@ def step_batches(recipe, data_parallel: int, start_step: int, end_step: int, out
 
     t, m = recipe.train, recipe.model
     _check_step_range(data_parallel, start_step, end_step)
+    check_data_parallel_keeps_batch(recipe, data_parallel)
     layout = BatchLayout(t.micro_batch_size, t.gradient_accumulation_steps, data_parallel)
     samples = split_samples(recipe.data, "train", seq_length=m.seq_length, train_iters=t.train_iters, layout=layout,
                             eval_interval=t.eval_interval, eval_iters=t.eval_iters, seed=recipe.data.seed)
@@ -80,6 +81,24 @@ def step_batches(recipe, data_parallel: int, start_step: int, end_step: int, out
     for row, i in enumerate(ids):
         out[row] = samples[int(i)][0]
     return out
+
+
+def check_data_parallel_keeps_batch(recipe, data_parallel: int) -> None:
+    """A config's train_batch_size (GPT-NeoX's) holds for the batches as for the launch: refuse a --data-parallel
+    at which micro × accumulation misses it (GPT-NeoX's run never had those steps)."""
+    from neox_hf.errors import UsageError
+    from neox_hf.recipe import accumulation_for_train_batch, data_parallel_for_train_batch, train_batch_disagreement
+
+    t = recipe.train
+    disagreement = train_batch_disagreement(t, data_parallel)
+    if disagreement is None:
+        return
+    fixes = [f"pass --data-parallel {data_parallel_for_train_batch(t)}"]
+    accumulation = accumulation_for_train_batch(t, data_parallel)
+    if accumulation is not None:
+        fixes.append(f"add a recipe file with `train: {{gradient_accumulation_steps: {accumulation}}}` after the "
+                     "config (as the run passed --train.gradient_accumulation_steps)")
+    raise UsageError(f"--data-parallel {data_parallel}: {disagreement}: {', or '.join(fixes)}")
 
 
 def _check_step_range(data_parallel: int, start_step: int, end_step: int) -> None:
@@ -115,6 +134,7 @@ def _check_room(shape: tuple[int, int], folder: Path, start_step: int, end_step:
 def run_batches(args) -> int:
     recipe = recipe_for_batches(args.config, args.data_path, args.vocab_file, args.order)
     _check_step_range(args.data_parallel, args.start_step, args.end_step)
+    check_data_parallel_keeps_batch(recipe, args.data_parallel)
     shape = output_shape(recipe, args.data_parallel, args.start_step, args.end_step)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

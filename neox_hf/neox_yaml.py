@@ -471,10 +471,11 @@ def _translate_batch(args: dict, recipe: dict, notices: list[str]) -> set[str]:
     count (`global_num_gpus`, or `num_gpus` per node × `num_nodes`) the rule is applied exactly. Otherwise the count is
     the launch's: micro batch and accumulation given stand as they are (GPT-NeoX never changes them) and a
     train_batch_size they cannot reach at any data-parallel size is refused; one they reach is recorded in a note
-    naming that size, which the launch must provide (here the global batch is micro × accumulation × the launch's
-    data-parallel size). Where the rule would divide train_batch_size by the unknown size (no micro batch, or
-    accumulation null) it is refused, asking for the missing value. A config with neither train_batch_size nor a
-    micro batch (a model-only file) keeps the recipe's defaults.
+    naming that size, and as `train.train_batch_size`, which the launch must reach (`parallel.layout.check_launch`
+    refuses it otherwise, as GPT-NeoX does, unless `--train.gradient_accumulation_steps` makes up the difference).
+    Where the rule would divide train_batch_size by the unknown size (no micro batch, or accumulation null) it is
+    refused, asking for the missing value. A config with neither train_batch_size nor a micro batch (a model-only
+    file) keeps the recipe's defaults.
     """
     keys = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "global_num_gpus",
             "num_gpus", "num_nodes"}
@@ -494,6 +495,8 @@ def _translate_batch(args: dict, recipe: dict, notices: list[str]) -> set[str]:
                        f"micro batch {micro} × accumulation {accumulation}; launch {dp} data-parallel processes here")
     _put(recipe, "train.micro_batch_size", micro)
     _put(recipe, "train.gradient_accumulation_steps", accumulation)
+    if train_batch is not None:  # the launch must reach it, as GPT-NeoX's check_batch_parameters asks
+        _put(recipe, "train.train_batch_size", train_batch)
     return keys
 
 
@@ -558,7 +561,8 @@ def _batch_for_any_launch(train_batch: int | None, micro: int | None, accumulati
                           + (" (or set gradient_accumulation_steps, 1 when absent)" if accumulation == 1 else ""))
     notices.append(f"train_batch_size {train_batch} = micro batch {micro} × accumulation {accumulation} × {replicas} "
                    f"data-parallel processes: GPT-NeoX runs this config only on {replicas}; launch {replicas} "
-                   "data-parallel processes here for its global batch")
+                   "data-parallel processes here for its global batch (another launch is refused; on fewer, pass the "
+                   "--train.gradient_accumulation_steps that keeps it)")
     return micro, accumulation
 
 

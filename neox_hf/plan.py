@@ -512,11 +512,20 @@ def recipe_precision(recipe) -> str:
 
 
 def recipe_layout(recipe, gpus: int | None = None) -> Layout:
+    """The recipe's layout on `gpus`. A recipe with a train_batch_size (GPT-NeoX's) keeps it: without `gpus` on the
+    data-parallel size that reaches it, on `gpus` with the accumulation that does (`check_gpus_hold_layout` refuses
+    a count where none does)."""
+    from neox_hf.recipe import accumulation_for_train_batch, data_parallel_for_train_batch
+
     p, t = recipe.parallel, recipe.train
     model_parallel = p.pipeline_parallel * p.tensor_parallel
-    return Layout(p.pipeline_parallel, p.tensor_parallel, max(1, (gpus or model_parallel) // model_parallel),
-                  p.zero_stage, t.micro_batch_size, t.gradient_accumulation_steps, p.activation_checkpointing,
-                  p.sequence_parallel)
+    if gpus is None:
+        dp = data_parallel_for_train_batch(t) or 1
+    else:
+        dp = max(1, gpus // model_parallel)
+    accumulation = accumulation_for_train_batch(t, dp) or t.gradient_accumulation_steps
+    return Layout(p.pipeline_parallel, p.tensor_parallel, dp, p.zero_stage, t.micro_batch_size, accumulation,
+                  p.activation_checkpointing, p.sequence_parallel)
 
 
 def engine_for(recipe, layout: Layout, precision: str) -> Engine:
@@ -585,7 +594,8 @@ def plan_for_recipe(recipe, gpus: int | None = None, gpu_memory_bytes: int | Non
                 deepspeed=engine_for(recipe, own_layout, precision).deepspeed)
     if gpus is None:
         return plan
-    global_batch = own_layout.micro_batch * own_layout.gradient_accumulation_steps * own_layout.data
+    global_batch = (recipe.train.train_batch_size  # a GPT-NeoX config's batch: every layout proposed keeps it
+                    or own_layout.micro_batch * own_layout.gradient_accumulation_steps * own_layout.data)
     plans = [plan_layout(recipe, shape, layout, precision, assumptions, gpu_memory_bytes)
              for layout in candidate_layouts(recipe, shape, gpus, global_batch)]
     fitting = [p for p in plans if p.fits is not False]
@@ -710,10 +720,21 @@ def assumptions_for(gpu: str, mfu: float) -> Assumptions:
 def check_gpus_hold_layout(recipe, gpus: int | None) -> None:
     from neox_hf.errors import UsageError
 
+    from neox_hf.recipe import accumulation_for_train_batch, data_parallel_for_train_batch
+
     need = recipe.parallel.pipeline_parallel * recipe.parallel.tensor_parallel
     if gpus is not None and gpus % need:
         raise UsageError(f"--gpus {gpus} cannot hold the recipe's layout (pipeline {recipe.parallel.pipeline_parallel} "
                          f"× tensor {recipe.parallel.tensor_parallel} = {need} per replica); give a multiple of {need}")
+    t = recipe.train
+    if gpus is not None and t.train_batch_size is not None and accumulation_for_train_batch(t, gpus // need) is None:
+        dp, per_replica = gpus // need, f" (× {need} per replica)" if need > 1 else ""
+        raise UsageError(f"--gpus {gpus}: train_batch_size {t.train_batch_size} is not micro batch "
+                         f"{t.micro_batch_size} × any gradient_accumulation_steps × {dp} data-parallel processes, so "
+                         f"the recipe's layout cannot keep the config's batch on {gpus} GPUs; give --gpus "
+                         f"{data_parallel_for_train_batch(t) * need} (a data-parallel size dividing "
+                         f"{t.train_batch_size // t.micro_batch_size}{per_replica}), or another "
+                         "--train.micro_batch_size")
 
 
 def describe_layout(layout: Layout) -> str:

@@ -166,3 +166,107 @@ def test_the_issue_s_config_and_gpu_counts_from_num_gpus_and_num_nodes():
         translate_neox_args(batch_args(32, 8, ABSENT, global_num_gpus=6, pipe_parallel_size=4))
     with pytest.raises(RecipeError, match="train_batch_size 30"):
         translate_neox_args(batch_args(30, 8, ABSENT))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# train_batch_size where the data-parallel size is known: the launch, `neox_hf plan --gpus`, `neox_hf batches`
+# ----------------------------------------------------------------------------------------------------------------
+
+# Issue 45's config: GPT-NeoX runs it only on 4 data-parallel GPUs (gradient_accumulation_steps absent: 1).
+BATCH_CONFIG = {"num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq-length": SEQ,
+                "max-position-embeddings": SEQ, "train-iters": 2, "train_micro_batch_size_per_gpu": 8,
+                "train_batch_size": 32, "split": "969,30,1", "seed": 1234, "tokenizer_type": "HFTokenizer"}
+# fp32, no dropout, every step logged: the runs below compare losses
+RUN_OVERRIDES = ["--train.eval_iters", "0", "--train.log_interval", "1", "--train.precision", "fp32",
+                 "--output.tensorboard", "false", "--model.hidden_dropout", "0", "--model.attention_dropout", "0"]
+
+
+@pytest.fixture(scope="module")
+def batch_config(tmp_path_factory) -> str:
+    from test_neox_order import random_docs, write_corpus
+
+    folder = tmp_path_factory.mktemp("batch32")
+    prefix = write_corpus(folder / "corpus_text_document", random_docs(300, seed=5, max_len=40))
+    path = folder / "batch32.yml"
+    path.write_text(json.dumps({**BATCH_CONFIG, "data-path": prefix}))
+    return str(path)
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_one_process_launch_of_a_config_gpt_neox_runs_on_four_is_refused(batch_config, tmp_path, capsys,
+                                                                          fresh_accelerate_state):
+    from neox_hf.train import main
+
+    assert main([batch_config, *RUN_OVERRIDES, "--output.dir", str(tmp_path / "run")]) == 2
+    line = _error_line(capsys)
+    # the three numbers, and both fixes
+    assert "train_batch_size 32 is not micro batch 8 × gradient_accumulation_steps 1 × 1 data-parallel" in line, line
+    assert "--num_processes 4 run_clm_neox.py" in line and "--train.gradient_accumulation_steps 4" in line, line
+    assert not (tmp_path / "run" / "train_log.jsonl").exists()
+    # an accumulation that no data-parallel size makes 32 is refused before any launch question
+    assert main([batch_config, *RUN_OVERRIDES, "--train.gradient_accumulation_steps", "3",
+                 "--output.dir", str(tmp_path / "run3")]) == 2
+    assert "any number of data-parallel processes" in _error_line(capsys)
+    # outside a launch, --print-config keeps the note saying what the launch must be
+    assert main([batch_config, "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert "train_batch_size: 32" in printed and "GPT-NeoX runs this config only on 4" in printed, printed
+    assert "pipe 1 × tensor 1 × data 4, ZeRO-0, micro 8 × accumulation 1" in printed, printed  # the plan line
+
+
+@pytest.fixture(scope="module")
+def batch_runs(batch_config, tmp_path_factory) -> dict[str, tuple]:
+    """name → (output folder, what rank 0 printed): the config on 4 data-parallel processes (one launch), and on one
+    process with the accumulation that keeps its batch (in this process)."""
+    import shlex
+
+    from tests.conftest import finish_launch, start_init_layouts, train_in_this_process
+
+    root = tmp_path_factory.mktemp("batch_runs")
+    launch = start_init_layouts(root, {"dp4": ""}, batch_config, *RUN_OVERRIDES, num_processes=4)
+    accumulated = train_in_this_process([batch_config, *RUN_OVERRIDES, "--train.gradient_accumulation_steps", "4",
+                                         "--output.dir", str(root / "accumulated")])
+    finish_launch(launch, "the 4-process run of the train_batch_size 32 config")
+    return {"dp4": (root / "dp4", (root / "dp4.stdout").read_text()),
+            "accumulated": (root / "accumulated", accumulated)}
+
+
+def test_four_data_parallel_processes_and_the_accumulation_override_train_the_config_s_batch(batch_runs):
+    from tests.test_resume import step_losses
+
+    (dp4, dp4_printed), (accumulated, accumulated_printed) = batch_runs["dp4"], batch_runs["accumulated"]
+    assert "batch: micro 8 × accumulation 1 × dp 4 = 32 samples/step" in dp4_printed, dp4_printed
+    assert "batch: micro 8 × accumulation 4 × dp 1 = 32 samples/step" in accumulated_printed, accumulated_printed
+    # GPT-NeoX's order deals the same 32 samples to a step at any layout of 32: the same losses (fp32)
+    want, got = step_losses(dp4), step_losses(accumulated)
+    assert sorted(want) == sorted(got) == [1, 2]
+    for step in want:
+        assert abs(want[step] - got[step]) <= 1e-5, (step, want[step], got[step])
+
+
+def test_plan_and_batches_keep_the_config_s_batch(batch_config, tmp_path, capsys):
+    from neox_hf.cli import main
+
+    assert main(["plan", batch_config, "--gpus", "2", "--json"]) == 0
+    layouts = json.loads(capsys.readouterr().out)["layouts"]
+    assert (layouts[0]["data"], layouts[0]["micro_batch"], layouts[0]["gradient_accumulation_steps"]) == (2, 8, 2)
+    assert len(layouts) > 1 and all(
+        p["micro_batch"] * p["gradient_accumulation_steps"] * p["data"] == 32 for p in layouts), layouts
+    assert main(["plan", batch_config, "--gpus", "8"]) == 2  # micro 8 on 8 replicas is 64 at least
+    assert "--gpus 4" in _error_line(capsys)
+
+    out = tmp_path / "steps.npy"
+    assert main(["batches", batch_config, "--data-parallel", "2", "--start-step", "0", "--end-step", "1",
+                 "--output", str(out)]) == 2
+    line = _error_line(capsys)
+    assert "1 × 2 data-parallel" in line and "--data-parallel 4" in line and "gradient_accumulation_steps: 2" in line
+    assert not out.exists()
+    assert main(["batches", batch_config, "--data-parallel", "4", "--start-step", "0", "--end-step", "1",
+                 "--output", str(out)]) == 0
+    assert np.load(out).shape == (32, SEQ + 1)

@@ -182,6 +182,9 @@ class TrainConfig:
     train_iters: int = 100
     micro_batch_size: int = 4
     gradient_accumulation_steps: int = 1
+    # GPT-NeoX's global batch (a GPT-NeoX config's train_batch_size): micro × accumulation × data-parallel size must
+    # equal it, checked when the launch's data-parallel size is known (None: whatever the launch gives)
+    train_batch_size: Optional[int] = None
     lr: float = 6e-4
     min_lr: float = 6e-5
     warmup: float = 0.01  # fraction of lr_decay_iters, as GPT-NeoX
@@ -474,6 +477,7 @@ def validate(recipe: Recipe) -> None:
         )
     for name in ("train_iters", "micro_batch_size", "gradient_accumulation_steps", "log_interval", "eval_interval"):
         _require(getattr(t, name) > 0, f"`train.{name}` must be > 0, got {getattr(t, name)}")
+    _validate_train_batch(t)
     _require(t.max_skipped_steps_in_a_row >= 1,
              f"`train.max_skipped_steps_in_a_row` must be ≥ 1, got {t.max_skipped_steps_in_a_row}")
     _require(t.eval_iters >= 0, f"`train.eval_iters` must be ≥ 0, got {t.eval_iters}")
@@ -542,6 +546,51 @@ def validate(recipe: Recipe) -> None:
             "`peft.method` with `parallel.tensor_parallel > 1` is refused: LoRA wraps nn.Linear layers, which tensor "
             "parallelism replaces; fine-tune adapters with ZeRO data parallelism (tensor_parallel: 1)",
         )
+
+
+def _validate_train_batch(t: TrainConfig) -> None:
+    """A train_batch_size no data-parallel size reaches is refused here; one that needs another size than the
+    launch's, at launch (`train_batch_disagreement`)."""
+    if t.train_batch_size is None:
+        return
+    _require(t.train_batch_size > 0, f"`train.train_batch_size` must be > 0, got {t.train_batch_size}")
+    per_replica = t.micro_batch_size * t.gradient_accumulation_steps
+    if t.train_batch_size % per_replica:
+        fix = (f"pass a --train.gradient_accumulation_steps that divides {t.train_batch_size // t.micro_batch_size}"
+               if t.train_batch_size % t.micro_batch_size == 0 else
+               f"pass a --train.micro_batch_size that divides {t.train_batch_size}")
+        raise RecipeError(f"`train.train_batch_size` {t.train_batch_size} is not micro batch {t.micro_batch_size} × "
+                          f"gradient_accumulation_steps {t.gradient_accumulation_steps} × any number of data-parallel "
+                          f"processes; GPT-NeoX refuses it: {fix}")
+
+
+def data_parallel_for_train_batch(t: TrainConfig) -> int | None:
+    """The data-parallel size at which micro × accumulation gives train_batch_size (None: the recipe sets none)."""
+    if t.train_batch_size is None:
+        return None
+    return t.train_batch_size // (t.micro_batch_size * t.gradient_accumulation_steps)
+
+
+def accumulation_for_train_batch(t: TrainConfig, data_parallel: int) -> int | None:
+    """The gradient_accumulation_steps that gives train_batch_size on `data_parallel` ranks, None where none does."""
+    if t.train_batch_size is None:
+        return None
+    accumulation, rest = divmod(t.train_batch_size, t.micro_batch_size * data_parallel)
+    return accumulation if accumulation and not rest else None
+
+
+def train_batch_disagreement(t: TrainConfig, data_parallel: int) -> str | None:
+    """None when the recipe's train_batch_size is micro × accumulation × `data_parallel` (or it sets none); else the
+    sentence saying how they disagree, as GPT-NeoX's check_batch_parameters refuses it (the caller adds the fixes
+    its entry point offers: `data_parallel_for_train_batch`, `accumulation_for_train_batch`)."""
+    if t.train_batch_size is None:
+        return None
+    trained = t.micro_batch_size * t.gradient_accumulation_steps * data_parallel
+    if trained == t.train_batch_size:
+        return None
+    return (f"train_batch_size {t.train_batch_size} is not micro batch {t.micro_batch_size} × "
+            f"gradient_accumulation_steps {t.gradient_accumulation_steps} × {data_parallel} data-parallel "
+            f"process(es) (= {trained}); GPT-NeoX refuses it")
 
 
 def _validate_pipeline(recipe: Recipe) -> None:
