@@ -201,7 +201,7 @@ def _error_line(capsys) -> str:
 
 def test_a_one_process_launch_of_a_config_gpt_neox_runs_on_four_is_refused(batch_config, tmp_path, capsys,
                                                                           fresh_accelerate_state):
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
 
     assert main([batch_config, *RUN_OVERRIDES, "--output.dir", str(tmp_path / "run")]) == 2
     line = _error_line(capsys)
