@@ -58,11 +58,13 @@ def _reward_model(recipe, tokenizer):
 
     from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, padded_vocab_size
     from neox_hf.model import config_from_recipe
+    from neox_hf.model.spec import from_pretrained_whole
 
     m = recipe.model
     if m.from_pretrained:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            m.from_pretrained, num_labels=1, pad_token_id=tokenizer.pad_token_id, dtype=torch.float32,
+        # a causal-LM folder has no score head: the new head is this recipe's to initialise, nothing else is
+        model = from_pretrained_whole(
+            AutoModelForSequenceClassification, m.from_pretrained, new_weights=("score.",), num_labels=1, pad_token_id=tokenizer.pad_token_id, dtype=torch.float32,
             attn_implementation=m.attn_implementation)
         check_vocab_covers_tokenizer(model.config.vocab_size, tokenizer, where=m.from_pretrained)
     else:
