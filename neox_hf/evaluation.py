@@ -196,10 +196,11 @@ def _check_pairs(source: DataSource) -> None:
     from neox_hf.data.preference import read_pairs
 
     try:
-        read_pairs([source])
+        read_pairs([source], max_skipped_fraction=DataConfig().max_skipped_fraction)  # as training refuses
     except DataError as err:
         message = str(err).replace("set `prompt_key` / `chosen_key` / `rejected_key` on the source",
                                    "pass --prompt-key / --chosen-key / --rejected-key")
+        message = message.replace(", or raise `data.max_skipped_fraction` to accept it", "")
         raise DataError(message) from None
 
 
