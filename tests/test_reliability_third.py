@@ -159,3 +159,37 @@ def test_reward_model_checkpoint_exports_to_a_stock_sequence_classifier(runs, tm
     batch = tokenizer([_pair(i)["prompt"] + _pair(i)["chosen"] for i in range(4)], return_tensors="pt", padding=True)
     with torch.no_grad():
         torch.testing.assert_close(exported(**batch).logits, final(**batch).logits, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Poor cases: one clear line where there was a vague one
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory):
+    """A 2-step causal-LM run from scratch (hidden 32, 2 layers) with a checkpoint at step 2, and its recipe file."""
+    root = tmp_path_factory.mktemp("third_lm")
+    text = root / "small.txt"
+    text.write_text((Path(__file__).resolve().parents[1] / "examples/data/tinyshakespeare.txt").read_text()[:20000])
+    recipe = root / "lm.yaml"
+    recipe.write_text(json.dumps({
+        "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32},
+        "tokenizer": {"path": str(BUNDLED_TOKENIZER)},
+        "data": {"sources": [{"path": str(text)}], "mode": "pack"},
+        "train": {"train_iters": 2, "micro_batch_size": 2, "precision": "fp32", "log_interval": 1,
+                  "eval_interval": 100, "eval_iters": 0, "save_interval": 2, "lr": 1e-3, "min_lr": 1e-4},
+        "parallel": {"use_deepspeed": False},
+        "output": {"dir": str(root / "out"), "tensorboard": False},
+    }))
+    train_in_this_process([str(recipe)])
+    return recipe
+
+
+@pytest.mark.parametrize("change,needle", [
+    (["--model.hidden_size", "64"], "`gpt_neox.embed_in.weight` is [50304, 32] in the checkpoint, [50304, 64] in the recipe's model"),
+    (["--model.num_layers", "3"], "the recipe's model has `gpt_neox.layers.2."),
+])
+def test_resume_with_another_model_shape_names_the_first_differing_tensor(lm_run, capsys, fresh_accelerate_state,
+                                                                          change, needle):
+    code, err = run_train([str(lm_run), "--resume", "--train.train_iters", "4", *change], capsys)
+    assert_one_line_error(code, err, needle)  # was "(Error(s) in loading state_dict for NeoXForCausalLM:)"
