@@ -193,3 +193,18 @@ def test_resume_with_another_model_shape_names_the_first_differing_tensor(lm_run
                                                                           change, needle):
     code, err = run_train([str(lm_run), "--resume", "--train.train_iters", "4", *change], capsys)
     assert_one_line_error(code, err, needle)  # was "(Error(s) in loading state_dict for NeoXForCausalLM:)"
+
+
+def test_plan_on_a_billion_gpus_is_quick_and_says_when_nothing_fits(capsys):
+    import time
+
+    from tests.conftest import REPO
+
+    tiny = str(REPO / "recipes" / "tiny.yaml")
+    start = time.monotonic()
+    code, err = run_cli(["plan", tiny, "--gpus", "1000000000"], capsys)
+    assert code == 0, err
+    assert time.monotonic() - start < 120  # counting divisors to a billion took 242 s
+    code, err = run_cli(["plan", tiny, "--gpus", "1000000000", "--gpu-memory", "0.01"], capsys)
+    assert_one_line_error(code, err, "none of the 236 layouts on 1000000000 GPUs fits in 0.01 GiB")  # was "the 0 fastest:", exit 0
+    assert "the leanest (pipe 1 × tensor 4" in err
