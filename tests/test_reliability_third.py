@@ -208,3 +208,24 @@ def test_plan_on_a_billion_gpus_is_quick_and_says_when_nothing_fits(capsys):
     code, err = run_cli(["plan", tiny, "--gpus", "1000000000", "--gpu-memory", "0.01"], capsys)
     assert_one_line_error(code, err, "none of the 236 layouts on 1000000000 GPUs fits in 0.01 GiB")  # was "the 0 fastest:", exit 0
     assert "the leanest (pipe 1 × tensor 4" in err
+
+
+def test_accelerate_dynamo_backend_becomes_train_compile_or_is_refused(monkeypatch, capsys, fresh_accelerate_state):
+    from neox_hf.parallel.accelerator import build_accelerator
+    from neox_hf.recipe import load_yaml_file, recipe_from_dict
+    from neox_hf.train import main
+    from tests.conftest import REPO
+
+    tiny = str(REPO / "recipes" / "tiny.yaml")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")  # an accelerate config's `dynamo_backend: INDUCTOR`
+    assert main([tiny, "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert "\n  compile: true\n" in printed and "`train.compile: true` comes from `accelerate launch`" in printed
+    # Accelerate does not compile the model again its own way (in `prepare`, the fused loss included)
+    recipe = recipe_from_dict(load_yaml_file(REPO / "recipes" / "tiny.yaml"))
+    recipe.train.compile, recipe.train.precision = True, "fp32"
+    assert build_accelerator(recipe).state.dynamo_plugin.backend.value == "NO"
+
+    assert_one_line_error(*run_train([tiny, "--print-config", "--train.compile", "false"], capsys), "dynamo_backend: inductor")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "EAGER")
+    assert_one_line_error(*run_train([tiny, "--print-config"], capsys), "dynamo_backend: EAGER")
