@@ -229,3 +229,14 @@ def test_accelerate_dynamo_backend_becomes_train_compile_or_is_refused(monkeypat
     assert_one_line_error(*run_train([tiny, "--print-config", "--train.compile", "false"], capsys), "dynamo_backend: inductor")
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "EAGER")
     assert_one_line_error(*run_train([tiny, "--print-config"], capsys), "dynamo_backend: EAGER")
+
+
+def test_generate_keeps_to_the_model_context(runs, capsys):
+    lm = str(runs / "lm")  # max_position_embeddings 128
+    code, err = run_cli(["generate", lm, "--prompt", "Question 1:", "--max-new-tokens", "200", "--device", "cpu"], capsys)
+    assert_one_line_error(code, err, "--max-new-tokens 200 leaves no room for a prompt in the model's context of 128")
+    long_prompt = " ".join(WORDS * 20)  # 280 tokens, more than the context
+    code, err = run_cli(["generate", lm, "--prompt", long_prompt, "--max-new-tokens", "8", "--greedy", "--device", "cpu"],
+                        capsys)
+    assert code == 0, err
+    assert "note: a prompt of 280 tokens keeps its last 120" in err and "context of 128 positions" in err
