@@ -704,8 +704,8 @@ def check_some_layout_fits(plan: Plan) -> None:
                          "give another --gpus")
     lean = plan.leanest
     raise UsageError(f"none of the {plan.considered} layouts on {plan.gpus} GPUs fits in {_gib(plan.gpu_memory_bytes)} "
-                     f"GiB per GPU: the leanest ({describe_layout(lean.layout)}) needs {_gib(lean.largest_stage.total)} "
-                     "GiB on its largest rank; give more --gpu-memory or more --gpus, or a smaller model")
+                     f"GiB per GPU: the leanest ({describe_layout(lean.layout)}) needs "
+                     f"{_gib(lean.largest_stage.total)} GiB on its largest rank; give more --gpu-memory or more --gpus, or a smaller model")
 
 
 def assumptions_for(gpu: str, mfu: float) -> Assumptions:

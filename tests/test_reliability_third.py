@@ -78,7 +78,7 @@ def test_dpo_from_a_reward_model_folder_is_refused(runs, tmp_path, capsys, fresh
     code, err = run_train(_recipe(tmp_path / "dpo.yaml", runs / "rm", runs / "pairs.jsonl", out, "dpo"), capsys)
     assert_one_line_error(code, err, "lm_head.weight")
     assert "GPTNeoXForSequenceClassification" in err and str(runs / "rm") in err
-    assert not (out / "config.json").exists() and not (out / "checkpoints").exists()  # nothing trained or saved
+    assert not out.exists() or not any(out.iterdir())  # nothing trained or saved
 
 
 @pytest.mark.parametrize("command", ["generate", "eval-lm", "eval-dpo"])
@@ -186,7 +186,8 @@ def lm_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("change,needle", [
-    (["--model.hidden_size", "64"], "`gpt_neox.embed_in.weight` is [50304, 32] in the checkpoint, [50304, 64] in the recipe's model"),
+    (["--model.hidden_size", "64"],
+     "`gpt_neox.embed_in.weight` is [50304, 32] in the checkpoint, [50304, 64] in the recipe's model"),
     (["--model.num_layers", "3"], "the recipe's model has `gpt_neox.layers.2."),
 ])
 def test_resume_with_another_model_shape_names_the_first_differing_tensor(lm_run, capsys, fresh_accelerate_state,
@@ -206,7 +207,8 @@ def test_plan_on_a_billion_gpus_is_quick_and_says_when_nothing_fits(capsys):
     assert code == 0, err
     assert time.monotonic() - start < 120  # counting divisors to a billion took 242 s
     code, err = run_cli(["plan", tiny, "--gpus", "1000000000", "--gpu-memory", "0.01"], capsys)
-    assert_one_line_error(code, err, "none of the 236 layouts on 1000000000 GPUs fits in 0.01 GiB")  # was "the 0 fastest:", exit 0
+    # was a table ending "the 0 fastest:", exit 0
+    assert_one_line_error(code, err, "none of the 236 layouts on 1000000000 GPUs fits in 0.01 GiB")
     assert "the leanest (pipe 1 × tensor 4" in err
 
 
@@ -226,17 +228,19 @@ def test_accelerate_dynamo_backend_becomes_train_compile_or_is_refused(monkeypat
     recipe.train.compile, recipe.train.precision = True, "fp32"
     assert build_accelerator(recipe).state.dynamo_plugin.backend.value == "NO"
 
-    assert_one_line_error(*run_train([tiny, "--print-config", "--train.compile", "false"], capsys), "dynamo_backend: inductor")
+    code, err = run_train([tiny, "--print-config", "--train.compile", "false"], capsys)
+    assert_one_line_error(code, err, "dynamo_backend: inductor")
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "EAGER")
     assert_one_line_error(*run_train([tiny, "--print-config"], capsys), "dynamo_backend: EAGER")
 
 
 def test_generate_keeps_to_the_model_context(runs, capsys):
     lm = str(runs / "lm")  # max_position_embeddings 128
-    code, err = run_cli(["generate", lm, "--prompt", "Question 1:", "--max-new-tokens", "200", "--device", "cpu"], capsys)
+    code, err = run_cli(["generate", lm, "--prompt", "Question 1:", "--max-new-tokens", "200", "--device", "cpu"],
+                        capsys)
     assert_one_line_error(code, err, "--max-new-tokens 200 leaves no room for a prompt in the model's context of 128")
     long_prompt = " ".join(WORDS * 20)  # 280 tokens, more than the context
-    code, err = run_cli(["generate", lm, "--prompt", long_prompt, "--max-new-tokens", "8", "--greedy", "--device", "cpu"],
-                        capsys)
+    code, err = run_cli(["generate", lm, "--prompt", long_prompt, "--max-new-tokens", "8", "--greedy",
+                         "--device", "cpu"], capsys)
     assert code == 0, err
     assert "note: a prompt of 280 tokens keeps its last 120" in err and "context of 128 positions" in err

@@ -149,13 +149,14 @@ def _check_skipped_rows(sources: list[DataSource], stats: dict, max_fraction: fl
     """DataError when the rows skipped (unreadable, or chosen == rejected) are above `max_fraction` of those read."""
     bad, identical = stats.get("skipped_undecodable", 0), stats.get("skipped_identical", 0)
     read = stats.get("documents_read", 0) + bad
-    if bad + identical <= max_fraction * read:
+    skipped = bad + identical
+    if skipped <= max_fraction * read:
         return
-    raise DataError(f"data sources {[s.path for s in sources]}: {bad + identical} of {read} rows skipped ({bad} "
-                    f"invalid JSON or without string fields `{sources[0].prompt_key}`, `{sources[0].chosen_key}`, "
-                    f"`{sources[0].rejected_key}`; {identical} with chosen == rejected): {(bad + identical) / read:.1%} "
-                    f"is above `data.max_skipped_fraction` ({max_fraction:g}); fix the data or the source's keys, or "
-                    "raise `data.max_skipped_fraction` to accept it")
+    raise DataError(f"data sources {[s.path for s in sources]}: {skipped} of {read} rows skipped ({bad} invalid JSON "
+                    f"or without string fields `{sources[0].prompt_key}`, `{sources[0].chosen_key}`, "
+                    f"`{sources[0].rejected_key}`; {identical} with chosen == rejected): {skipped / read:.1%} is above "
+                    f"`data.max_skipped_fraction` ({max_fraction:g}); fix the data or the source's keys, or raise "
+                    "`data.max_skipped_fraction` to accept it")
 
 
 # ----------------------------------------------------------------------------------------------------------------

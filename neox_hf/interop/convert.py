@@ -18,7 +18,8 @@ from neox_hf.interop.neox_checkpoint import export_neox_checkpoint, neox_to_hf_m
 from neox_hf.interop.neox_files import detect_checkpoint_files, embedding_rows
 from neox_hf.interop.tokenizer import check_vocab_covers_tokenizer, load_tokenizer, padded_vocab_size
 from neox_hf.io import folder_refusal_message, is_weights_only_refusal, weights_only_loads
-from neox_hf.model.spec import config_class_for_folder, config_from_recipe, from_pretrained_whole, model_class_for_config
+from neox_hf.model.spec import (config_class_for_folder, config_from_recipe, from_pretrained_whole,
+                                model_class_for_config)
 
 
 def neox_recipe_and_tokenizer(neox_config_paths: list[str], tokenizer_path: str | None = None):
