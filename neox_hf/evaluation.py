@@ -196,10 +196,11 @@ def _check_pairs(source: DataSource) -> None:
     from neox_hf.data.preference import read_pairs
 
     try:
-        read_pairs([source])
+        read_pairs([source], max_skipped_fraction=DataConfig().max_skipped_fraction)  # as training refuses
     except DataError as err:
         message = str(err).replace("set `prompt_key` / `chosen_key` / `rejected_key` on the source",
                                    "pass --prompt-key / --chosen-key / --rejected-key")
+        message = message.replace(", or raise `data.max_skipped_fraction` to accept it", "")
         raise DataError(message) from None
 
 
@@ -276,6 +277,7 @@ def load_reward_model(model_path, tokenizer_path: str | None = None, *, device: 
     from neox_hf.errors import CheckpointError
     from neox_hf.inference import inference_device
     from neox_hf.data.tokenizer import load_tokenizer
+    from neox_hf.model.spec import from_pretrained_whole
 
     folder = Path(model_path)
     if not (folder / "config.json").is_file():
@@ -285,7 +287,7 @@ def load_reward_model(model_path, tokenizer_path: str | None = None, *, device: 
         raise UsageError(f"{folder} is not a reward model (architectures {config.architectures}, {config.num_labels} "
                          "labels); give the folder a `train.objective: rm` run saved, or use --objective lm / dpo")
     tokenizer = load_tokenizer(tokenizer_path or str(folder))
-    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32)
+    model = from_pretrained_whole(AutoModelForSequenceClassification, folder, dtype=torch.float32)
     if model.config.pad_token_id is None:  # transformers' pooling finds the last token by the pad id
         model.config.pad_token_id = tokenizer.pad_token_id
     return model.to(inference_device(device)).eval(), tokenizer

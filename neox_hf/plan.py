@@ -146,6 +146,7 @@ class Plan:
     assumptions: Assumptions = field(default_factory=Assumptions)
     precision: str = "fp32"
     deepspeed: bool = True
+    leanest: LayoutPlan | None = None  # of the layouts considered, the one whose largest stage needs least memory
 
     def to_dict(self) -> dict:
         return {"gpus": self.gpus, "gpu_memory_bytes": self.gpu_memory_bytes, "precision": self.precision,
@@ -577,7 +578,9 @@ def _sequence_parallel_options(pp: int, tp: int, seq: int) -> tuple[bool, ...]:
 
 
 def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """The divisors of n, ascending, in √n steps (`--gpus 1000000000` counted to a billion: 242 s)."""
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return small + [n // k for k in reversed(small) if k * k != n]
 
 
 def plan_for_recipe(recipe, gpus: int | None = None, gpu_memory_bytes: int | None = None, *, top: int = 10,
@@ -600,6 +603,7 @@ def plan_for_recipe(recipe, gpus: int | None = None, gpu_memory_bytes: int | Non
              for layout in candidate_layouts(recipe, shape, gpus, global_batch)]
     fitting = [p for p in plans if p.fits is not False]
     plan.considered, plan.fitting = len(plans), len(fitting)
+    plan.leanest = min(plans, key=lambda p: p.largest_stage.total, default=None)
     plan.ranked = sorted(fitting, key=lambda p: (p.step_seconds, p.largest_stage.total))[:top]
     return plan
 
@@ -703,8 +707,26 @@ def _plan_from_options(args, recipe_argv: list[str]) -> Plan:
     check_gpus_hold_layout(recipe, args.gpus)
     memory = None if args.gpu_memory is None else int(args.gpu_memory * GIB)
     # planned for GPUs elsewhere: `auto` is bf16 on every GPU with a datasheet peak here (compute capability ≥ 8)
-    return plan_for_recipe(recipe, args.gpus, memory, top=args.top, assumptions=assumptions_for(args.gpu, args.mfu),
+    plan = plan_for_recipe(recipe, args.gpus, memory, top=args.top, assumptions=assumptions_for(args.gpu, args.mfu),
                            precision="bf16")
+    check_some_layout_fits(plan)
+    return plan
+
+
+def check_some_layout_fits(plan: Plan) -> None:
+    """UsageError saying why, when `--gpus` was given and no layout fits (a table of "the 0 fastest" said nothing)."""
+    from neox_hf.errors import UsageError
+
+    if plan.gpus is None or plan.ranked:
+        return
+    if plan.leanest is None:
+        raise UsageError(f"no layout splits the recipe over {plan.gpus} GPUs: pipeline stages must not outnumber the "
+                         "layers, tensor parallel must divide the attention heads and data parallel the global batch; "
+                         "give another --gpus")
+    lean = plan.leanest
+    raise UsageError(f"none of the {plan.considered} layouts on {plan.gpus} GPUs fits in {_gib(plan.gpu_memory_bytes)} "
+                     f"GiB per GPU: the leanest ({describe_layout(lean.layout)}) needs "
+                     f"{_gib(lean.largest_stage.total)} GiB on its largest rank; give more --gpu-memory or more --gpus, or a smaller model")
 
 
 def assumptions_for(gpu: str, mfu: float) -> Assumptions:

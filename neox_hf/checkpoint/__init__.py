@@ -507,9 +507,10 @@ def _load_error(folder: Path, err: Exception, *, deepspeed: bool = False) -> Che
     if is_weights_only_refusal(err):
         return CheckpointError(f"{folder_refusal_message(folder, err, deepspeed=deepspeed)}; {_resume_hint(folder)}")
     text = _first_line(err)
-    if "size mismatch" in str(err) or "shape" in text.lower():
+    if "size mismatch" in str(err) or "shape" in text.lower() or "Error(s) in loading state_dict" in str(err):
         return CheckpointError(
-            f"{folder} holds a model of another shape than the recipe builds ({text}); resume with the recipe the "
+            f"{folder} holds a model of another shape than the recipe builds ({_first_difference(err) or text}); "
+            "resume with the recipe the "
             f"checkpoint was written with ({folder.parent.parent / 'recipe.yaml'} if the run finished), or start a new "
             "run in another output.dir"
         )
@@ -520,6 +521,31 @@ def _load_error(folder: Path, err: Exception, *, deepspeed: bool = False) -> Che
                                f"`neox_hf export {folder} OUT`")
     return CheckpointError(f"cannot load checkpoint {folder}: {bad} is truncated or corrupt ({text}); "
                            f"{_resume_hint(folder)}")
+
+
+def _first_difference(err: Exception) -> str | None:
+    """The first tensor torch's `load_state_dict` error names, with its two shapes (or which side lacks it); its first
+    line, "Error(s) in loading state_dict for NeoXForCausalLM:", says neither."""
+    import re
+
+    text = str(err)
+    size = re.search(r"size mismatch for ([^:]+): copying a param with shape (torch\.Size\(\[[^\]]*\]\)) from "
+                     r"checkpoint, the shape in current model is (torch\.Size\(\[[^\]]*\]\))", text)
+    if size:
+        name, stored, built = size.groups()
+        return f"`{name}` is {_shape(stored)} in the checkpoint, {_shape(built)} in the recipe's model"
+    missing = re.search(r'Missing key\(s\) in state_dict: "([^"]+)"', text)
+    if missing:
+        return f"the recipe's model has `{missing.group(1)}`, the checkpoint does not"
+    unexpected = re.search(r'Unexpected key\(s\) in state_dict: "([^"]+)"', text)
+    if unexpected:
+        return f"the checkpoint has `{unexpected.group(1)}`, the recipe's model does not"
+    return None
+
+
+def _shape(size: str) -> str:
+    """"torch.Size([50304, 64])" → "[50304, 64]"."""
+    return size[len("torch.Size("):-1]
 
 
 def first_unreadable_file(folder: Path) -> Path | None:

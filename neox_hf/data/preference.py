@@ -96,11 +96,14 @@ def pair_texts(source: DataSource, row) -> Optional[tuple[str, str, str]]:
 
 
 def read_pairs(sources: list[DataSource], *, role: str = "all", fraction: float = 0.0,
-               stats: Optional[dict] = None) -> list[tuple[str, str, str]]:
+               stats: Optional[dict] = None, max_skipped_fraction: float = 1.0) -> list[tuple[str, str, str]]:
     """Every usable pair of `sources`, in file order (sources one after the other).
 
     role "train" drops the pairs `fraction` holds out (`data.validation_fraction`, the hash rule of
-    `sources.is_held_out` over the pair's three texts), "validation" keeps only those, "all" keeps all."""
+    `sources.is_held_out` over the pair's three texts), "validation" keeps only those, "all" keeps all.
+    Rows skipped (invalid JSON, a field missing or not a string, chosen == rejected: a pair that teaches nothing and
+    holds the loss at ln 2) are counted in `stats`; above `max_skipped_fraction` of the rows, DataError, as the
+    document loader refuses (`data.max_skipped_fraction`)."""
     if not sources:
         raise DataError("data.sources is empty: add at least one `- path: ...` with prompt/chosen/rejected rows")
     stats = stats if stats is not None else {}
@@ -109,13 +112,21 @@ def read_pairs(sources: list[DataSource], *, role: str = "all", fraction: float 
         if source.weight != 1.0:
             raise DataError(f"data source `{source.path}`: `weight` {source.weight} is not used for preference pairs "
                             "(sources are read one after the other, each pair once per epoch); drop `weight`")
-        found = 0
+        if source.chosen_key == source.rejected_key:
+            raise DataError(f"data source `{source.path}`: `chosen_key` and `rejected_key` both name "
+                            f"`{source.chosen_key}`, so every pair would compare a text with itself (loss ln 2, "
+                            "nothing learnt); set `prompt_key` / `chosen_key` / `rejected_key` on the source to its "
+                            "column names")
+        found = identical = 0
         for row in _raw_rows(source):
             texts = pair_texts(source, row)
             if texts is None:
                 stats["skipped_undecodable"] = stats.get("skipped_undecodable", 0) + 1
                 continue
             found += 1
+            if texts[1] == texts[2]:
+                identical += 1
+                continue
             held = is_held_out("\x00".join(texts).encode("utf-8", "surrogatepass"), fraction)
             if role == "all" or (role == "validation") == held:
                 pairs.append(texts)
@@ -123,7 +134,29 @@ def read_pairs(sources: list[DataSource], *, role: str = "all", fraction: float 
             raise DataError(f"data source `{source.path}` has no row with string fields `{source.prompt_key}`, "
                             f"`{source.chosen_key}` and `{source.rejected_key}`; set `prompt_key` / `chosen_key` / "
                             "`rejected_key` on the source to its column names")
+        if identical == found:
+            raise DataError(f"data source `{source.path}`: every one of its {found} pairs has `{source.chosen_key}` "
+                            f"equal to `{source.rejected_key}` (loss ln 2, nothing learnt); give pairs whose chosen "
+                            "and rejected texts differ, or set `prompt_key` / `chosen_key` / `rejected_key` on the "
+                            "source to its column names")
+        stats["documents_read"] = stats.get("documents_read", 0) + found
+        stats["skipped_identical"] = stats.get("skipped_identical", 0) + identical
+    _check_skipped_rows(sources, stats, max_skipped_fraction)
     return pairs
+
+
+def _check_skipped_rows(sources: list[DataSource], stats: dict, max_fraction: float) -> None:
+    """DataError when the rows skipped (unreadable, or chosen == rejected) are above `max_fraction` of those read."""
+    bad, identical = stats.get("skipped_undecodable", 0), stats.get("skipped_identical", 0)
+    read = stats.get("documents_read", 0) + bad
+    skipped = bad + identical
+    if skipped <= max_fraction * read:
+        return
+    raise DataError(f"data sources {[s.path for s in sources]}: {skipped} of {read} rows skipped ({bad} invalid JSON "
+                    f"or without string fields `{sources[0].prompt_key}`, `{sources[0].chosen_key}`, "
+                    f"`{sources[0].rejected_key}`; {identical} with chosen == rejected): {skipped / read:.1%} is above "
+                    f"`data.max_skipped_fraction` ({max_fraction:g}); fix the data or the source's keys, or raise "
+                    "`data.max_skipped_fraction` to accept it")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -254,7 +287,8 @@ class PreferenceLoader:
         self.shuffle = data_cfg.shuffle and cycle
         self.pad_id = tokenizer.pad_token_id
         self.read_stats = dict.fromkeys(STAT_KEYS, 0)
-        texts = read_pairs(self.sources, role=role, fraction=data_cfg.validation_fraction, stats=self.read_stats)
+        texts = read_pairs(self.sources, role=role, fraction=data_cfg.validation_fraction, stats=self.read_stats,
+                           max_skipped_fraction=data_cfg.max_skipped_fraction)
         self.pairs = tokenize_pairs(texts, tokenizer, objective, self.max_length, self.read_stats)
         if not self.pairs:
             raise EmptyPairs(f"data sources {[s.path for s in self.sources]}: no usable preference pair "
@@ -344,6 +378,8 @@ class PreferenceLoader:
         note = f", {dropped} dropped as longer than max_length {self.max_length}" if dropped else ""
         bad = self.read_stats["skipped_undecodable"]
         note += f", {bad} rows without the pair's string fields skipped" if bad else ""
+        same = self.read_stats.get("skipped_identical", 0)
+        note += f", {same} pairs with chosen == rejected skipped" if same else ""
         order = "shuffled each epoch" if self.shuffle else "in file order"
         return (f"preference pairs ({self.objective}): {len(self.pairs):,} pairs{note}; {self.batch_size} pairs "
                 f"({2 * self.batch_size} sequences) per micro-batch, {order}, padded to multiples of "

@@ -5,7 +5,9 @@ Gap filled: `accelerate launch` puts an accelerate config's DeepSpeed keys (`zer
 environment, and Accelerate's `DeepSpeedPlugin(hf_ds_config=...)` then refuses to start ("When using
 `deepspeed_config_file`, the following accelerate config variables will be ignored"); with launcher flags instead of a
 config file it silently lets the JSON win. Our DeepSpeed JSON is generated from the recipe, so neither is right:
-here the launcher's values become one more layer of the recipe, under the recipe files and overrides.
+here the launcher's values become one more layer of the recipe, under the recipe files and overrides. The launcher's
+`dynamo_backend` (with which Accelerate would torch.compile the whole model in `prepare`, the fused loss included)
+becomes `train.compile` the same way.
 
 - The recipe leaves a key unset → the launcher's value is used.
 - Both set it to the same value → fine.
@@ -82,6 +84,14 @@ def _clipping(raw: str) -> float:
                           "clipping) or remove the key") from None
 
 
+def _dynamo(raw: str) -> bool:
+    if raw not in ("no", "inductor"):
+        raise RecipeError(f"the launch asks for `dynamo_backend: {raw.upper()}`: neox_hf compiles with torch.compile's "
+                          "inductor (`train.compile: true`) only; set dynamo_backend to INDUCTOR or NO in the "
+                          "accelerate config (or drop it and use `--train.compile true`)")
+    return raw == "inductor"
+
+
 _KEYS = (
     _Key("ACCELERATE_DEEPSPEED_ZERO_STAGE", "zero_stage", "parallel.zero_stage", int),
     _Key("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "offload_optimizer_device", "parallel.offload_optimizer",
@@ -94,6 +104,8 @@ _KEYS = (
     _Key("ACCELERATE_MIXED_PRECISION", "mixed_precision", "train.precision", _precision, neutral=("no",)),
     _Key("ACCELERATE_DEEPSPEED_CONFIG_FILE", "deepspeed_config_file", "parallel.deepspeed_config", str,
          neutral=("none",)),
+    # accelerate would torch.compile the whole model in `prepare` (the fused loss included); it becomes train.compile
+    _Key("ACCELERATE_DYNAMO_BACKEND", "dynamo_backend", "train.compile", _dynamo, neutral=("no",)),
 )
 
 
@@ -165,9 +177,11 @@ def launcher_environment_reconciled(recipe):
     """While Accelerate builds its DeepSpeed plugin and Accelerator: the launcher's values have been folded into the
     recipe (or agree with it), so Accelerate must neither refuse the JSON for them nor read the launcher's
     accumulation steps over the recipe's (`Accelerator` prefers ACCELERATE_GRADIENT_ACCUMULATION_STEPS to its
-    argument). The environment is restored afterwards."""
+    argument), nor compile the model its own way (the launcher's dynamo_backend is `train.compile` now). The
+    environment is restored afterwards."""
     t = recipe.train
-    replaced = {CONFIG_FIELDS: None, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": str(t.gradient_accumulation_steps)}
+    replaced = {CONFIG_FIELDS: None, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": str(t.gradient_accumulation_steps),
+                "ACCELERATE_DYNAMO_BACKEND": None}
     saved = {key: os.environ.get(key) for key in replaced}
     try:
         for key, value in replaced.items():
