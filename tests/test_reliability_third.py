@@ -1,5 +1,5 @@
 """Issue 41, third pass: bad input that trained, evaluated or exported and exited 0, each now refused in one line
-(exit 2, no traceback) through the entry points a user calls (`neox_hf.train.main`, `neox_hf.cli.main`):
+(exit 2, no traceback) through the entry points a user calls (`neox_hf.cli.train_main`, `neox_hf.cli.main`):
 a reward model's folder loaded as a causal LM, mostly broken or degenerate preference files, and the export of a
 reward model's checkpoint (which now writes a folder stock transformers loads).
 
@@ -54,7 +54,7 @@ def runs(tmp_path_factory):
     """A tiny stock GPTNeoX folder (with the tokenizer), 40 good pairs, and a 2-step reward-model run from them."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    from neox_hf.interop.tokenizer import load_tokenizer
+    from neox_hf.data.tokenizer import load_tokenizer
 
     root = tmp_path_factory.mktemp("third")
     torch.manual_seed(0)
@@ -215,7 +215,7 @@ def test_plan_on_a_billion_gpus_is_quick_and_says_when_nothing_fits(capsys):
 def test_accelerate_dynamo_backend_becomes_train_compile_or_is_refused(monkeypatch, capsys, fresh_accelerate_state):
     from neox_hf.parallel.accelerator import build_accelerator
     from neox_hf.recipe import load_yaml_file, recipe_from_dict
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
     from tests.conftest import REPO
 
     tiny = str(REPO / "recipes" / "tiny.yaml")
