@@ -277,7 +277,7 @@ def load_reward_model(model_path, tokenizer_path: str | None = None, *, device: 
     from neox_hf.errors import CheckpointError
     from neox_hf.inference import inference_device
     from neox_hf.data.tokenizer import load_tokenizer
-    from neox_hf.model.spec import from_pretrained_whole
+    from neox_hf.model.folder import from_pretrained_whole
 
     folder = Path(model_path)
     if not (folder / "config.json").is_file():

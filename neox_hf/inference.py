@@ -20,7 +20,7 @@ from neox_hf.errors import CheckpointError, UsageError
 from neox_hf.model.vocab import check_vocab_covers_tokenizer
 from neox_hf.data.tokenizer import load_tokenizer
 from neox_hf.io import folder_refusal_message, is_weights_only_refusal
-from neox_hf.model.spec import from_pretrained_whole
+from neox_hf.model.folder import from_pretrained_whole
 
 if TYPE_CHECKING:  # imported where an adapter is loaded: peft costs every process ~1.4 s of start-up
     from peft import PeftModel

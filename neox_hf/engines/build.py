@@ -18,8 +18,8 @@ def build_model_from_recipe(recipe, tokenizer, layout: Layout):
     `parallelize`. From scratch the model is layout-free (`model_from_seed`): each parameter drawn from the seed and
     its name, and under TP only this rank's shards ever exist.
     """
-    from neox_hf.model.spec import (config_class_for_folder, config_from_recipe, from_pretrained_whole,
-                                    model_class_for_config)
+    from neox_hf.model.spec import config_class_for_folder, config_from_recipe, model_class_for_config
+    from neox_hf.model.folder import from_pretrained_whole
     from neox_hf.model.vocab import check_vocab_covers_tokenizer, padded_vocab_size
     from neox_hf.parallel.tensor_parallel import from_pretrained_tensor_parallel
 

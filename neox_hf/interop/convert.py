@@ -19,8 +19,8 @@ from neox_hf.interop.neox_files import detect_checkpoint_files, embedding_rows
 from neox_hf.model.vocab import check_vocab_covers_tokenizer, padded_vocab_size
 from neox_hf.data.tokenizer import load_tokenizer
 from neox_hf.io import folder_refusal_message, is_weights_only_refusal, weights_only_loads
-from neox_hf.model.spec import (config_class_for_folder, config_from_recipe, from_pretrained_whole,
-                                model_class_for_config)
+from neox_hf.model.spec import config_class_for_folder, config_from_recipe, model_class_for_config
+from neox_hf.model.folder import from_pretrained_whole
 
 
 def neox_recipe_and_tokenizer(neox_config_paths: list[str], tokenizer_path: str | None = None):

@@ -87,26 +87,6 @@ def config_class_for_folder(folder: str):
     return model_class_for_config(stock).config_class
 
 
-def from_pretrained_whole(model_class, folder, *, new_weights: tuple[str, ...] = (), **kwargs):
-    """`model_class.from_pretrained(folder, **kwargs)`, or CheckpointError naming the weights the folder lacks, unless
-    each starts with one of `new_weights` (a head the recipe adds on purpose: the rm objective's `score`).
-    Gap filled: transformers draws missing weights at random and only prints a load report, so a reward model's
-    folder loaded as a causal LM would train, evaluate and generate with a random LM head, exit 0."""
-    from neox_hf.errors import CheckpointError
-
-    model, info = model_class.from_pretrained(folder, output_loading_info=True, **kwargs)
-    missing = sorted(k for k in info["missing_keys"] if not k.startswith(new_weights))
-    if missing:
-        stored = ", ".join(model.config.architectures or ["an unnamed architecture"])
-        named = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        hint = ("a reward model's folder has no LM head: give the causal-LM folder it was trained from (or "
-                "`neox_hf eval --objective rm` to score with it)" if stored.endswith("ForSequenceClassification")
-                else "give a folder saved from the same kind of model")
-        raise CheckpointError(f"{folder} holds {stored} weights without {named}, which {type(model).__name__} needs "
-                              f"(they would be drawn at random); {hint}")
-    return model
-
-
 def config_from_recipe(model_cfg, **kwargs):
     """The family's transformers config from a recipe's `model` section (`neox_hf.recipe.ModelConfig`)."""
     return spec_for_family(model_cfg.family).config_from_recipe(model_cfg, **kwargs)

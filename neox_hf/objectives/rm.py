@@ -58,7 +58,7 @@ def _reward_model(recipe, tokenizer):
 
     from neox_hf.model.vocab import check_vocab_covers_tokenizer, padded_vocab_size
     from neox_hf.model import config_from_recipe
-    from neox_hf.model.spec import from_pretrained_whole
+    from neox_hf.model.folder import from_pretrained_whole
 
     m = recipe.model
     if m.from_pretrained:
