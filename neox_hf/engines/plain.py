@@ -20,6 +20,7 @@ import torch
 
 from neox_hf.engines.base import Engine
 from neox_hf.engines.build import build_model_from_recipe
+from neox_hf.engines.compile import compile_decoder_layers, compiles
 from neox_hf.engines.optimizer import build_optimizer
 from neox_hf.engines.scaler import loss_scale, step_was_skipped
 from neox_hf.objectives.rm import build_reward_model
@@ -41,6 +42,14 @@ class PlainEngine(Engine):
     def describe(self) -> str:
         return "one model replica per data-parallel rank (tensor parallelism inside it)"
 
+    def startup_lines(self) -> list[str]:
+        setting = self.recipe.train.compile
+        if compiles(self.recipe.train, self.accelerator.device):
+            return [f"compile: each decoder layer with torch.compile (`train.compile: {str(setting).lower()}`); masks, "
+                    "rotary tables and the loss eager"]
+        why = " (auto compiles on CUDA only)" if setting == "auto" else ""
+        return [f"compile: off{why}"]
+
     def build_model(self, tokenizer):
         if self.recipe.train.objective == "rm":  # a scalar head on the decoder (GPTNeoXForSequenceClassification)
             return build_reward_model(self.recipe, tokenizer)
@@ -57,10 +66,8 @@ class PlainEngine(Engine):
             # transformers renamed gradient_checkpointing_enable after 5.17; setup.py admits every 5.x.
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable()
-        if recipe.train.compile:
-            # Only the decoder, in place (nn.Module.compile keeps the state-dict keys): the fused loss runs eagerly.
-            lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-            lm.base_model.compile()
+        if compiles(recipe.train, accelerator.device):
+            compile_decoder_layers(model)
         optimizer = build_optimizer(model, recipe.train)
         distributed = layout.world_size > 1
         with deepspeed_initialize_with_mpu(DeepSpeedMPU(layout)) if distributed else contextlib.nullcontext():

@@ -217,7 +217,9 @@ class TrainConfig:
     loss_normalization: Literal["token", "micro_batch"] = "token"
     fused_cross_entropy: bool = True  # chunked linear + cross-entropy: [tokens, vocab] logits never materialised
     z_loss: float = 0.0  # PaLM's z-loss weight on log(Z)^2 (0 = off)
-    compile: bool = False  # torch.compile of the model
+    # torch.compile of each decoder layer (mask building, rotary tables and the loss stay eager); auto: on CUDA only
+    # (on a CPU, inductor's first compile of each layer costs more than a short run gains)
+    compile: Literal["auto", True, False] = "auto"
     tf32: bool = False  # fp32 matmuls on TF32 tensor cores (Ampere+ GPUs; transformers' `tf32` argument); no-op on CPU
     eval_tasks: list[str] = field(default_factory=list)  # lm-evaluation-harness tasks at each eval interval
     # lm: next-token prediction; dpo: direct preference optimisation; rm: a reward model (GPT-NeoX `train_impl`)

@@ -138,10 +138,11 @@ def reconcile_with_launcher(raw: dict, source: str, environ: Mapping[str, str] |
                 notices.append(f"{where} `{setting.accelerate_key}: {setting.shown}` is accelerate's default; the "
                                f"recipe's {decides} decides")
             continue
-        if ours is None:
+        if ours is None or ours == "auto":  # `auto` (precision, compile) takes what the launch asks for
             raw = _with_value(raw, setting.recipe_key, setting.value)
+            left = "leaves it unset" if ours is None else "leaves it to `auto`"
             notices.append(f"`{setting.recipe_key}: {_show(setting.value)}` comes from {where} "
-                           f"(`{setting.accelerate_key}: {setting.shown}`; the recipe leaves it unset)")
+                           f"(`{setting.accelerate_key}: {setting.shown}`; the recipe {left})")
         elif ours == setting.value:
             notices.append(f"{where} `{setting.accelerate_key}: {setting.shown}` agrees with the recipe's "
                            f"`{setting.recipe_key}`")
@@ -168,7 +169,7 @@ def check_recipe_agrees_with_launcher(recipe, environ: Mapping[str, str] | None 
             continue
         section, name = setting.recipe_key.split(".")
         ours = getattr(getattr(recipe, section), name)
-        if ours != setting.value:
+        if ours != setting.value and ours != "auto":
             raise _contradiction(setting, ours, "the recipe")
 
 
