@@ -33,7 +33,9 @@ setup(
                  "trl>=1.16,<2",
                  # the layering contract (.importlinter) and the docs site (mkdocs.yml), both checked by the fast tier
                  "import-linter>=2.16", "mkdocs>=1.6", "mkdocs-material>=9"],
-        "docs": ["mkdocs>=1.6", "mkdocs-material>=9"],  # `mkdocs serve` / `mkdocs build` of docs/
+        "docs": ["mkdocs>=1.6", "mkdocs-material>=9"],
+        # train.loss_kernel auto: the head loss through Liger's or Cut Cross-Entropy's Triton kernels on CUDA
+        "gpu": ["liger-kernel>=0.8", "cut-cross-entropy"],  # `mkdocs serve` / `mkdocs build` of docs/
         "eval": ["lm-eval>=0.4.5"],  # train.eval_tasks: lm-evaluation-harness during training
         "trackers": ["wandb"],  # output.report_to: [wandb]; comet_ml, mlflow, aim install the same way
     },

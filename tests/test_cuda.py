@@ -235,6 +235,70 @@ def test_fused_cross_entropy_equals_the_unfused_head_in_less_memory(dtype, tol, 
     assert fused_bytes < unfused_bytes / 2, (fused_bytes, unfused_bytes)
 
 
+@pytest.mark.parametrize("kernel", ["liger", "cce"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+def test_library_loss_kernels_equal_the_unfused_head(kernel, dtype, tol, fp32_matmuls):
+    """`train.loss_kernel: liger | cce` (what `auto` picks on a GPU where installed): the library's sums equal the
+    unfused head's, loss and both gradients, with the z-loss where the library computes it (Liger)."""
+    from neox_hf.ops.library_loss import LIBRARIES, installed
+
+    if not ON_GPU:
+        pytest.skip("Triton kernels: CUDA only (the choice of kernel is tested everywhere in test_loss_kernel.py)")
+    if not installed(kernel):
+        pytest.skip(f"{LIBRARIES[kernel]} is not installed (`pip install -e \".[gpu]\"`)")
+    z_loss = 1e-4 if kernel == "liger" else 0.0
+    hidden, weight, labels = random_case(0, 4096, 768, 50304)
+    hidden, weight, labels = hidden.to(DEVICE, dtype), weight.to(DEVICE, dtype), labels.to(DEVICE)
+
+    loss, count, d_hidden, d_weight = loss_and_grads(_library_leaf(kernel), hidden, weight, labels, z_loss=z_loss)
+    reference = loss_and_grads(unfused, hidden, weight, labels, z_loss=z_loss)
+    assert count.item() == int((labels != -100).sum())
+    assert abs(loss.item() - reference[0].item()) <= tol * abs(reference[0].item())
+    for got, want in ((d_hidden, reference[2]), (d_weight, reference[3])):
+        assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+
+
+def _library_leaf(kernel):
+    """`library_head_loss` as a function of (hidden, weight, labels), the weight a leaf whose .grad is kept."""
+    from neox_hf.ops.library_loss import library_head_loss
+
+    class _Head(torch.nn.Module):  # a bias-free linear whose weight IS the given tensor
+        def __init__(self, weight):
+            super().__init__()
+            self.weight, self.bias = weight, None
+
+    def loss(hidden, weight, labels, z_loss=0.0):
+        return library_head_loss(kernel, _Head(weight), hidden, labels, z_loss=z_loss)
+
+    return loss
+
+
+def test_a_training_step_never_waits_for_the_host(tmp_path, on_device):
+    """The host-read audit of test_host_syncs.py on the GPU: under `torch.cuda.set_sync_debug_mode("error")` the
+    steps between log steps of a bf16 run of the tiny recipe (fused loss, packed documents kept apart) raise on any
+    synchronising call; the start-up, log steps and the final save are outside the guarded window."""
+    if not ON_GPU:
+        pytest.skip("CUDA's sync debug mode (the CPU audit is test_host_syncs.py)")
+    from neox_hf.train import loop
+
+    original = loop._advance_schedule
+
+    def guarded_step(run, state, result):
+        torch.cuda.set_sync_debug_mode("error" if state.step % 4 not in (0, 3) else "default")
+        return original(run, state, result)
+
+    loop._advance_schedule = guarded_step
+    try:
+        from neox_hf.cli import train_main
+
+        assert train_main([str(REPO / "recipes" / "tiny.yaml"), "--train.train_iters", "12", "--train.log_interval",
+                           "4", "--train.save_interval", "1000", "--train.eval_interval", "1000",
+                           "--data.isolate_documents", "true", "--output.dir", str(tmp_path / "out")]) == 0
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        loop._advance_schedule = original
+
+
 @pytest.fixture(scope="module")
 def packed_isolated_batch():
     """Two windows of 512 tokens of GSM8K (bundled sample) packed with `isolate_documents`: positions restart at

@@ -90,7 +90,7 @@ class PlainEngine(Engine):
         for batch, count in zip(micro_batches, units):
             with accelerator.accumulate(model):
                 with accelerator.autocast():
-                    out = objective.loss(model, batch, fused=t.fused_cross_entropy, z_loss=t.z_loss)
+                    out = objective.loss(model, batch, fused=self.head_loss_fused, z_loss=t.z_loss)
                 scale = backward_scale(t.loss_normalization, count.double(), totals[0], gas=len(micro_batches),
                                        dp=layout.dp)
                 weighted += out.loss_sum.detach().double() * scale
@@ -113,11 +113,11 @@ class PlainEngine(Engine):
     def eval_sums(self, batches: list[dict]) -> torch.Tensor:
         """[Σ loss, units, Σ of each metric] of the objective over this data-parallel group's eval batches, float64, on
         device."""
-        objective, t, device = self.objective, self.recipe.train, self.accelerator.device
+        objective, device = self.objective, self.accelerator.device
         total = torch.zeros(2 + len(objective.metric_names), dtype=torch.float64, device=device)
         for batch in batches:
             with self.accelerator.autocast():
-                out = objective.loss(self.model, batch, fused=t.fused_cross_entropy)
+                out = objective.loss(self.model, batch, fused=self.head_loss_fused)
             total += torch.cat([torch.stack([out.loss_sum.double(), out.units.double()]),
                                 _metric_vector(out, objective.metric_names, device)])
         return dp_sum(self.layout, total)

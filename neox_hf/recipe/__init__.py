@@ -217,6 +217,9 @@ class TrainConfig:
     loss_normalization: Literal["token", "micro_batch"] = "token"
     fused_cross_entropy: bool = True  # chunked linear + cross-entropy: [tokens, vocab] logits never materialised
     z_loss: float = 0.0  # PaLM's z-loss weight on log(Z)^2 (0 = off)
+    # which kernel computes the fused head loss: auto = Liger / Cut Cross-Entropy on CUDA where installed and usable,
+    # ours elsewhere; neox = ours always (neox_hf.ops.library_loss)
+    loss_kernel: Literal["auto", "neox", "liger", "cce"] = "auto"
     # torch.compile of each decoder layer (mask building, rotary tables and the loss stay eager); auto: on CUDA only
     # (on a CPU, inductor's first compile of each layer costs more than a short run gains)
     compile: Literal["auto", True, False] = "auto"

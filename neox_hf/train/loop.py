@@ -40,6 +40,7 @@ from neox_hf.train.prefetch import Prefetcher, pinned, workers_for
 from neox_hf.checkpoint.run_log import RECIPE_NAME, append_step_entries, record_evaluation, truncate_train_log
 from neox_hf.train.schedule import build_lr_scheduler
 from neox_hf.engines import build_engine
+from neox_hf.ops.library_loss import describe as describe_loss_kernel
 from neox_hf.train.preference import build_data, frozen_reference, with_reference_logps
 from neox_hf.parallel.layout import StepResult, dp_sum
 
@@ -490,9 +491,7 @@ def startup_report(run: TrainingRun, notices: list[str]) -> str:
         f"objective {t.objective}, loss weighted per "
         f"{run.engine.objective.unit if t.loss_normalization == 'token' else 'micro-batch (GPT-NeoX)'}",
     ]
-    lines.append(f"precision: {_precision_in_effect(t, accelerator)}; loss: "
-                 + ("fused chunked linear + cross-entropy (no [tokens, vocab] logits; softmax and sums in fp32)"
-                    if t.fused_cross_entropy else "full logits, then cross-entropy in fp32"))
+    lines.append(f"precision: {_precision_in_effect(t, accelerator)}; loss: {describe_loss_kernel(run.engine.loss_kernel)}")
     if hasattr(run.loader, "describe"):
         lines.append(run.loader.describe())
     elif recipe.data.mode == "pack":
