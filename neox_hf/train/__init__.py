@@ -81,9 +81,12 @@ def _end_rank(status: int) -> int:
 
 def _lost_a_peer(err: BaseException) -> bool:
     """Whether `err` is a collective failing because another rank's process ended: gloo's transport reports the
-    closed connection ("Connection closed by peer", "Broken pipe"), NCCL "remote process exited"."""
+    closed connection ("Connection closed by peer", "Broken pipe"), NCCL "remote process exited"; or a checkpoint
+    save whose staging folder a failed rank removed."""
+    from neox_hf.train.checkpoint import SaveAbandoned
+
     text = str(err)
-    return "gloo/transport" in text or "remote process exited" in text
+    return isinstance(err, SaveAbandoned) or "gloo/transport" in text or "remote process exited" in text
 
 
 def _plan_line(recipe) -> str:
