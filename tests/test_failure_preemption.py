@@ -178,6 +178,33 @@ def test_sigterm_to_one_rank_stops_both_at_one_step_and_a_second_signal_during_t
     assert resumed == pytest.approx(straight, abs=1e-6)
 
 
+def test_sigusr1_to_the_launcher_set_up_as_the_slurm_script_does_stops_its_ranks_with_a_checkpoint(small_text,
+                                                                                                   tmp_path):
+    """examples/launch/slurm.sbatch's environment for `accelerate launch` (the launcher forwards SIGUSR1 to its ranks
+    and waits for them): SIGUSR1 to the launcher alone ends it with 128 + 10, the status the script requeues on,
+    after both ranks stopped at one step with its checkpoint."""
+    script = (REPO / "examples" / "launch" / "slurm.sbatch").read_text()
+    exported = dict(pair.split("=", 1) for pair in shlex.split(re.search(r"^export (.+)$", script, re.M).group(1)))
+    assert set(exported) == {"PET_SIGNALS_TO_HANDLE", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"}
+    out = tmp_path / "run"
+    launch = subprocess.Popen(
+        accelerate_launch_command(REPO / "run_clm_neox.py", *tiny_args(
+            out, small_text, "--train.precision", "fp32", "--train.log_interval", "2", steps=40, save=2, keep=5)),
+        cwd=REPO, env=launch_env(**exported), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    latest = out / "checkpoints" / "latest"
+    deadline = time.time() + 600
+    while not latest.is_file():
+        assert launch.poll() is None, launch.stdout.read()[-5000:]
+        assert time.time() < deadline
+        time.sleep(0.02)
+    launch.send_signal(signal.SIGUSR1)
+    output, _ = launch.communicate(timeout=300)
+    assert launch.returncode == 128 + signal.SIGUSR1 and "status -eq 138" in script, output[-5000:]
+    stopped = re.findall(r"rank (\d) of 2: stopped on SIGUSR1 after step (\d+)", output)
+    assert sorted(rank for rank, _ in stopped) == ["0", "1"] and len({step for _, step in stopped}) == 1, output[-5000:]
+    assert latest_checkpoint(out) == checkpoint_name(int(stopped[0][1]))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 3. A .zst cut short
 # ----------------------------------------------------------------------------------------------------------------
