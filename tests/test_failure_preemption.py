@@ -85,6 +85,7 @@ def test_a_failing_rank_ends_the_launch_at_once_naming_itself(processes, rank, s
 # ----------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.distributed  # slow tier: three whole trainings in this process, ~20 s
 def test_sigusr1_in_one_process_checkpoints_the_next_step_and_resume_matches_an_uninterrupted_run(
         small_text, tmp_path, capsys, fresh_accelerate_state):
     """In this process: SIGUSR1 (SLURM's warning before the time limit) once step 3 is logged; the run stops after
