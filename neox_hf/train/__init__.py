@@ -10,7 +10,9 @@ from neox_hf.errors import NeoXHFError, print_to_stderr
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`run_clm_neox.py` entry: parse → (print config | train). Bad input exits 2 with the message."""
+    """`run_clm_neox.py` entry: parse → (print config | train). Bad input exits 2 with the message; a run stopped by
+    SIGTERM / SIGUSR1 exits 75 after its checkpoint (neox_hf.train.preemption). A rank of a multi-process run that
+    fails says so in one line naming itself and exits at once (README: "Failures and preemption")."""
     from neox_hf.train.args import USAGE, parse_run_args
 
     argv = sys.argv[1:] if argv is None else argv
@@ -44,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         if not _several_ranks():
             raise  # one process: the traceback, as Python ends it
         if _lost_a_peer(err):  # not this rank's failure: the rank that ended has said why
-            print_to_stderr(f"\n{_rank_prefix()}stopped: another rank ended, so a collective could not complete "
-                            f"({str(err).splitlines()[0][:200]})")
+            print_to_stderr(f"\n{_rank_prefix()}stopped: another rank ended (its own line says why): "
+                            f"{str(err).splitlines()[0][:200]}")
         else:
             traceback.print_exc()
             print_to_stderr(f"error: {_rank_prefix()}{type(err).__name__}: {err}")
@@ -67,11 +69,11 @@ def _rank_prefix() -> str:
 
 
 def _end_rank(status: int) -> int:
-    """In a multi-process run, end this process now with `status`, skipping the interpreter's teardown: destroying a
-    process group whose peers still wait in a collective held a failed rank ~4 s on gloo (up to the collective
-    timeout on NCCL), and the launcher only ends the other ranks once one has exited. What matters is written
-    already (checkpoints are saved atomically, the train log line by line); stdout and stderr are flushed here.
-    One process returns `status` to its caller."""
+    """In a multi-process run, end this process now with `status`, skipping the interpreter's teardown and any
+    collective: the teardown (a process group whose peers still wait in a collective) held a failed rank ~4 s on
+    gloo, and the launcher ends the other ranks only once one has exited. What matters is written already
+    (checkpoints are saved atomically, the train log line by line); stdout and stderr are flushed here. One process
+    returns `status` to its caller."""
     if not _several_ranks():
         return status
     sys.stdout.flush()

@@ -84,7 +84,12 @@ def _train(recipe: Recipe, notices: list[str] | None) -> RunResult:
         accelerator.print(f"step 0: eval loss {history.eval_losses[-1][1]:.4f}")
         record_evaluation(accelerator, recipe.output.dir, 0, history.eval_losses[-1][1], {},
                       perplexity=recipe.train.objective == "lm")
-    run_steps(run, state, history)
+    try:
+        run_steps(run, state, history)
+    except Preempted:
+        for tracker in accelerator.trackers:  # they write what they buffered; the process group stays for main's exit
+            tracker.finish()
+        raise
     final_eval = evaluate(run) if run.has_eval else None
     if final_eval is not None:
         history.eval_losses.append((state.step, final_eval))
