@@ -6,6 +6,8 @@ Gap filled: neither Accelerate nor DeepSpeed handles these signals, and without 
 once, losing the steps since the last checkpoint. A signal may reach the ranks at different steps, so no rank acts on
 its own: the ranks agree at log steps (`train.log_interval`), where the loop already stops the host for the logged
 losses, through one all-reduce of a flag; no step pays a host sync for it. One process checks its flag every step.
+The handlers are installed for the steps only: during start-up and the final evaluation and save a signal ends the
+run at once, as without them.
 """
 
 from __future__ import annotations
