@@ -94,7 +94,7 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
         }
         atomic_torch_save(trainer_state, staging / f"trainer_state_rank{accelerator.process_index}.pt")
     except Exception as err:
-        raise _save_failed(output_dir, staging, err) from err
+        raise _save_failed(output_dir, staging, err, several=accelerator.num_processes > 1) from err
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         try:  # config + tokenizer make the checkpoint self-describing for `neox_hf export`.
@@ -114,12 +114,20 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
     return final
 
 
-def _save_failed(output_dir, staging: Path, err: Exception) -> Exception:
+class SaveAbandoned(RuntimeError):
+    """This rank's part of a checkpoint failed because another rank's failed save removed the staging folder under it:
+    the cause is that rank's error (which it reports), not this one."""
+
+
+def _save_failed(output_dir, staging: Path, err: Exception, *, several: bool = False) -> Exception:
     """Remove the half-written `staging` (on a full disk it holds the space a retry needs, ~100 MB for a tiny model)
     and return what to raise: for a full disk one line saying so and which checkpoint is intact (safetensors and
     torch.save report it in their own words: `SafetensorError ... os error 28`, `[enforce fail at
-    inline_container.cc]`); anything else as it was. A rank that fails while others wait in DeepSpeed's save
-    collectives leaves them to the process group's timeout."""
+    inline_container.cc]`); SaveAbandoned when another rank's failure removed the staging first (`several` ranks
+    write into it); anything else as it was. The failed rank then exits at once (`neox_hf.train.main`), and the
+    launcher ends the ranks still waiting in the save's collectives."""
+    if several and _staging_removed(err, staging):
+        return SaveAbandoned(f"another rank's failed save removed {staging} while this rank wrote into it ({err})")
     full = _out_of_space(err, staging.parent)
     shutil.rmtree(staging, ignore_errors=True)
     if not full:
@@ -132,6 +140,16 @@ def _save_failed(output_dir, staging: Path, err: Exception) -> Exception:
     return CheckpointError(f"no space left on {output_dir} while saving checkpoint {name}: {kept}, and the partial "
                            f"{name} was removed; free space (or lower `train.keep_last_n`), then continue with "
                            "--resume")
+
+
+def _staging_removed(err: BaseException, staging: Path) -> bool:
+    """Whether a write into `staging` failed because the folder is gone (a rank's write there can only miss it so)."""
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, FileNotFoundError) and str(staging) in str(cause):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def _out_of_space(err: BaseException, folder: Path) -> bool:

@@ -38,6 +38,7 @@ from neox_hf.hardware import Peak, device_peak
 from neox_hf.train.mfu import flops_per_token, mfu
 from neox_hf.train.prefetch import Prefetcher, pinned, workers_for
 from neox_hf.checkpoint.run_log import RECIPE_NAME, append_step_entries, record_evaluation, truncate_train_log
+from neox_hf.train.preemption import Preempted, StopRequest
 from neox_hf.train.schedule import build_lr_scheduler
 from neox_hf.engines import build_engine
 from neox_hf.ops.library_loss import describe as describe_loss_kernel
@@ -87,7 +88,12 @@ def _train(recipe: Recipe, notices: list[str] | None, startup_warnings=None) -> 
         accelerator.print(f"step 0: eval loss {history.eval_losses[-1][1]:.4f}")
         record_evaluation(accelerator, recipe.output.dir, 0, history.eval_losses[-1][1], {},
                       perplexity=recipe.train.objective == "lm")
-    run_steps(run, state, history)
+    try:
+        run_steps(run, state, history)
+    except Preempted:
+        for tracker in accelerator.trackers:  # they write what they buffered; the process group stays for main's exit
+            tracker.finish()
+        raise
     final_eval = evaluate(run) if run.has_eval else None
     if final_eval is not None:
         history.eval_losses.append((state.step, final_eval))
@@ -214,8 +220,14 @@ class History:
 
 
 def run_steps(run: TrainingRun, state: TrainState, history: History | None = None) -> History:
-    t = run.recipe.train
     history = history if history is not None else History()
+    with StopRequest() as stop:  # before the prefetcher: a forked data worker starts with these handlers
+        _run_steps(run, state, history, stop)
+    return history
+
+
+def _run_steps(run: TrainingRun, state: TrainState, history: History, stop: StopRequest) -> None:
+    t = run.recipe.train
     device = run.accelerator.device.type
     batches = Prefetcher(run.loader, prepare=pinned if device == "cuda" else None,
                          workers=workers_for(run.recipe.data.num_workers, device))
@@ -237,6 +249,12 @@ def run_steps(run: TrainingRun, state: TrainState, history: History | None = Non
             progress.update(1)
             if _due(state.step, t.log_interval) or state.step == t.train_iters:
                 progress.set_postfix(step_log.flush())
+            signal_name = _stop_agreed(run, state, stop)
+            if signal_name is not None:  # before an evaluation: the time left is for the checkpoint
+                step_log.flush()
+                with step_log.paused():
+                    save_checkpoint_of(run, state)
+                raise Preempted(state.step, signal_name)
             if _due(state.step, t.eval_interval) and state.step < t.train_iters and (run.has_eval or t.eval_tasks):
                 with step_log.paused():  # tokens/s and MFU leave out the evaluation
                     _eval_and_log(run, state, history)
@@ -247,7 +265,16 @@ def run_steps(run: TrainingRun, state: TrainState, history: History | None = Non
     finally:
         batches.close()
         progress.close()
-    return history
+
+
+def _stop_agreed(run: TrainingRun, state: TrainState, stop: StopRequest) -> str | None:
+    """The stop signal's name when the ranks agree that one of them received it (see neox_hf.train.preemption).
+    Several ranks agree at log steps only, where the host has just waited for the logged losses; one process checks
+    at every step."""
+    t, world_size = run.recipe.train, run.layout.world_size
+    if world_size > 1 and not (_due(state.step, t.log_interval) or state.step == t.train_iters):
+        return None
+    return stop.agreed(run.accelerator.device, world_size)
 
 
 def _due(step: int, interval: int | None) -> bool:
@@ -421,17 +448,23 @@ def _layout_free_engine(engine, recipe):
 
 def _save_checkpoint_and_push(run: TrainingRun, state: TrainState) -> None:
     t = run.recipe.train
-    save_checkpoint(run.accelerator, output_dir=run.recipe.output.dir, state=state, scheduler=run.scheduler,
-                    data_loader=run.loader_position or run.loader, keep_last_n=t.keep_last_n,
-                    model_config=run.accelerator.unwrap_model(run.model).config, tokenizer=run.tokenizer,
-                    precision=t.precision, engine=_layout_free_engine(run.engine, run.recipe),
-                    write_layout_free=t.layout_free_checkpoint)
+    save_checkpoint_of(run, state)
     if t.push_to_hub is not None and t.push_to_hub.revision_per_step and run.recipe.peft.method is None:
         # Pythia convention: an HF folder of step N on branch `step{N}`, uploaded in the background.
         folder = Path(run.recipe.output.dir) / "hub_steps" / f"step{state.step}"
         save_final_model(run, out_dir=folder)
         if run.pusher is not None:
             run.pusher.push_step(folder, state.step)
+
+
+def save_checkpoint_of(run: TrainingRun, state: TrainState) -> Path:
+    """The resumable checkpoint of the run at `state` (collective: every rank calls it)."""
+    t = run.recipe.train
+    return save_checkpoint(run.accelerator, output_dir=run.recipe.output.dir, state=state, scheduler=run.scheduler,
+                           data_loader=run.loader_position or run.loader, keep_last_n=t.keep_last_n,
+                           model_config=run.accelerator.unwrap_model(run.model).config, tokenizer=run.tokenizer,
+                           precision=t.precision, engine=_layout_free_engine(run.engine, run.recipe),
+                           write_layout_free=t.layout_free_checkpoint)
 
 
 # ----------------------------------------------------------------------------------------------------------------
