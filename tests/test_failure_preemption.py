@@ -19,7 +19,7 @@ import psutil
 import pytest
 import zstandard
 
-from neox_hf.train.checkpoint import checkpoint_name, is_complete_checkpoint
+from neox_hf.checkpoint import checkpoint_name, is_complete_checkpoint
 from neox_hf.train.preemption import PREEMPTED_EXIT_STATUS
 from tests.conftest import REPO, accelerate_launch_command, finish_launch, launch_env, reset_accelerate_state, \
     start_init_layouts
@@ -93,7 +93,7 @@ def test_sigusr1_in_one_process_checkpoints_the_next_step_and_resume_matches_an_
         small_text, tmp_path, capsys, fresh_accelerate_state):
     """In this process: SIGUSR1 (SLURM's warning before the time limit) once step 3 is logged; the run stops after
     the step it was in, with its checkpoint, returning 75; `--resume` gives an uninterrupted run's losses."""
-    from neox_hf.train import main
+    from neox_hf.cli import train_main as main
 
     def args(out, *extra):
         return tiny_args(out, small_text, "--train.precision", "fp32", "--train.log_interval", "1", *extra,

@@ -124,7 +124,7 @@ def _save_failed(output_dir, staging: Path, err: Exception, *, several: bool = F
     and return what to raise: for a full disk one line saying so and which checkpoint is intact (safetensors and
     torch.save report it in their own words: `SafetensorError ... os error 28`, `[enforce fail at
     inline_container.cc]`); SaveAbandoned when another rank's failure removed the staging first (`several` ranks
-    write into it); anything else as it was. The failed rank then exits at once (`neox_hf.train.main`), and the
+    write into it); anything else as it was. The failed rank then exits at once (`neox_hf.cli.train_main`), and the
     launcher ends the ranks still waiting in the save's collectives."""
     if several and _staging_removed(err, staging):
         return SaveAbandoned(f"another rank's failed save removed {staging} while this rank wrote into it ({err})")

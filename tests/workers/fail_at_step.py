@@ -1,4 +1,4 @@
-"""`run_clm_neox.py` (the real entry, `neox_hf.train.main`) with one rank meeting a fault at a chosen step:
+"""`run_clm_neox.py` (the real entry, `neox_hf.cli.train_main`) with one rank meeting a fault at a chosen step:
 
     torchrun --standalone --nproc_per_node N tests/workers/fail_at_step.py RANK STEP KIND -- RUN_ARGS...
 
@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
     if int(os.environ.get("RANK", "0")) == rank:
         marker = Path(run_args[run_args.index("--output.dir") + 1] + ".fault_time")
         {"data": _data_fault, "disk": _disk_fault, "exception": _exception_fault}[kind](step, marker)
-    from neox_hf.train import main as run
+    from neox_hf.cli import train_main as run
 
     return run(run_args)
 
@@ -53,7 +53,7 @@ def _data_fault(step: int, marker: Path) -> None:
 
 
 def _disk_fault(step: int, marker: Path) -> None:
-    import neox_hf.train.checkpoint as checkpoint
+    import neox_hf.checkpoint as checkpoint
 
     write = checkpoint.atomic_torch_save
 
