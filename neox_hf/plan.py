@@ -45,6 +45,7 @@ import json
 import math
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 GIB = 2**30
 RESERVED_BYTES = 1 * GIB  # CUDA context, NCCL buffers and allocator slack: not available to tensors
@@ -125,9 +126,11 @@ class Assumptions:
     dp_bandwidth: float = DP_BANDWIDTH
     tp_bandwidth: float = TP_BANDWIDTH
     reserved_bytes: int = RESERVED_BYTES
+    mfu_source: str = "assumed; `--mfu-from RUN_DIR` takes a run's measured MFU"
 
     def describe(self) -> str:
-        return (f"step time: model FLOPs at MFU {self.mfu:.0%} of {self.gpu} {self.peak_flops / 1e12:.0f} TFLOP/s, "
+        return (f"step time: model FLOPs at MFU {self.mfu:.0%} ({self.mfu_source}) of {self.gpu} "
+                f"{self.peak_flops / 1e12:.0f} TFLOP/s, "
                 f"data-parallel traffic at {self.dp_bandwidth / 1e9:.0f} GB/s, tensor-parallel at "
                 f"{self.tp_bandwidth / 1e9:.0f} GB/s per GPU; fits: total ≤ GPU memory − "
                 f"{self.reserved_bytes / GIB:.0f} GiB (CUDA context, NCCL)")
@@ -666,6 +669,9 @@ def _add_options(parser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     parser.add_argument("--top", type=int, default=10, help="how many fitting layouts to list (default 10)")
     parser.add_argument("--mfu", type=float, default=DEFAULT_MFU, help=f"assumed MFU (default {DEFAULT_MFU})")
+    parser.add_argument("--mfu-from", default=None, metavar="RUN",
+                        help="take the MFU a run measured: its output folder (or train_log.jsonl: the median of its "
+                             "logged `mfu`), or benchmarks/gpu_profile.sh's matrix.md (neox_hf's datasheet MFU)")
     parser.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU whose datasheet peak sets the time (default {DEFAULT_GPU})")
 
 
@@ -707,8 +713,10 @@ def _plan_from_options(args, recipe_argv: list[str]) -> Plan:
     check_gpus_hold_layout(recipe, args.gpus)
     memory = None if args.gpu_memory is None else int(args.gpu_memory * GIB)
     # planned for GPUs elsewhere: `auto` is bf16 on every GPU with a datasheet peak here (compute capability ≥ 8)
-    plan = plan_for_recipe(recipe, args.gpus, memory, top=args.top, assumptions=assumptions_for(args.gpu, args.mfu),
-                           precision="bf16")
+    assumptions = assumptions_for(args.gpu, args.mfu)
+    if args.mfu_from is not None:
+        assumptions.mfu, assumptions.mfu_source = measured_mfu(args.mfu_from)
+    plan = plan_for_recipe(recipe, args.gpus, memory, top=args.top, assumptions=assumptions, precision="bf16")
     check_some_layout_fits(plan)
     return plan
 
@@ -727,6 +735,39 @@ def check_some_layout_fits(plan: Plan) -> None:
     raise UsageError(f"none of the {plan.considered} layouts on {plan.gpus} GPUs fits in {_gib(plan.gpu_memory_bytes)} "
                      f"GiB per GPU: the leanest ({describe_layout(lean.layout)}) needs "
                      f"{_gib(lean.largest_stage.total)} GiB on its largest rank; give more --gpu-memory or more --gpus, or a smaller model")
+
+
+def measured_mfu(source: str) -> tuple[float, str]:
+    """(MFU, where it was measured) from a run's train_log.jsonl (the median of the MFU of its logged windows, each
+    against the peak its start-up report names: the datasheet's on a known GPU) or from gpu_profile.sh's matrix table
+    (the `neox_hf train(recipe)` row's datasheet MFU)."""
+    from neox_hf.errors import UsageError
+
+    path = Path(source)
+    if path.suffix == ".md" and path.is_file():
+        for line in path.read_text().splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) > 7 and cells[2] == "neox_hf train(recipe)" and cells[7].endswith("%"):
+                return float(cells[7].rstrip("%")) / 100, f"measured on the device: {source}, {cells[0]} {cells[1]}"
+        raise UsageError(f"--mfu-from {source}: no `neox_hf train(recipe)` row with a datasheet MFU in it; give "
+                         "benchmarks/gpu_profile.sh's matrix.md from a GPU run, or a run's output folder")
+    log = path / "train_log.jsonl" if path.is_dir() else path
+    if not log.is_file():
+        raise UsageError(f"--mfu-from {source}: neither a run folder with train_log.jsonl nor a matrix.md; give the "
+                         "output.dir of a run on the GPUs you plan for")
+    values = []
+    for line in log.read_text().splitlines():
+        try:
+            value = json.loads(line).get("mfu")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(value, (int, float)) and 0 < value <= 1:
+            values.append(float(value))
+    if not values:
+        raise UsageError(f"--mfu-from {source}: {log} logs no `mfu`; a run logs it at each log interval once its "
+                         "model shape and device peak are known")
+    values.sort()
+    return values[len(values) // 2], f"measured by {source}: the median of {len(values)} logged windows"
 
 
 def assumptions_for(gpu: str, mfu: float) -> Assumptions:
