@@ -23,6 +23,9 @@ from neox_hf.errors import RecipeError
 class NeoXTranslation:
     recipe: dict  # nested dict for `recipe_from_dict`
     notices: list[str] = field(default_factory=list)  # what was approximated or ignored, printed at start-up
+    # A config that names no data still says how its data is ordered (`split`, `train_data_weights`): kept here for
+    # the data the command line gives (`--data.sources`, `neox_hf batches --data-path`), see `place_command_line_data`
+    data_defaults: dict = field(default_factory=dict)
 
 
 def looks_like_neox_config(raw: dict) -> bool:
@@ -295,7 +298,8 @@ def translate_neox_args(args: dict) -> NeoXTranslation:
     handled |= _translate_precision(args, recipe)
     handled |= _translate_pipeline(args, recipe)
     handled |= _translate_sequence_parallel(args, recipe, notices)
-    handled |= _translate_data(args, recipe, notices)
+    data_defaults: dict = {}
+    handled |= _translate_data(args, recipe, notices, data_defaults)
     handled |= _translate_logging(args, recipe, notices)
     handled |= set(_MUST_BE_FALSY)
     ignored = sorted(k for k in args if k not in handled)
@@ -305,7 +309,28 @@ def translate_neox_args(args: dict) -> NeoXTranslation:
     if ignored:
         notices.append("GPT-NeoX options not translated (no counterpart in neox_hf; check they are not needed): "
                        + ", ".join(ignored))
-    return NeoXTranslation(recipe=recipe, notices=notices)
+    return NeoXTranslation(recipe=recipe, notices=notices, data_defaults=data_defaults)
+
+
+def place_command_line_data(raw: dict, defaults: dict) -> dict:
+    """`raw` (the translated config merged with the command line) with the config's data keys applied to data the
+    command line names, as GPT-NeoX applies them to a `--data-path` given at launch: `split` divides one corpus in
+    GPT-NeoX's order (GPT-NeoX's data_path mode) unless the command line gives its own, and `train_data_weights`
+    weigh the sources in the order given, where a source gives no weight of its own."""
+    data = raw.get("data")
+    sources = data.get("sources") if isinstance(data, dict) else None
+    if not defaults or not isinstance(sources, list) or not sources:
+        return raw
+    data = dict(data)
+    if data.get("order") == "gpt-neox" and "split" not in data and len(sources) == 1 and "split" in defaults:
+        data["split"] = defaults["split"]
+    weights = defaults.get("weights")
+    if weights:
+        if len(weights) != len(sources):
+            raise RecipeError(f"train_data_weights has {len(weights)} entries but the command line gives "
+                              f"{len(sources)} data source(s); give one source per weight, or a weight on each source")
+        data["sources"] = [{"weight": w, **s} if isinstance(s, dict) else s for s, w in zip(sources, weights)]
+    return {**raw, "data": data}
 
 
 _FAMILY_KEYS = {"norm", "activation", "num_kv_heads", "sliding_window_width", "mlp_multiple_of", "rms_norm_epsilon",
@@ -629,12 +654,12 @@ def _translate_sequence_parallel(args: dict, recipe: dict, notices: list[str]) -
     return {"sequence_parallel"}
 
 
-def _translate_data(args: dict, recipe: dict, notices: list[str]) -> set[str]:
+def _translate_data(args: dict, recipe: dict, notices: list[str], defaults: dict) -> set[str]:
     """Data paths, weights and labels; a config that names its data gets GPT-NeoX's exact sample order
     (`data.order: gpt-neox`): `data_path` + `split` (default "969, 30, 1") or `train_data_paths` blended by weight."""
     paths = args.get("train_data_paths") or ([args["data_path"]] if args.get("data_path") else [])
     weights = args.get("train_data_weights") or [1.0] * len(paths)
-    if len(weights) != len(paths):
+    if paths and len(weights) != len(paths):
         raise RecipeError(f"train_data_weights has {len(weights)} entries but train_data_paths has {len(paths)}; give one weight per path")
     labels = args.get("train_label_data_paths") or []
     if labels and len(labels) != len(paths):
@@ -657,6 +682,8 @@ def _translate_data(args: dict, recipe: dict, notices: list[str]) -> set[str]:
     if paths and not args.get("train_data_paths"):
         _put(recipe, "data.split", str(args.get("split") or DEFAULT_SPLIT))
     elif args.get("split") and not args.get("train_data_paths"):
+        # without data here, the split still holds out a fraction for our streamed order; for GPT-NeoX's order it
+        # splits the command line's corpus as it would the config's (place_command_line_data)
         parts = [float(x) for x in str(args["split"]).split(",")]
         if len(parts) >= 2 and sum(parts) > 0:
             _put(recipe, "data.validation_fraction", parts[1] / sum(parts))
@@ -664,6 +691,10 @@ def _translate_data(args: dict, recipe: dict, notices: list[str]) -> set[str]:
         if args.get(key) is not None:
             _put(recipe, f"data.{key}", args[key])
     _translate_curriculum(args.get("curriculum_learning"), recipe)
+    if not paths:
+        defaults["split"] = str(args.get("split") or DEFAULT_SPLIT)
+        if args.get("train_data_weights"):
+            defaults["weights"] = [_convert("train_data_weights", w, float) for w in args["train_data_weights"]]
     if args.get("test_data_paths"):
         notices.append("test_data_paths are not used during training (evaluate afterwards with `neox_hf eval`)")
     if args.get("load"):
