@@ -439,14 +439,16 @@ def _translate_family(args: dict, recipe: dict, notices: list[str]) -> set[str]:
 
 
 # GPT-NeoX `train_impl` → train.objective
-_OBJECTIVES = {"normal": "lm", "dpo": "dpo", "rm": "rm"}
+_OBJECTIVES = {"normal": "lm", "dpo": "dpo", "rm": "rm", "kto": "kto"}
+_KTO_KEYS = ("kto_beta", "kto_desirable_weight", "kto_undesirable_weight")
 
 
 def _translate_objective(args: dict, recipe: dict, notices: list[str]) -> set[str]:
-    """GPT-NeoX's `train_impl` and its DPO keys; KTO / REINFORCE and GPT-NeoX's tokenized pair files are refused."""
+    """GPT-NeoX's `train_impl` and its DPO and KTO keys; REINFORCE and GPT-NeoX's tokenized pair / reward files are
+    refused."""
     impl = args.get("train_impl") or "normal"
     if impl not in _OBJECTIVES:
-        raise _refuse("train_impl", impl, "train.objective is lm (normal), dpo or rm; KTO and REINFORCE are not "
+        raise _refuse("train_impl", impl, "train.objective is lm (normal), dpo, rm or kto; REINFORCE is not "
                                           "implemented")
     _put(recipe, "train.objective", _OBJECTIVES[impl])
     if args.get("dpo_beta") is not None:
@@ -465,12 +467,24 @@ def _translate_objective(args: dict, recipe: dict, notices: list[str]) -> set[st
         raise _refuse(pairs[0], args[pairs[0]], "GPT-NeoX's tokenized chosen/rejected .bin/.idx files are not read; "
                       "give preference pairs as jsonl/parquet/Hub sources with prompt/chosen/rejected columns "
                       "(data.sources, data.mode: pad, data.order: stream)")
-    kto = sorted(k for k in args if k.startswith("kto_") or k in ("kl_div_beta", "kl_impl", "fp32_reinforce",
-                                                                  "reinforce_leave_one_out"))
-    if kto:
-        notices.append("no effect without train_impl kto / reinforce: " + ", ".join(kto))
-    return {"train_impl", "dpo_beta", "dpo_reference_free", "precompute_model_name", "dpo_fp32", *kto,
-            *pairs}
+    rewards = sorted(k for k in args if k.endswith("_reward_data_paths") and args[k])
+    if rewards:
+        raise _refuse(rewards[0], args[rewards[0]], "GPT-NeoX's tokenized .bin/.idx reward files are not read; give "
+                      "KTO's examples as jsonl/parquet/Hub sources with prompt/completion/label columns (TRL's "
+                      "unpaired format; data.sources, data.mode: pad, data.order: stream)")
+    if impl == "kto":
+        for key in _KTO_KEYS:
+            if args.get(key) is not None:
+                _put(recipe, f"train.{key}", _convert(key, args[key], float))
+        if args.get("kto_fp32") is False:
+            notices.append("kto_fp32: false has no effect: KTO log-probabilities are computed in fp32 here")
+    unused = sorted(k for k in args if (k.startswith("kto_") and impl != "kto")
+                    or k in ("kl_div_beta", "kl_impl", "fp32_reinforce", "reinforce_leave_one_out"))
+    if unused:
+        notices.append("no effect without train_impl kto / reinforce: " + ", ".join(unused))
+    kto = [k for k in args if k.startswith("kto_")]
+    return {"train_impl", "dpo_beta", "dpo_reference_free", "precompute_model_name", "dpo_fp32", *kto, *unused,
+            *pairs, *rewards}
 
 
 def _convert(key: str, value: Any, convert: Callable[[Any], Any]) -> Any:

@@ -97,6 +97,9 @@ class DataSource:
     prompt_key: str = "prompt"
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
+    # train.objective kto: TRL's unpaired preference format (a completion and whether it is desirable)
+    completion_key: str = "completion"
+    label_key: str = "label"
 
 
 @dataclass
@@ -217,14 +220,18 @@ class TrainConfig:
     compile: bool = False  # torch.compile of the model
     tf32: bool = False  # fp32 matmuls on TF32 tensor cores (Ampere+ GPUs; transformers' `tf32` argument); no-op on CPU
     eval_tasks: list[str] = field(default_factory=list)  # lm-evaluation-harness tasks at each eval interval
-    # lm: next-token prediction; dpo: direct preference optimisation; rm: a reward model (GPT-NeoX `train_impl`)
-    objective: Literal["lm", "dpo", "rm"] = "lm"
+    # lm: next-token prediction; dpo: direct preference optimisation; rm: a reward model; kto: Kahneman-Tversky
+    # optimisation on unpaired completions (GPT-NeoX `train_impl`)
+    objective: Literal["lm", "dpo", "rm", "kto"] = "lm"
     dpo_beta: float = 0.1  # DPO's KL weight β (GPT-NeoX `dpo_beta`, TRL `beta`)
     dpo_loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
     # precompute: the reference model's log-probabilities in one pass over the pairs before training (the starting
     # model; no second model in memory); frozen: a frozen copy of the reference beside the trained model
     dpo_reference: Literal["precompute", "frozen"] = "precompute"
     dpo_reference_model: Optional[str] = None  # default: model.from_pretrained (the starting model)
+    kto_beta: float = 0.1  # KTO's β (GPT-NeoX `kto_beta`, TRL `beta`)
+    kto_desirable_weight: float = 1.0  # λ_D on desirable completions' losses (GPT-NeoX / TRL `desirable_weight`)
+    kto_undesirable_weight: float = 1.0  # λ_U on undesirable ones
 
 
 @dataclass
@@ -441,6 +448,15 @@ def _validate_objective(recipe: Recipe) -> None:
              f"`train.objective: {t.objective}` with `parallel.pipeline_parallel > 1` is refused: a pair's two "
              "sequences are compared on the last stage, which DeepSpeed's pipeline schedule does not give one "
              "scalar per sequence; use tensor parallelism and ZeRO instead")
+    if t.objective == "kto":
+        _require(t.kto_beta > 0, f"`train.kto_beta` must be > 0, got {t.kto_beta}")
+        for name in ("kto_desirable_weight", "kto_undesirable_weight"):
+            _require(getattr(t, name) > 0, f"`train.{name}` must be > 0, got {getattr(t, name)}")
+        _require(t.micro_batch_size > 1, "`train.objective: kto` estimates its KL term from the other completions of "
+                                         "a micro-batch (TRL's rule): set `train.micro_batch_size` ≥ 2")
+        _require(recipe.model.from_pretrained is not None,
+                 "`train.objective: kto` needs a reference model: set `model.from_pretrained` (a frozen copy of the "
+                 "starting model is the reference)")
     if t.objective == "dpo" and not (t.dpo_reference_model or recipe.model.from_pretrained):
         raise RecipeError("`train.objective: dpo` needs a reference model: set `model.from_pretrained` (the "
                           "reference defaults to the starting model) or `train.dpo_reference_model`")
