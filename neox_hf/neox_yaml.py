@@ -182,7 +182,6 @@ _SUPPORTED_VALUES = {
 }
 
 _MUST_BE_FALSY = {
-    "use_bnb_optimizer": "8-bit optimizers are not wired",
     "gmlp_attn_dim": "gMLP blocks are not GPTNeoX",
     "use_qk_layernorm": "QK layer norm is not part of GPTNeoX",
     "moe_num_experts": "mixture of experts is not part of GPTNeoX",
@@ -295,7 +294,7 @@ def translate_neox_args(args: dict) -> NeoXTranslation:
     handled |= _translate_batch(args, recipe, notices)
     handled |= _translate_optimizer(args, recipe, notices)
     handled |= _translate_zero(args, recipe)
-    handled |= _translate_precision(args, recipe)
+    handled |= _translate_precision(args, recipe, notices)
     handled |= _translate_pipeline(args, recipe)
     handled |= _translate_sequence_parallel(args, recipe, notices)
     data_defaults: dict = {}
@@ -601,27 +600,79 @@ def _batch_for_any_launch(train_batch: int | None, micro: int | None, accumulati
     return micro, accumulation
 
 
+# GPT-NeoX `optimizer.type` (lower case, as its get_optimizer compares it) → (train.optimizer, offload, the keyword
+# arguments GPT-NeoX passes through from optimizer.params, the library's defaults where the config omits them)
+_OPTIMIZER_TYPES = {
+    "adam": ("adamw", False, {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction"}),
+    "adamw": ("adamw", False, {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction"}),
+    "fused_adam": ("adamw", False, {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction"}),
+    "cpu_adam": ("adamw", True, {"lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction"}),
+    "cpu_torch_adam": ("adam", True, {"lr", "betas", "eps", "weight_decay"}),
+    "lion": ("lion", False, {"lr", "betas", "weight_decay"}),
+    "sgd": ("sgd", False, {"lr", "momentum", "nesterov", "weight_decay"}),
+}
+# FusedAdam / DeepSpeedCPUAdam / torch's Adam: betas (0.9, 0.999), eps 1e-8; Lion: betas (0.9, 0.99)
+_LIBRARY_BETAS = {"adamw": (0.9, 0.999), "adam": (0.9, 0.999), "lion": (0.9, 0.99)}
+_REFUSED_OPTIMIZERS = {
+    "onebitadam": "DeepSpeed builds 1-bit Adam inside its own engine over its compressed NCCL/MPI communication "
+                  "backend, which neox_hf's Accelerate path never hands it (and which needs CUDA); use Adam",
+    "sm3": "no maintained SM3 package is wired here (GPT-NeoX ships its own copy); use Adam or Lion",
+    "madgrad_wd": "no maintained package gives GPT-NeoX's MADGRAD with decoupled weight decay (it ships its own "
+                  "copy); use Adam or Lion",
+}
+
+
 def _translate_optimizer(args: dict, recipe: dict, notices: list[str]) -> set[str]:
+    """GPT-NeoX's `optimizer` block (its type and the params it passes to the optimizer) and `use_bnb_optimizer` →
+    train.optimizer and its settings; the library's defaults where the params omit betas / eps, as GPT-NeoX gets
+    them. Types that cannot run here are refused by name, as are params GPT-NeoX would pass that have no setting."""
     optimizer = args.get("optimizer")
     if not optimizer:
-        return {"optimizer"}
+        if args.get("use_bnb_optimizer"):
+            _put(recipe, "train.optimizer", "adam8bit")
+        return {"optimizer", "use_bnb_optimizer"}
     kind = str(optimizer.get("type", "Adam"))
-    if kind.lower() not in ("adam", "adamw", "cpu_adam", "cpu_torch_adam", "fused_adam"):
-        raise _refuse("optimizer.type", kind, "neox_hf trains with AdamW (Adam with decoupled weight decay, as GPT-NeoX's Adam)")
-    if kind.lower().startswith("cpu"):
+    if kind.lower() in _REFUSED_OPTIMIZERS:
+        raise _refuse("optimizer.type", kind, _REFUSED_OPTIMIZERS[kind.lower()])
+    if kind.lower() not in _OPTIMIZER_TYPES:
+        raise _refuse("optimizer.type", kind, "GPT-NeoX's Adam, cpu_adam, cpu_torch_adam, Lion and SGD are; "
+                                              "OneBitAdam, SM3 and madgrad_wd are refused by name")
+    name, offload, accepted = _OPTIMIZER_TYPES[kind.lower()]
+    if args.get("use_bnb_optimizer"):
+        if name != "adamw" or offload:
+            raise _refuse("use_bnb_optimizer", True, f"GPT-NeoX reads it for optimizer.type Adam only, not {kind}")
+        name = "adam8bit"  # GPT-NeoX: bitsandbytes' Adam8bit in place of FusedAdam
+        notices.append("use_bnb_optimizer: true → train.optimizer: adam8bit (bitsandbytes' 8-bit Adam; CUDA only)")
+    _put(recipe, "train.optimizer", name)
+    if offload:
         _put(recipe, "parallel.offload_optimizer", True)
         notices.append(f"optimizer.type {kind} → parallel.offload_optimizer: true")
     params = optimizer.get("params", {}) or {}
+    unknown = sorted(set(params) - accepted)
+    if unknown:
+        raise _refuse(f"optimizer.params.{unknown[0]}", params[unknown[0]],
+                      f"{kind}'s params translated here are {', '.join(sorted(accepted))}")
+    for key, default in (("adam_w_mode", True), ("adamw_mode", True), ("bias_correction", True)):
+        if key in params and bool(params[key]) != default:
+            raise _refuse(f"optimizer.params.{key}", params[key], f"only {key}: {default} (GPT-NeoX's default) is "
+                                                                  "built here")
     if "lr" in params:
-        _put(recipe, "train.lr", float(params["lr"]))
-    if "betas" in params:
-        _put(recipe, "train.adam_beta1", float(params["betas"][0]))
-        _put(recipe, "train.adam_beta2", float(params["betas"][1]))
+        _put(recipe, "train.lr", _convert("optimizer.params.lr", params["lr"], float))
+    betas = params.get("betas", _LIBRARY_BETAS.get(name if name != "adam8bit" else "adamw"))
+    if betas is not None:
+        _put(recipe, "train.adam_beta1", _convert("optimizer.params.betas", betas[0], float))
+        _put(recipe, "train.adam_beta2", _convert("optimizer.params.betas", betas[1], float))
     if "eps" in params:
-        _put(recipe, "train.adam_eps", float(params["eps"]))
+        _put(recipe, "train.adam_eps", _convert("optimizer.params.eps", params["eps"], float))
+    elif name in ("adamw", "adam", "adam8bit"):
+        _put(recipe, "train.adam_eps", 1e-8)
+    if "momentum" in params:
+        _put(recipe, "train.momentum", _convert("optimizer.params.momentum", params["momentum"], float))
+    if "nesterov" in params:
+        _put(recipe, "train.nesterov", _convert("optimizer.params.nesterov", params["nesterov"], bool))
     if "weight_decay" in params and "weight_decay" not in args:
-        _put(recipe, "train.weight_decay", float(params["weight_decay"]))
-    return {"optimizer"}
+        _put(recipe, "train.weight_decay", _convert("optimizer.params.weight_decay", params["weight_decay"], float))
+    return {"optimizer", "use_bnb_optimizer"}
 
 
 def _translate_zero(args: dict, recipe: dict) -> set[str]:
@@ -633,7 +684,18 @@ def _translate_zero(args: dict, recipe: dict) -> set[str]:
     return {"zero_optimization"}
 
 
-def _translate_precision(args: dict, recipe: dict) -> set[str]:
+# GPT-NeoX's Transformer Engine FP8 recipe keys → train.fp8 (accelerate's TERecipeKwargs)
+_FP8_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "te_fp8_format": ("format", lambda v: {"hybrid": "HYBRID", "e4m3": "E4M3"}[str(v).lower()]),
+    "te_fp8_margin": ("margin", int),
+    "te_fp8_amax_history_len": ("amax_history_len", int),
+    "te_fp8_amax_compute_algo": ("amax_compute_algo", lambda v: {"max": "max", "most_recent": "most_recent"}[str(v)]),
+    "te_fp8_wgrad": ("wgrad", bool),
+}
+_TE_LAYERS = ("te_columnparallel", "te_rowparallel", "te_layernorm_mlp", "te_mha")
+
+
+def _translate_precision(args: dict, recipe: dict, notices: list[str]) -> set[str]:
     fp16 = args.get("fp16") or {}
     bf16 = args.get("bf16") or {}
     precision = args.get("precision")
@@ -645,7 +707,36 @@ def _translate_precision(args: dict, recipe: dict) -> set[str]:
         _put(recipe, "train.precision", "fp16")
     else:  # GPT-NeoX trains fp32 when its config enables neither; our default (`auto`) would pick bf16 on some devices
         _put(recipe, "train.precision", "fp32")
-    return {"fp16", "bf16", "precision"}
+    _translate_fp8(args, recipe, notices)
+    return {"fp16", "bf16", "precision", *_FP8_KEYS, "te_fp8_mha", *_TE_LAYERS}
+
+
+def _translate_fp8(args: dict, recipe: dict, notices: list[str]) -> None:
+    """`te_fp8_*` → train.precision: fp8 with its recipe (refused at start-up where the GPU has no FP8: never silently
+    bf16). `te_fp8_mha` (FP8 attention) has no counterpart in accelerate's recipe and is refused; the TE layer keys
+    choose kernels (accelerate swaps in Transformer Engine's linear layers for FP8 itself)."""
+    if args.get("te_fp8_mha"):
+        raise _refuse("te_fp8_mha", args["te_fp8_mha"], "FP8 attention is not part of accelerate's Transformer Engine "
+                                                        "recipe; FP8 here covers the linear layers: set it false")
+    fp8 = [key for key in _FP8_KEYS if args.get(key) is not None]
+    layers = [key for key in _TE_LAYERS if args.get(key)]
+    if not fp8:
+        if layers:
+            notices.append(f"{', '.join(layers)}: Transformer Engine kernels, no effect here (FP8 needs te_fp8_* keys "
+                           "or `train.precision: fp8`)")
+        return
+    for key in fp8:
+        field, convert = _FP8_KEYS[key]
+        try:
+            _put(recipe, f"train.fp8.{field}", convert(args[key]))
+        except (KeyError, TypeError, ValueError):
+            raise _refuse(key, args[key], "GPT-NeoX's values are hybrid / e4m3 (format) and max / most_recent "
+                                          "(amax_compute_algo)") from None
+    other = recipe["train"]["precision"]
+    _put(recipe, "train.precision", "fp8")
+    notices.append(f"{', '.join(fp8)} → train.precision: fp8 (accelerate's Transformer Engine FP8 recipe for the "
+                   f"linear layers, bf16 autocast elsewhere, in place of the config's {other}); refused at start-up "
+                   "where the GPU has no FP8 tensor cores")
 
 
 def _translate_pipeline(args: dict, recipe: dict) -> set[str]:

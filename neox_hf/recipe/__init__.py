@@ -179,6 +179,18 @@ class PushToHubConfig:
 
 
 @dataclass
+class Fp8Config:
+    """`train.precision: fp8`: the matmuls of the model's linear layers in FP8 through accelerate's Transformer Engine
+    recipe (TERecipeKwargs, delayed scaling), the other ops in bf16 autocast; GPT-NeoX's `te_fp8_*` keys."""
+
+    format: Literal["HYBRID", "E4M3"] = "HYBRID"  # te_fp8_format: HYBRID = E4M3 forward, E5M2 gradients
+    margin: int = 0  # te_fp8_margin: scaling factors back off by 2^margin
+    amax_history_len: int = 1024  # te_fp8_amax_history_len
+    amax_compute_algo: Literal["max", "most_recent"] = "most_recent"  # te_fp8_amax_compute_algo
+    wgrad: bool = True  # te_fp8_wgrad: weight gradients in FP8 too (false: in the higher precision)
+
+
+@dataclass
 class TrainConfig:
     """Optimisation (GPT-NeoX names where they exist)."""
 
@@ -191,14 +203,23 @@ class TrainConfig:
     lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
     lr_decay_iters: Optional[int] = None  # default train_iters
     weight_decay: float = 0.01
-    adam_beta1: float = 0.9
+    # GPT-NeoX `optimizer.type` (neox_hf/engines/optimizer.py): adamw (GPT-NeoX's Adam / cpu_adam: FusedAdam and
+    # DeepSpeedCPUAdam in AdamW mode), adam (cpu_torch_adam: torch's Adam, L2 decay), lion (DeepSpeed's Lion), sgd
+    # (torch's SGD), adam8bit (bitsandbytes' 8-bit Adam, GPT-NeoX use_bnb_optimizer; CUDA only)
+    optimizer: Literal["adamw", "adam", "lion", "sgd", "adam8bit"] = "adamw"
+    adam_beta1: float = 0.9  # the optimizer's betas: Adam's moments, Lion's interpolation and momentum
     adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
+    adam_eps: float = 1e-8  # adam / adamw / adam8bit
+    momentum: float = 0.0  # sgd
+    nesterov: bool = False  # sgd
     clip_grad: float = 1.0
     # auto (the default): bf16 where it trains faster than fp32 (GPUs with bf16 tensor cores, AMX CPUs, AVX512-BF16
     # CPUs whose measured bf16 GEMMs beat fp32's), fp32 elsewhere (neox_hf.hardware.bf16_verdict); the recipe
     # saved with a run records what `auto` resolved to
-    precision: Literal["fp32", "bf16", "fp16", "auto"] = "auto"
+    # fp8: Transformer Engine FP8 matmuls where the GPU has FP8 tensor cores (compute capability ≥ 8.9), refused
+    # elsewhere; never `auto`'s choice
+    precision: Literal["fp32", "bf16", "fp16", "fp8", "auto"] = "auto"
+    fp8: Fp8Config = field(default_factory=Fp8Config)
     # fp16: overflow-skipped steps go on (LR held, as GPT-NeoX); more than this many in a row stop the run
     max_skipped_steps_in_a_row: int = 100
     seed: int = 1234
@@ -462,6 +483,20 @@ def _validate_objective(recipe: Recipe) -> None:
                           "reference defaults to the starting model) or `train.dpo_reference_model`")
 
 
+def _validate_fp8(recipe: Recipe) -> None:
+    """FP8 runs through accelerate's Transformer Engine recipe on one model replica per GPU; what has not been
+    verified with it is refused by name (the GPU itself is checked when the Accelerator is built)."""
+    t, p = recipe.train, recipe.parallel
+    _require(t.fp8.margin >= 0, f"`train.fp8.margin` must be ≥ 0, got {t.fp8.margin}")
+    _require(t.fp8.amax_history_len >= 1, f"`train.fp8.amax_history_len` must be ≥ 1, got {t.fp8.amax_history_len}")
+    for name, value, what in (("parallel.zero_stage", p.zero_stage, "DeepSpeed ZeRO"),
+                              ("parallel.tensor_parallel", p.tensor_parallel - 1, "tensor parallelism"),
+                              ("parallel.pipeline_parallel", p.pipeline_parallel - 1, "the pipeline engine")):
+        _require(not value, f"`train.precision: fp8` with {what} (`{name}`) is refused: accelerate's Transformer "
+                            f"Engine FP8 is wired here for data parallelism without DeepSpeed only; use "
+                            "`train.precision: bf16` with it")
+
+
 def validate(recipe: Recipe) -> None:
     m, t, p, d = recipe.model, recipe.train, recipe.parallel, recipe.data
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "make_vocab_size_divisible_by"):
@@ -497,6 +532,11 @@ def validate(recipe: Recipe) -> None:
     for name in ("adam_beta1", "adam_beta2"):
         _require(0.0 <= getattr(t, name) < 1.0, f"`train.{name}` must be in [0, 1), got {getattr(t, name)}")
     _require(t.adam_eps > 0, f"`train.adam_eps` must be > 0, got {t.adam_eps}")
+    if t.precision == "fp8":
+        _validate_fp8(recipe)
+    _require(t.momentum >= 0, f"`train.momentum` must be ≥ 0, got {t.momentum}")
+    _require(not t.nesterov or (t.optimizer == "sgd" and t.momentum > 0),
+             "`train.nesterov: true` is SGD's Nesterov momentum: it needs `train.optimizer: sgd` and `train.momentum` > 0")
     _require(t.weight_decay >= 0, f"`train.weight_decay` must be ≥ 0, got {t.weight_decay}")
     _require(0 <= t.min_lr <= t.lr, f"`train.min_lr` must be in [0, train.lr={t.lr}], got {t.min_lr}")
     _require(0.0 <= t.warmup < 1.0, f"`train.warmup` is a fraction of the decay steps in [0, 1), got {t.warmup}")
