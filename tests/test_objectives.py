@@ -502,3 +502,25 @@ def test_kto_recipe_refuses_what_trl_refuses(train, words):
     with pytest.raises(RecipeError, match=words):
         recipe_from_dict(raw)
     assert recipe_from_dict({**raw, "train": {"objective": "kto", "micro_batch_size": 4}}).train.objective == "kto"
+
+
+def test_eval_cli_kto(tokenizer, tmp_path):
+    base = _save_causal_lm(tmp_path / "base", tokenizer)
+    data = _write_jsonl(tmp_path / "unpaired.jsonl", _unpaired()[:6])
+    code, out, _ = _cli("eval", base, "--objective", "kto", "--reference", base, "--data", data, "--batch-size", "3",
+                        "--json", "--device", "cpu")
+    result = json.loads(out)
+    # the policy is its reference: every log-ratio and the KL estimate are 0, every loss 1 − σ(0) = 0.5
+    assert code == 0 and abs(result["kto_loss"] - 0.5) < 1e-6 and result["kl"] == 0 and result["examples"] == 6
+    code, out, _ = _cli("eval", base, "--objective", "kto", "--reference", base, "--data", data, "--device", "cpu")
+    assert code == 0 and out.startswith("kto_loss 0.5000  kl 0.0000"), out
+
+    renamed = _write_jsonl(tmp_path / "renamed.jsonl", [{"prompt": "a", "answer": "b", "good": True}])
+    for argv, words in (
+        (("--data", data), "--reference"),
+        (("--reference", base, "--data", data, "--batch-size", "1"), "--batch-size"),
+        (("--reference", base, "--data", data, "--undesirable-weight", "0"), "--undesirable-weight"),
+        (("--reference", base, "--data", renamed), "--completion-key"),
+    ):
+        code, out, err = _cli("eval", base, "--objective", "kto", *argv, "--device", "cpu")
+        assert code == 2 and out == "" and err.count("error:") == 1 and words in err, (argv, err)
