@@ -610,15 +610,16 @@ _OPTIMIZER_TYPES = {
     "cpu_torch_adam": ("adam", True, {"lr", "betas", "eps", "weight_decay"}),
     "lion": ("lion", False, {"lr", "betas", "weight_decay"}),
     "sgd": ("sgd", False, {"lr", "momentum", "nesterov", "weight_decay"}),
+    "sm3": ("sm3", False, {"lr", "momentum", "beta", "eps"}),
 }
 # FusedAdam / DeepSpeedCPUAdam / torch's Adam: betas (0.9, 0.999), eps 1e-8; Lion: betas (0.9, 0.99)
 _LIBRARY_BETAS = {"adamw": (0.9, 0.999), "adam": (0.9, 0.999), "lion": (0.9, 0.99)}
 _REFUSED_OPTIMIZERS = {
     "onebitadam": "DeepSpeed builds 1-bit Adam inside its own engine over its compressed NCCL/MPI communication "
                   "backend, which neox_hf's Accelerate path never hands it (and which needs CUDA); use Adam",
-    "sm3": "no maintained SM3 package is wired here (GPT-NeoX ships its own copy); use Adam or Lion",
-    "madgrad_wd": "no maintained package gives GPT-NeoX's MADGRAD with decoupled weight decay (it ships its own "
-                  "copy); use Adam or Lion",
+    "madgrad_wd": "no maintained package computes GPT-NeoX's MADGRAD with decoupled weight decay (its own copy: "
+                  "decay before the step; pytorch-optimizer's MADGRAD decays after it, and the madgrad package is "
+                  "unmaintained); use Adam or Lion",
 }
 
 
@@ -635,8 +636,8 @@ def _translate_optimizer(args: dict, recipe: dict, notices: list[str]) -> set[st
     if kind.lower() in _REFUSED_OPTIMIZERS:
         raise _refuse("optimizer.type", kind, _REFUSED_OPTIMIZERS[kind.lower()])
     if kind.lower() not in _OPTIMIZER_TYPES:
-        raise _refuse("optimizer.type", kind, "GPT-NeoX's Adam, cpu_adam, cpu_torch_adam, Lion and SGD are; "
-                                              "OneBitAdam, SM3 and madgrad_wd are refused by name")
+        raise _refuse("optimizer.type", kind, "GPT-NeoX's Adam, cpu_adam, cpu_torch_adam, Lion, SGD and SM3 are; "
+                                              "OneBitAdam and madgrad_wd are refused by name")
     name, offload, accepted = _OPTIMIZER_TYPES[kind.lower()]
     if args.get("use_bnb_optimizer"):
         if name != "adamw" or offload:
@@ -666,6 +667,10 @@ def _translate_optimizer(args: dict, recipe: dict, notices: list[str]) -> set[st
         _put(recipe, "train.adam_eps", _convert("optimizer.params.eps", params["eps"], float))
     elif name in ("adamw", "adam", "adam8bit"):
         _put(recipe, "train.adam_eps", 1e-8)
+    elif name == "sm3":
+        _put(recipe, "train.adam_eps", 1e-30)  # SM3's default
+    if "beta" in params:
+        _put(recipe, "train.sm3_beta", _convert("optimizer.params.beta", params["beta"], float))
     if "momentum" in params:
         _put(recipe, "train.momentum", _convert("optimizer.params.momentum", params["momentum"], float))
     if "nesterov" in params:

@@ -14,6 +14,8 @@ one GPT-NeoX builds for its `optimizer.type` where it runs here:
             token used yet) is ±lr where torch's sign gives 0 (DeepSpeedCPULion likewise, by copysign): the two
             GPT-NeoX paths differ there, and neox_hf follows the one without ZeRO everywhere.
   sgd       torch's SGD (momentum, nesterov; L2 decay): GPT-NeoX's `sgd` without apex.
+  sm3       pytorch-optimizer's SM3 (Anil et al. 2019), the algorithm of GPT-NeoX's own copy: lr, momentum, beta, eps,
+            and no weight decay (GPT-NeoX passes none to SM3).
   adam8bit  bitsandbytes' Adam8bit (GPT-NeoX's `use_bnb_optimizer`): CUDA only, refused on CPU.
 """
 
@@ -23,7 +25,7 @@ import torch
 
 from neox_hf.errors import RecipeError
 
-OPTIMIZERS = ("adamw", "adam", "lion", "sgd", "adam8bit")
+OPTIMIZERS = ("adamw", "adam", "lion", "sgd", "sm3", "adam8bit")
 
 
 def parameter_groups(model, weight_decay: float) -> list[dict]:
@@ -51,6 +53,8 @@ def build_optimizer(model, train) -> torch.optim.Optimizer:
         return torch.optim.SGD(groups, lr=train.lr, momentum=train.momentum, nesterov=train.nesterov)
     if kind == "lion":
         return _lion(groups, lr=train.lr, betas=betas)
+    if kind == "sm3":
+        return _sm3(groups, lr=train.lr, momentum=train.momentum, beta=train.sm3_beta, eps=train.adam_eps)
     if kind == "adam8bit":
         return _adam8bit(groups, params, lr=train.lr, betas=betas, eps=train.adam_eps)
     raise RecipeError(f"`train.optimizer: {kind}` is not one of {', '.join(OPTIMIZERS)}")
@@ -63,6 +67,16 @@ def _lion(groups, *, lr: float, betas) -> torch.optim.Optimizer:
         raise RecipeError("`train.optimizer: lion` needs lion-pytorch (GPT-NeoX's Lion is its algorithm): "
                           "`pip install lion-pytorch`, or use `train.optimizer: adamw`") from err
     return Lion(groups, lr=lr, betas=betas)
+
+
+def _sm3(groups, *, lr: float, momentum: float, beta: float, eps: float) -> torch.optim.Optimizer:
+    try:
+        from pytorch_optimizer import SM3
+    except ImportError as err:
+        raise RecipeError("`train.optimizer: sm3` needs pytorch-optimizer: `pip install pytorch-optimizer`, or use "
+                          "`train.optimizer: adamw`") from err
+    # SM3 reads no weight decay: the groups' `weight_decay` is ignored, as in GPT-NeoX
+    return SM3([{"params": g["params"]} for g in groups], lr=lr, momentum=momentum, beta=beta, eps=eps)
 
 
 def _adam8bit(groups, params, *, lr: float, betas, eps: float) -> torch.optim.Optimizer:

@@ -205,12 +205,14 @@ class TrainConfig:
     weight_decay: float = 0.01
     # GPT-NeoX `optimizer.type` (neox_hf/engines/optimizer.py): adamw (GPT-NeoX's Adam / cpu_adam: FusedAdam and
     # DeepSpeedCPUAdam in AdamW mode), adam (cpu_torch_adam: torch's Adam, L2 decay), lion (DeepSpeed's Lion), sgd
-    # (torch's SGD), adam8bit (bitsandbytes' 8-bit Adam, GPT-NeoX use_bnb_optimizer; CUDA only)
-    optimizer: Literal["adamw", "adam", "lion", "sgd", "adam8bit"] = "adamw"
+    # (torch's SGD), sm3 (pytorch-optimizer's SM3; no weight decay, as GPT-NeoX's), adam8bit (bitsandbytes' 8-bit
+    # Adam, GPT-NeoX use_bnb_optimizer; CUDA only)
+    optimizer: Literal["adamw", "adam", "lion", "sgd", "sm3", "adam8bit"] = "adamw"
     adam_beta1: float = 0.9  # the optimizer's betas: Adam's moments, Lion's interpolation and momentum
     adam_beta2: float = 0.95
-    adam_eps: float = 1e-8  # adam / adamw / adam8bit
-    momentum: float = 0.0  # sgd
+    adam_eps: float = 1e-8  # the optimizer's eps: adam / adamw / adam8bit / sm3
+    momentum: float = 0.0  # sgd, sm3
+    sm3_beta: float = 0.0  # sm3: the accumulators' moving-average coefficient (GPT-NeoX optimizer.params.beta)
     nesterov: bool = False  # sgd
     clip_grad: float = 1.0
     # auto (the default): bf16 where it trains faster than fp32 (GPUs with bf16 tensor cores, AMX CPUs, AVX512-BF16
@@ -535,6 +537,7 @@ def validate(recipe: Recipe) -> None:
     if t.precision == "fp8":
         _validate_fp8(recipe)
     _require(t.momentum >= 0, f"`train.momentum` must be ≥ 0, got {t.momentum}")
+    _require(0 <= t.sm3_beta < 1, f"`train.sm3_beta` must be in [0, 1), got {t.sm3_beta}")
     _require(not t.nesterov or (t.optimizer == "sgd" and t.momentum > 0),
              "`train.nesterov: true` is SGD's Nesterov momentum: it needs `train.optimizer: sgd` and `train.momentum` > 0")
     _require(t.weight_decay >= 0, f"`train.weight_decay` must be ≥ 0, got {t.weight_decay}")
