@@ -311,18 +311,21 @@ def translate_neox_args(args: dict) -> NeoXTranslation:
     return NeoXTranslation(recipe=recipe, notices=notices, data_defaults=data_defaults)
 
 
-def place_command_line_data(raw: dict, defaults: dict) -> dict:
-    """`raw` (the translated config merged with the command line) with the config's data keys applied to data the
-    command line names, as GPT-NeoX applies them to a `--data-path` given at launch: `split` divides one corpus in
-    GPT-NeoX's order (GPT-NeoX's data_path mode) unless the command line gives its own, and `train_data_weights`
-    weigh the sources in the order given, where a source gives no weight of its own."""
-    data = raw.get("data")
-    sources = data.get("sources") if isinstance(data, dict) else None
+def place_command_line_data(raw: dict, given: dict, defaults: dict) -> dict:
+    """`raw` (the translated config merged with the command line) with the config's data keys applied to the data the
+    command line names (`given`: what the command line and our recipe files say), as GPT-NeoX applies them to a
+    `--data-path` given at launch: `split` divides one corpus in GPT-NeoX's order (GPT-NeoX's data_path mode) unless
+    the command line gives its own, and `train_data_weights` of a config naming no data weigh the sources in the
+    order given, where a source gives no weight of its own."""
+    given_data = given.get("data") if isinstance(given.get("data"), dict) else {}
+    sources = given_data.get("sources")
     if not defaults or not isinstance(sources, list) or not sources:
         return raw
-    data = dict(data)
-    if data.get("order") == "gpt-neox" and "split" not in data and len(sources) == 1 and "split" in defaults:
+    data = dict(raw["data"])
+    if data.get("order") == "gpt-neox" and "split" not in given_data and len(sources) == 1 and "split" in defaults:
         data["split"] = defaults["split"]
+    elif "split" not in given_data and len(sources) != 1 and data.get("split") is not None:
+        data["split"] = None  # the config's data_path split does not apply to several sources (train_data_paths mode)
     weights = defaults.get("weights")
     if weights:
         if len(weights) != len(sources):
@@ -801,8 +804,8 @@ def _translate_data(args: dict, recipe: dict, notices: list[str], defaults: dict
         if args.get(key) is not None:
             _put(recipe, f"data.{key}", args[key])
     _translate_curriculum(args.get("curriculum_learning"), recipe)
+    defaults["split"] = str(args.get("split") or DEFAULT_SPLIT)  # for one corpus given on the command line
     if not paths:
-        defaults["split"] = str(args.get("split") or DEFAULT_SPLIT)
         if args.get("train_data_weights"):
             defaults["weights"] = [_convert("train_data_weights", w, float) for w in args["train_data_weights"]]
     if args.get("test_data_paths"):

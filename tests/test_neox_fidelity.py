@@ -98,6 +98,22 @@ def ref_corpus(tmp_path) -> str:
     return write_corpus(tmp_path / "second_text_document", random_docs(40, seed=9))
 
 
+def test_data_path_on_the_command_line_is_gpt_neox_s_data_path_whatever_the_config_names(tmp_path, corpus):  # noqa: F811
+    """`--data-path P` is GPT-NeoX's data_path: split by the config's `split` (its default where it has none), also
+    where the config itself names train_data_paths (which GPT-NeoX does not split)."""
+    prefix, _ = corpus
+    base = {"num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq-length": SEQ,
+            "max-position-embeddings": SEQ, "train-iters": ITERS, "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": ACC, "tokenizer_type": "HFTokenizer"}
+    named, listed = tmp_path / "named.yml", tmp_path / "listed.yml"
+    named.write_text(json.dumps({**base, "data-path": prefix}))
+    listed.write_text(json.dumps({**base, "train_data_paths": [prefix]}))
+    expected = recipe_for_batches([str(named)], None, None)
+    assert expected.data.split == "969, 30, 1"
+    assert recipe_for_batches([str(listed)], None, None).data.split is None  # train_data_paths: not split
+    assert recipe_for_batches([str(listed)], prefix, None).data.split == "969, 30, 1"
+
+
 def test_weights_without_data_must_match_the_command_line_s_sources(tmp_path, corpus):  # noqa: F811
     prefix, _ = corpus
     path = tmp_path / "weights.yml"

@@ -31,8 +31,10 @@ def parse_run_args(argv: list[str]) -> RunArgs:
         raise UsageError(f"no recipe given. Usage: {USAGE}")
     if resume and overwrite:
         raise UsageError("--resume continues the run in output.dir and --overwrite replaces it: give one of them")
-    raw, notices, data_defaults = _read_recipe_files(files)
-    raw = place_command_line_data(merge_dicts(raw, parse_overrides(rest)), data_defaults)
+    raw, notices, data_defaults, ours = _read_recipe_files(files)
+    overrides = parse_overrides(rest)
+    # data named by our recipe files or the command line takes the GPT-NeoX config's order keys
+    raw = place_command_line_data(merge_dicts(raw, overrides), merge_dicts(ours, overrides), data_defaults)
     if resume:
         raw = merge_dicts(raw, {"train": {"resume": "auto"}})
     source = ", ".join(files) + (" with the command-line overrides" if rest else "")
@@ -67,9 +69,10 @@ def _closest_flag(name: str) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def _read_recipe_files(files: list[str]) -> tuple[dict, list[str], dict]:
+def _read_recipe_files(files: list[str]) -> tuple[dict, list[str], dict, dict]:
     """Our recipes merge in order; GPT-NeoX files are merged together (as its launcher does) and translated: the
-    recipe dict, the notices, and the GPT-NeoX data keys for data named elsewhere (NeoXTranslation.data_defaults)."""
+    recipe dict, the notices, the GPT-NeoX data keys for data named elsewhere (NeoXTranslation.data_defaults), and
+    what our recipe files alone say."""
     ours, neox = [], []
     for path in files:
         raw = load_yaml_file(path)
@@ -80,6 +83,7 @@ def _read_recipe_files(files: list[str]) -> tuple[dict, list[str], dict]:
     if neox:
         translation = translate_neox_args(read_neox_files([Path(p) for p, _ in neox]))
         merged, notices, data_defaults = translation.recipe, translation.notices, translation.data_defaults
+    own: dict = {}
     for _, raw in ours:
-        merged = merge_dicts(merged, raw)
-    return merged, notices, data_defaults
+        own = merge_dicts(own, raw)
+    return merge_dicts(merged, own), notices, data_defaults, own
