@@ -23,8 +23,8 @@ from neox_hf.errors import RecipeError
 class NeoXTranslation:
     recipe: dict  # nested dict for `recipe_from_dict`
     notices: list[str] = field(default_factory=list)  # what was approximated or ignored, printed at start-up
-    # A config that names no data still says how its data is ordered (`split`, `train_data_weights`): kept here for
-    # the data the command line gives (`--data.sources`, `neox_hf batches --data-path`), see `place_command_line_data`
+    # How the config orders data it does not name (`split`; `train_data_weights` of a config naming none): for the
+    # data the command line gives (`--data.sources`, `neox_hf batches --data-path`), see `place_command_line_data`
     data_defaults: dict = field(default_factory=dict)
 
 

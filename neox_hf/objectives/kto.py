@@ -27,7 +27,6 @@ precomputed reference log-probabilities can hold them.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from neox_hf.errors import DataError
 from neox_hf.objectives.base import Objective, ObjectiveLoss, sequence_logps
