@@ -24,6 +24,7 @@ class Objective:
     name: str = ""
     unit: str = ""
     metric_names: tuple[str, ...] = ()
+    rows_per_sample: int = 1  # batch rows of one sample: 2 for a pair (chosen, rejected) or a KTO example (+ its KL row)
 
     def units(self, batch: dict) -> torch.Tensor:
         raise NotImplementedError

@@ -41,6 +41,7 @@ def dpo_losses(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor,
 
 class DPOObjective(Objective):
     name, unit, metric_names = "dpo", "pair", METRICS
+    rows_per_sample = 2
 
     @classmethod
     def from_train(cls, train_config) -> "DPOObjective":

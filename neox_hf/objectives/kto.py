@@ -44,6 +44,7 @@ def kto_losses(logratios: torch.Tensor, kl: torch.Tensor, desirable: torch.Tenso
 
 class KTOObjective(Objective):
     name, unit, metric_names = "kto", "example", METRICS
+    rows_per_sample = 2
 
     @classmethod
     def from_train(cls, train_config) -> "KTOObjective":
