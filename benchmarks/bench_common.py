@@ -122,6 +122,11 @@ class StepClock:
     def __exit__(self, *exc):
         self._handle.remove()
 
+    def step_seconds(self, first: int, count: int) -> list[float]:
+        """Each of steps first .. first+count-1 on its own."""
+        self.seconds(first, count)  # enough steps ran
+        return [b - a for a, b in zip(self.times[first:first + count], self.times[first + 1:first + count + 1])]
+
     def seconds(self, first: int, count: int) -> float:
         """Time of steps first .. first+count-1 (0-based); step 0 also holds the set-up, so warm-up starts there."""
         if len(self.times) < first + count + 1:

@@ -87,6 +87,23 @@ def fused(hidden, weight, labels, **options):
     return linear_cross_entropy(hidden, weight, labels, **options)[0]
 
 
+def library_variants(device: torch.device) -> dict:
+    """On CUDA, the library kernels `train.loss_kernel: auto` picks where installed (neox_hf.ops.library_loss)."""
+    from neox_hf.ops.library_loss import LIBRARIES, installed, library_head_loss
+
+    if device.type != "cuda":
+        return {}
+
+    class Head(torch.nn.Module):  # a bias-free linear whose weight is the benchmark's tensor
+        def __init__(self, weight):
+            super().__init__()
+            self.weight, self.bias = weight, None
+
+    return {f"{LIBRARIES[kernel]} (train.loss_kernel {kernel})":
+            (lambda h, w, y, kernel=kernel: library_head_loss(kernel, Head(w), h, y)[0])
+            for kernel in LIBRARIES if installed(kernel)}
+
+
 def inputs(tokens: int, width: int, dtype: torch.dtype, device: torch.device):
     """Hidden states, head weight and labels on `device`, drawn from one seeded CPU generator (the same numbers on
     every device), moved before anything is timed."""
@@ -132,6 +149,7 @@ def compare(shape_key: str, dtype_key: str, repeats: int, peak: float, device: t
     flops = 3 * 2 * tokens * width * VOCAB
     variants = {"unfused (logits + F.cross_entropy)": unfused, "fused": fused,
                 "fused, recompute in backward": lambda h, w, y: fused(h, w, y, recompute=True)}
+    variants.update(library_variants(device))
     best = dict.fromkeys(variants, float("inf"))
     for _ in range(repeats + 1):  # the first round is the warm-up
         for name, fn in variants.items():

@@ -39,6 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from bench_common import StepClock, device_name  # noqa: E402
 
+HOST_SYNCS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "cudaStreamSynchronize",
+              "cudaDeviceSynchronize", "cudaEventSynchronize"}
+SDPA_BACKENDS = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"}
+
 # Op names (aten:: stripped) by category. The fused loss's own matmuls count as matmul, its exp/logsumexp as loss.
 CATEGORY_OPS = {
     "matmul": {"mm", "addmm", "addmm_", "bmm", "baddbmm", "matmul", "linear", "_addmm_activation", "addbmm", "dot", "mv"},
@@ -118,6 +123,9 @@ class ProfiledSteps(StepClock):
         device, cpu = defaultdict(float), defaultdict(float)
         ops = sum(1 for e in events if e.name.startswith("aten::") and not _under_op(e))
         launches = sum(1 for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+        # A host read of a device value (`.item()`, `int(t)`, `nonzero`) or an explicit wait: on a GPU each stalls
+        # the host until every queued kernel has run.
+        syncs = sum(1 for e in events if e.name in HOST_SYNCS)
         for event in events:
             where = category(event)
             cpu[where] += event.self_cpu_time_total
@@ -129,7 +137,14 @@ class ProfiledSteps(StepClock):
         return {c: (measure[c] / self.steps / 1e3, cpu[c] / self.steps / 1e3) for c in ORDER} | {
             "wall": (wall / self.steps / 1e3, wall / self.steps / 1e3),
             "aten ops called": (ops / self.steps, ops / self.steps),
-            "kernel launches": (launches / self.steps, launches / self.steps)}
+            "kernel launches": (launches / self.steps, launches / self.steps),
+            "host syncs": (syncs / self.steps, syncs / self.steps)}
+
+    def attention_ops(self) -> str:
+        """The SDPA backends that ran (flash, memory-efficient, cuDNN, CPU flash, or none: the math path)."""
+        seen = sorted({e.name.removeprefix("aten::") for e in self.profiler.events()
+                       if e.name.removeprefix("aten::") in SDPA_BACKENDS})
+        return ", ".join(seen) or "math path (no fused SDPA kernel)"
 
     def top_ops(self, n: int) -> list[tuple[str, str, float, float]]:
         """The n ops with the most self time: (name, category, ms per step, calls per step), costliest first."""
@@ -191,7 +206,7 @@ def run_peers(args) -> list[tuple[str, ProfiledSteps]]:
         peers = [("stock transformers + PyTorch loop",
                   lambda: tt.stock_seconds(config, shape, args.warmup, args.steps, args.precision, device)),
                  ("neox_hf train(recipe)",
-                  lambda: tt.ours_seconds(config, shape, args.warmup, args.steps, args.precision, True, device))]
+                  lambda: tt.ours_seconds(config, shape, args.warmup, args.steps, args.precision, device))]
     for name, run in peers:
         torch.set_num_threads(args.threads)
         clock = ProfiledSteps(args.warmup, args.steps, cuda)
@@ -214,8 +229,9 @@ def print_table(runs: list[tuple[str, ProfiledSteps]], cuda: bool) -> None:
             share = ms / table["wall"][0] if c != "wall" else 1.0
             cells.append(f"{ms:9.1f}" + (f" ({cpu_ms:.1f})" if cuda and c != "wall" else "") + f" | {share:6.1%}")
         print(f"| {c} | " + " | ".join(cells) + " |")
-    for c in ("aten ops called", "kernel launches") if cuda else ("aten ops called",):
-        print(f"| {c} per step | " + " | ".join(f"{table[c][0]:9.0f} |" for _, table in tables) + " |")
+    for c in ("aten ops called", "kernel launches", "host syncs") if cuda else ("aten ops called", "host syncs"):
+        print(f"| {c} per step | " + " | ".join(f"{table[c][0]:9.1f} |" for _, table in tables) + " |")
+    print("| attention kernel | " + " | ".join(f"{clock.attention_ops()} |" for _, clock in runs) + " |")
 
 
 def print_top_ops(runs: list[tuple[str, ProfiledSteps]], n: int) -> None:

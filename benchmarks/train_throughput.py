@@ -5,7 +5,19 @@
         --fused both --steps 10 --warmup 3          # the GPU run issue 17 asks for (MFU ≥ 50% of dense bf16)
     bash benchmarks/gpu_check.sh                    # 160m and 410m, bf16, fused and unfused, after the cuda tests
 
+    python benchmarks/train_throughput.py --rows stock,stock-compile,trainer,neox,neox-no-compile,neox-own-loss \
+        --shape 160m --precision bf16 --batch 8 --seq 2048     # benchmarks/gpu_profile.sh's matrix
+
 `--device` defaults to cuda where torch sees a GPU (the first one, as Accelerate picks it), else cpu.
+
+Rows (`--rows`, comma-separated; the first is the baseline every ratio is taken against): `stock` (stock
+`GPTNeoXForCausalLM`, a plain PyTorch loop, its default AdamW), `stock-compile` (the same with each decoder layer
+torch.compiled), `trainer` (transformers' `Trainer`: bf16, `adamw_torch_fused`, sdpa), `neox` (our loop with the
+recipe's defaults), and our loop with one piece off: `neox-no-compile` (`train.compile: false`), `neox-own-loss`
+(`train.loss_kernel: neox`, our PyTorch fused loss instead of a library kernel), `neox-unfused`
+(`train.fused_cross_entropy: false`), `neox-thread-data` (the data read where `data.num_workers: auto` does not:
+in the training process's thread on a GPU, a worker process on a CPU). `--fused both` and `--workers both` add the
+`neox-unfused` and `neox-thread-data` rows (what benchmarks/gpu_check.sh asks for).
 
 For each shape and precision, in one run: the GEMM peak (square GEMMs — 1024-3072 on CPU, 4096-8192 on a GPU —
 each warmed up, best of 5, the fastest size kept), stock transformers `GPTNeoXForCausalLM` trained by a plain
@@ -17,8 +29,9 @@ global optimizer-step hook (on a GPU it synchronises first), warm-up steps left 
 FLOP/s, MFU against the measured peak and, on GPUs whose datasheet peak is known, against that dense peak too (the
 part named by torch.cuda.get_device_name() and matched in neox_hf.train.mfu's table, which the training loop's MFU
 uses too: SXM and NVL/PCIe parts differ, e.g. H200 989 vs H200 NVL 835 TFLOP/s; an unknown part is named and only the
-measured GEMM rate is used), on a GPU the peak memory of each loop (torch.cuda.max_memory_allocated), and our ratio to
-stock. An MFU above 100% of the measured peak means the peak was under-measured (the machine's load changed during
+measured GEMM rate is used), the median step in ms, on a GPU the peak memory of each loop
+(torch.cuda.max_memory_allocated), for our loop the time per step it waited for data (`data_wait_s` of its
+train_log.jsonl), and each row's tokens/s against the first row's. An MFU above 100% of the measured peak means the peak was under-measured (the machine's load changed during
 the run): the run then fails (exit status 1) instead of printing it as a result. Model FLOPs per token follow the
 PaLM appendix: 6·N (N = parameters that take part in matmuls: everything except the input embedding) + 12·L·H·T.
 Text and tokenizer are the bundled ones (examples/data), so a fresh clone runs it. On a CPU without AVX512-BF16 /
@@ -34,8 +47,10 @@ import functools
 import io
 import json
 import os
+import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -66,13 +81,29 @@ def model_flops_per_token(config: GPTNeoXConfig, model, seq: int) -> float:
     return 6 * matmul_params + 12 * config.num_hidden_layers * config.hidden_size * seq
 
 
-def stock_seconds(config, shape: tuple[int, int], warmup: int, steps: int, precision: str, device: torch.device
-                  ) -> tuple[float, object, int | None]:
-    """(seconds per step, the model, peak GPU bytes or None) of stock GPTNeoXForCausalLM in a plain PyTorch loop
-    (random tokens, HF's loss)."""
+@dataclass
+class Timed:
+    seconds: float  # per step, mean over the timed steps
+    median_ms: float
+    peak_bytes: int | None
+    data_wait_ms: float | None = None  # our loop: per step, from its train_log.jsonl
+
+
+def timed(clock, warmup: int, steps: int, peak: int | None, data_wait_ms: float | None = None) -> Timed:
+    return Timed(clock.seconds(warmup, steps) / steps, 1e3 * statistics.median(clock.step_seconds(warmup, steps)),
+                 peak, data_wait_ms)
+
+
+def stock_seconds(config, shape: tuple[int, int], warmup: int, steps: int, precision: str, device: torch.device,
+                  compile_layers: bool = False) -> tuple[Timed, object]:
+    """(timing, the model) of stock GPTNeoXForCausalLM in a plain PyTorch loop (random tokens, HF's loss), each
+    decoder layer torch.compiled where `compile_layers`."""
     reset_peak_memory(device)
     torch.manual_seed(0)
     model = GPTNeoXForCausalLM(config).to(device).train()
+    if compile_layers:
+        for layer in model.gpt_neox.layers:
+            layer.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(0)
     with StepClock() as clock:
@@ -84,14 +115,38 @@ def stock_seconds(config, shape: tuple[int, int], warmup: int, steps: int, preci
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    peak = peak_memory(device)
-    return clock.seconds(warmup, steps) / steps, model.cpu(), peak
+    return timed(clock, warmup, steps, peak_memory(device)), model.cpu()
 
 
-def ours_seconds(config, shape: tuple[int, int], warmup: int, steps: int, precision: str, fused: bool,
-                 device: torch.device, workers="auto") -> tuple[float, int | None]:
-    """(seconds per step, peak GPU bytes or None) of `train(recipe)`: the same model shape, packed Tiny Shakespeare
-    windows of seq + 1 tokens."""
+def trainer_seconds(config, shape: tuple[int, int], warmup: int, steps: int, precision: str, device: torch.device
+                    ) -> Timed:
+    """Timing of transformers' `Trainer` on stock GPTNeoXForCausalLM (sdpa), random tokens: bf16 as
+    `TrainingArguments(bf16=True)`, its default fused AdamW, no logging or saving inside the timed steps."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    batch, seq = shape
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, config.vocab_size, ((warmup + steps) * batch, seq), generator=generator)
+    dataset = Dataset.from_dict({"input_ids": rows.tolist(), "labels": rows.tolist()})
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(config)
+    with tempfile.TemporaryDirectory() as tmp:
+        arguments = TrainingArguments(output_dir=tmp, per_device_train_batch_size=batch, max_steps=warmup + steps,
+                                      learning_rate=1e-4, bf16=precision == "bf16", optim="adamw_torch_fused",
+                                      logging_steps=10**6, save_strategy="no", report_to=[], max_grad_norm=1.0,
+                                      dataloader_num_workers=0, use_cpu=device.type == "cpu", disable_tqdm=True)
+        reset_peak_memory(device)
+        with StepClock() as clock, contextlib.redirect_stdout(io.StringIO()):
+            Trainer(model=model, args=arguments, train_dataset=dataset).train()
+        reset_accelerate_state()
+    return timed(clock, warmup, steps, peak_memory(device))
+
+
+def ours_seconds(config, shape: tuple[int, int], warmup: int, steps: int, precision: str, device: torch.device,
+                 train_settings: dict | None = None, workers="auto") -> Timed:
+    """Timing of `train(recipe)`: the same model shape, packed Tiny Shakespeare windows of seq + 1 tokens, the
+    recipe's defaults but for `train_settings`."""
     from neox_hf.recipe import recipe_from_dict
     from neox_hf.train.loop import train
 
@@ -104,7 +159,7 @@ def ours_seconds(config, shape: tuple[int, int], warmup: int, steps: int, precis
             "tokenizer": {"path": str(TOKENIZER)},
             "data": {"sources": [{"path": str(TEXT), "format": "text"}], "mode": "pack", "num_workers": workers},
             "train": {"train_iters": warmup + steps, "micro_batch_size": batch, "precision": precision,
-                      "lr": 1e-4, "eval_iters": 0, "fused_cross_entropy": fused},
+                      "lr": 1e-4, "eval_iters": 0, **(train_settings or {})},
             "output": {"dir": tmp, "tensorboard": False},
         })
         reset_peak_memory(device)
@@ -115,7 +170,27 @@ def ours_seconds(config, shape: tuple[int, int], warmup: int, steps: int, precis
         log = [json.loads(line) for line in (Path(tmp) / "train_log.jsonl").read_text().splitlines()]
     if len(log) != warmup + steps:
         raise RuntimeError(f"train(recipe) logged {len(log)} steps, {warmup + steps} expected")
-    return clock.seconds(warmup, steps) / steps, peak
+    waits = [entry["data_wait_s"] for entry in log[warmup:]]
+    return timed(clock, warmup, steps, peak, 1e3 * sum(waits) / len(waits))
+
+
+# Our loop with one piece off: the row's name → train settings (and where its data is read).
+OURS = {"neox": {}, "neox-no-compile": {"compile": False}, "neox-own-loss": {"loss_kernel": "neox"},
+        "neox-unfused": {"fused_cross_entropy": False}, "neox-thread-data": {}}
+ROWS = ("stock", "stock-compile", "trainer", *OURS)
+TITLES = {"stock": "stock transformers + PyTorch loop", "stock-compile": "stock, each layer torch.compiled",
+          "trainer": "transformers Trainer (fused AdamW)", "neox": "neox_hf train(recipe)",
+          "neox-no-compile": "neox_hf, train.compile false", "neox-own-loss": "neox_hf, loss_kernel neox",
+          "neox-unfused": "neox_hf, unfused loss", "neox-thread-data": "neox_hf, data read where auto does not"}
+
+
+def row_timing(row: str, config, shape, args, precision: str, device: torch.device) -> Timed:
+    if row in ("stock", "stock-compile"):
+        return stock_seconds(config, shape, args.warmup, args.steps, precision, device, row == "stock-compile")[0]
+    if row == "trainer":
+        return trainer_seconds(config, shape, args.warmup, args.steps, precision, device)
+    workers = (0 if device.type == "cuda" else 1) if row == "neox-thread-data" else "auto"
+    return ours_seconds(config, shape, args.warmup, args.steps, precision, device, OURS[row], workers)
 
 
 def datasheet_peak(device: torch.device, precision: str) -> float | None:
@@ -128,11 +203,17 @@ def datasheet_peak(device: torch.device, precision: str) -> float | None:
     return named_part_peak(torch.cuda.get_device_name(device), precision)
 
 
+HEADER = ("| shape | precision | what                                     |  tokens/s |  step ms | TFLOP/s |   MFU | datasheet MFU "
+          "| data wait ms | vs first |")
+
+
 def table_row(shape: str, precision: str, what: str, tflops: float | None = None, tok_s: str = "", mfu: str = "",
-              sheet_mfu: str = "", peak_bytes: int | None = None, *, gpu: bool = False) -> None:
-    flops = f"{tflops:8.3f}" if tflops is not None else ""
+              sheet_mfu: str = "", peak_bytes: int | None = None, *, gpu: bool = False, step_ms: str = "",
+              wait_ms: str = "", ratio: str = "") -> None:
+    flops = f"{tflops:7.3f}" if tflops is not None else ""
     memory = f" {peak_bytes / 2**30:>8.2f} |" if peak_bytes is not None else f" {'':>8} |"
-    print(f"| {shape:5} | {precision:9} | {what:40} | {tok_s:>9} | {flops:>8} | {mfu:>6} | {sheet_mfu:>13} |"
+    print(f"| {shape:5} | {precision:9} | {what:40} | {tok_s:>9} | {step_ms:>8} | {flops:>7} | {mfu:>5} | "
+          f"{sheet_mfu:>13} | {wait_ms:>12} | {ratio:>8} |"
           + (memory if gpu else ""))  # peak memory: a GPU column (CPU has no allocator statistics)
 
 
@@ -151,8 +232,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workers", choices=["auto", "both"], default="auto",
                         help="both: also our loop (fused loss) reading its data where `data.num_workers: auto` does "
                              "not: in the training process's thread on a GPU, in a worker process on a CPU")
+    parser.add_argument("--rows", default=None,
+                        help=f"comma-separated rows, the first the baseline: {', '.join(ROWS)} (default: stock,neox)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
+    if args.rows is None:
+        args.rows = "stock,neox" + (",neox-unfused" if args.fused == "both" else "") + (
+            ",neox-thread-data" if args.workers == "both" else "")
+    if any(row not in ROWS for row in args.rows.split(",")):
+        parser.error(f"--rows {args.rows}: each row is one of {', '.join(ROWS)}")
     args.warmup = max(args.warmup, 1)
     unknown = [s for s in args.shape.split(",") if s not in PYTHIA_SHAPES]
     if unknown or any(p not in DTYPES for p in args.precision.split(",")):
@@ -174,10 +262,8 @@ def main() -> int:
     if on_gpu and "bf16" in args.precision.split(",") and datasheet_peak(device, "bf16") is None:
         print(f"{device_name(device)} is a part neox_hf.train.mfu's datasheet table does not name: MFU is against the "
               "GEMM rate measured here only")
-    print(f"| {'shape':5} | {'precision':9} | {'what':40} | {'tokens/s':>9} | {'TFLOP/s':>8} | {'MFU':>6} | "
-          f"{'datasheet MFU':>13} |" + (f" {'peak GiB':>8} |" if on_gpu else ""))
-    print(f"|{'-' * 7}|{'-' * 11}|{'-' * 42}|{'-' * 11}|{'-' * 10}|{'-' * 8}|{'-' * 15}|"
-          + ("-" * 10 + "|" if on_gpu else ""))
+    print(HEADER + (" peak GiB |" if on_gpu else ""))
+    print("|" + "|".join("-" * (len(cell) + 0) for cell in HEADER.split("|")[1:-1]) + "|" + ("-" * 10 + "|" if on_gpu else ""))
     failed = []
     for name in args.shape.split(","):
         config = pythia_config(name)
@@ -189,27 +275,20 @@ def main() -> int:
             no_sheet = "unknown part" if on_gpu and precision == "bf16" else ""
             row(f"GEMM peak ({n}² square, best of 5)", peak / 1e12,
                 sheet_mfu=f"{sheet / 1e12:.0f} datasheet" if sheet else no_sheet)
-            stock_time, stock_model, stock_memory = stock_seconds(config, shape, args.warmup, args.steps, precision,
-                                                                  device)
-            flops_token = model_flops_per_token(config, stock_model, args.seq)
-            del stock_model
-            timed = [("stock transformers + PyTorch loop", stock_time, stock_memory)]
-            for fused in ([True, False] if args.fused == "both" else [True]):
+            flops_token = model_flops_per_token(config, GPTNeoXForCausalLM(config), args.seq)
+            first = None
+            for what in args.rows.split(","):
                 torch.set_num_threads(args.threads)
-                seconds, memory = ours_seconds(config, shape, args.warmup, args.steps, precision, fused, device)
-                timed.append((f"neox_hf train(recipe){'' if fused else ', unfused loss'}", seconds, memory))
-            if args.workers == "both":  # the data read where `auto` does not read it on this device
-                other = 0 if on_gpu else 1
-                torch.set_num_threads(args.threads)
-                seconds, memory = ours_seconds(config, shape, args.warmup, args.steps, precision, True, device, other)
-                timed.append((f"neox_hf, data in {'its thread' if other == 0 else 'a worker process'}", seconds, memory))
-            for what, seconds, memory in timed:
-                flops = flops_token * tokens / seconds
-                row(what, flops / 1e12, f"{tokens / seconds:.0f}", f"{100 * flops / peak:5.1f}%",
-                    f"{100 * flops / sheet:5.1f}%" if sheet else "", memory)
+                timing = row_timing(what, config, shape, args, precision, device)
+                first = first or timing
+                flops = flops_token * tokens / timing.seconds
+                wait = f"{timing.data_wait_ms:.2f}" if timing.data_wait_ms is not None else ""
+                row(TITLES[what], flops / 1e12, f"{tokens / timing.seconds:.0f}", f"{100 * flops / peak:4.1f}%",
+                    f"{100 * flops / sheet:5.1f}%" if sheet else "", timing.peak_bytes,
+                    step_ms=f"{timing.median_ms:.1f}", wait_ms=wait, ratio=f"{first.seconds / timing.seconds:.2f}×")
                 if flops > peak:
                     failed.append(f"{name} {precision} {what}: MFU {100 * flops / peak:.0f}%")
-            row("ratio neox_hf / stock tokens/s", tok_s=f"{stock_time / timed[1][1]:.2f}×")
+                sys.stdout.flush()  # a row as soon as it is measured: a run cut short by its time limit keeps it
     if failed:
         print("FAILED: MFU above 100% (" + "; ".join(failed) + "): the GEMM peak was under-measured, most likely "
               "because the machine's load changed during the run; rerun on an idle machine", file=sys.stderr)

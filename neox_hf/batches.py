@@ -35,32 +35,29 @@ def add_batches_arguments(parser) -> None:
 
 
 def recipe_for_batches(configs: list[str], data_path: str | None, vocab_file: str | None, order: str | None = None):
-    """The recipe the configs describe, with --data-path / --vocab-file applied and GPT-NeoX's order selected."""
-    from neox_hf.neox_yaml import DEFAULT_SPLIT
+    """The recipe the configs describe, with --data-path / --vocab-file applied and GPT-NeoX's order selected.
+
+    --data-path and the order go in as command-line overrides (`--data.sources`, `--data.order`), so the config's data
+    keys (`split`, the seed, the pack implementation) apply to the path given here exactly as to the data a config
+    names, through the one route `run_clm_neox.py CONFIG --data.sources ...` takes too."""
+    import json
+
     from neox_hf.recipe.args import parse_run_args
 
-    recipe = parse_run_args(list(configs)).recipe
-    data = recipe.data
+    files = list(configs)
+    chosen = order or parse_run_args(files).recipe.data.order
+    chosen = "gpt-neox" if chosen == "stream" else chosen
+    overrides = ["--data.order", chosen]
     if data_path is not None:
-        data.sources = [_source(data_path)]
-        data.split = data.split or DEFAULT_SPLIT
-    data.order = order or ("gpt-neox" if data.order == "stream" else data.order)
-    if data.order == "preshuffled":
-        data.split = None  # the rows are the order; nothing is split
+        overrides += ["--data.sources", json.dumps([{"path": data_path, "format": "indexed"}])]
+    if chosen == "preshuffled":
+        overrides += ["--data.split", "null"]  # the rows are the order; nothing is split
     if vocab_file is not None:
-        recipe.tokenizer.path = vocab_file
-    if not data.sources:
+        overrides += ["--tokenizer.path", json.dumps(vocab_file)]
+    recipe = parse_run_args(files + overrides).recipe
+    if not recipe.data.sources:
         raise DataError("no data: the config names no data_path / train_data_paths; pass --data-path PREFIX")
-    from neox_hf.recipe import validate
-
-    validate(recipe)
     return recipe
-
-
-def _source(path: str):
-    from neox_hf.recipe import DataSource
-
-    return DataSource(path=path, format="indexed")
 
 
 def step_batches(recipe, data_parallel: int, start_step: int, end_step: int, out: np.ndarray | None = None
@@ -71,6 +68,7 @@ def step_batches(recipe, data_parallel: int, start_step: int, end_step: int, out
 
     t, m = recipe.train, recipe.model
     _check_step_range(data_parallel, start_step, end_step)
+    check_data_parallel_keeps_batch(recipe, data_parallel)
     layout = BatchLayout(t.micro_batch_size, t.gradient_accumulation_steps, data_parallel)
     samples = split_samples(recipe.data, "train", seq_length=m.seq_length, train_iters=t.train_iters, layout=layout,
                             eval_interval=t.eval_interval, eval_iters=t.eval_iters, seed=recipe.data.seed)
@@ -80,6 +78,24 @@ def step_batches(recipe, data_parallel: int, start_step: int, end_step: int, out
     for row, i in enumerate(ids):
         out[row] = samples[int(i)][0]
     return out
+
+
+def check_data_parallel_keeps_batch(recipe, data_parallel: int) -> None:
+    """A config's train_batch_size (GPT-NeoX's) holds for the batches as for the launch: refuse a --data-parallel
+    at which micro × accumulation misses it (GPT-NeoX's run never had those steps)."""
+    from neox_hf.errors import UsageError
+    from neox_hf.recipe import accumulation_for_train_batch, data_parallel_for_train_batch, train_batch_disagreement
+
+    t = recipe.train
+    disagreement = train_batch_disagreement(t, data_parallel)
+    if disagreement is None:
+        return
+    fixes = [f"pass --data-parallel {data_parallel_for_train_batch(t)}"]
+    accumulation = accumulation_for_train_batch(t, data_parallel)
+    if accumulation is not None:
+        fixes.append(f"add a recipe file with `train: {{gradient_accumulation_steps: {accumulation}}}` after the "
+                     "config (as the run passed --train.gradient_accumulation_steps)")
+    raise UsageError(f"--data-parallel {data_parallel}: {disagreement}: {', or '.join(fixes)}")
 
 
 def _check_step_range(data_parallel: int, start_step: int, end_step: int) -> None:
@@ -115,6 +131,7 @@ def _check_room(shape: tuple[int, int], folder: Path, start_step: int, end_step:
 def run_batches(args) -> int:
     recipe = recipe_for_batches(args.config, args.data_path, args.vocab_file, args.order)
     _check_step_range(args.data_parallel, args.start_step, args.end_step)
+    check_data_parallel_keeps_batch(recipe, args.data_parallel)
     shape = output_shape(recipe, args.data_parallel, args.start_step, args.end_step)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 from pathlib import Path
 
 from neox_hf.errors import NeoXHFError, print_to_stderr
@@ -139,7 +140,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def train_main(argv: list[str] | None = None) -> int:
-    """`run_clm_neox.py` and `neox_hf train`: parse → (print config | train). Bad input exits 2 with the message."""
+    """`run_clm_neox.py` and `neox_hf train`: parse → (print config | train). Bad input exits 2 with the message; a run
+    stopped by SIGTERM / SIGUSR1 exits 75 after its checkpoint (neox_hf.train.preemption). A rank of a multi-process
+    run that fails says so in one line naming itself and exits at once (docs/reliability.md)."""
     from neox_hf.recipe.args import USAGE, parse_run_args
 
     argv = sys.argv[1:] if argv is None else argv
@@ -159,13 +162,28 @@ def train_main(argv: list[str] | None = None) -> int:
         return 0
     from neox_hf.plan import gpu_memory_warnings
     from neox_hf.train.loop import train
+    from neox_hf.train.preemption import (PREEMPTED_EXIT_STATUS, Preempted, end_rank, lost_a_peer, rank_prefix,
+                                          several_ranks)
 
     try:
         train(args.recipe, notices=args.notices, overwrite=args.overwrite, startup_warnings=gpu_memory_warnings)
+    except Preempted as stopped:
+        print_to_stderr(f"\n{rank_prefix()}{stopped}")
+        return end_rank(PREEMPTED_EXIT_STATUS)
     except NeoXHFError as err:
         # A failure mid-run leaves the progress bar's line open (it ends in \r): start the error on a line of its own.
-        print_to_stderr(f"\nerror: {err}")
-        return 2
+        print_to_stderr(f"\nerror: {rank_prefix()}{err}")
+        return end_rank(2)
+    except Exception as err:
+        if not several_ranks():
+            raise  # one process: the traceback, as Python ends it
+        if lost_a_peer(err):  # not this rank's failure: the rank that ended has said why
+            print_to_stderr(f"\n{rank_prefix()}stopped: another rank ended (its own line says why): "
+                            f"{str(err).splitlines()[0][:200]}")
+        else:
+            traceback.print_exc()
+            print_to_stderr(f"error: {rank_prefix()}{type(err).__name__}: {err}")
+        return end_rank(1)
     return 0
 
 

@@ -10,8 +10,9 @@ Gaps filled over peft:
   embedding, so we pass False and stay offline.
 - merging writes a stock GPTNeoX folder (`architectures: ["GPTNeoXForCausalLM"]`) with the tokenizer, via
   `save_hf_folder`, and bad folders raise `CheckpointError` instead of a deep OSError / size-mismatch trace.
-- peft merges an adapter into any base of the same shapes; we refuse a base other than the one adapter_config.json
-  records (`base_model_name_or_path`) unless forced.
+- peft merges an adapter into any base of the same shapes; we compare the base with the one adapter_config.json
+  records (`base_model_name_or_path`), by config and weights where that base is here, and refuse another model unless
+  forced.
 
 Loading a folder for inference (full model or base + adapter) lives in `neox_hf.inference`.
 """
@@ -195,32 +196,77 @@ def merge_adapter(base_path, adapter_path, out_dir, *, force: bool = False, noti
 
 
 def check_adapter_base(base_path, adapter_path, *, force: bool = False) -> str | None:
-    """Refuse to merge an adapter into a base other than the one its adapter_config.json records (peft merges any
-    base of the same shapes, silently giving a model nobody trained). Returns a note when nothing can be compared
-    (no base recorded) or when `force` overrides a mismatch; None when the bases agree."""
-    recorded = _recorded_base(Path(adapter_path))
+    """Refuse to merge an adapter into a model other than the one it was trained on (peft merges any base of the same
+    shapes, silently giving a model nobody trained), comparing models, not paths.
+
+    The base its adapter_config.json records (`base_model_name_or_path`) is looked for locally: that folder, or that
+    Hub id in the Hugging Face cache (never downloaded). Found, it is compared with `base_path` by architecture and
+    shapes (config.json) and by a fingerprint of every weight: the same model at another path merges (with a note),
+    another one is refused naming the first tensor that differs. Not found, only what the adapter itself shows can be
+    checked (its LoRA tensors' shapes against the base's weights): a base of that name merges with a note saying the
+    weights went unchecked, another name is refused. `force` merges anyway, with a note. Returns a note, or None when
+    the base is the recorded folder itself."""
+    adapter, base = Path(adapter_path), Path(base_path)
+    adapter_config = _adapter_config(adapter)
+    recorded = adapter_config.get("base_model_name_or_path")
     if not recorded:
         return f"{adapter_path}/{ADAPTER_CONFIG} records no base model; merged into {base_path} unchecked"
-    if _same_base(recorded, Path(base_path)):
-        return None
+    trained_on = _local_base(recorded, adapter_config.get("revision"))
+    if trained_on is not None:
+        if trained_on.resolve() == base.resolve():  # one folder however spelled (relative, `..`, symlinks)
+            return None
+        difference = model_difference(trained_on, base)
+        if difference is None:
+            return (f"adapter {adapter_path} was trained on {recorded}; {base_path} is the same model (architecture, "
+                    "shapes and every weight compared)")
+        if force:
+            return f"--force: adapter {adapter_path}, trained on {recorded}, merged into {base_path} ({difference})"
+        raise CheckpointError(f"adapter {adapter_path} was trained on {recorded}, and {base_path} is another model: "
+                              f"{difference}; merge it into {recorded}, or pass --force to merge it into this one")
+    misfit = _adapter_class_misfit(adapter_config, base) or _adapter_shape_misfit(adapter, base)
+    if misfit is not None:  # no base of any name takes it; peft would stop on a size mismatch
+        raise CheckpointError(f"adapter {adapter_path} does not fit base model {base_path}: {misfit}; use the base "
+                              f"model the adapter was trained on ({recorded})")
+    unreachable = (f"{recorded}, the base the adapter records, is not here (no such folder, not in the Hugging Face "
+                   "cache; nothing is downloaded), so the weights cannot be compared")
+    if _same_name(recorded, base):
+        return f"{unreachable}: {base_path} has its name and the adapter's shapes, merged on that"
     if force:
-        return f"--force: adapter {adapter_path}, trained on {recorded}, merged into {base_path}"
-    raise CheckpointError(f"adapter {adapter_path} was trained on {recorded} (its {ADAPTER_CONFIG} "
-                          f"base_model_name_or_path), not on {base_path}; merge it into that base, or pass --force if "
-                          "both are the same model")
+        return f"--force: adapter {adapter_path}, trained on {recorded}, merged into {base_path} ({unreachable})"
+    raise CheckpointError(f"adapter {adapter_path} was trained on {recorded}, not on {base_path}: {unreachable}; "
+                          f"merge it into a copy of {recorded}, or pass --force if both are the same model")
 
 
-def _recorded_base(adapter: Path) -> str | None:
+def _adapter_config(adapter: Path) -> dict:
     config_file = adapter / ADAPTER_CONFIG
     try:
-        return json.loads(config_file.read_text()).get("base_model_name_or_path")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{config_file} is not a JSON object ({err}); save the adapter again") from err
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file} is not a JSON object; save the adapter again")
+    return config
 
 
-def _same_base(recorded: str, base: Path) -> bool:
-    if Path(recorded).exists():
-        return Path(recorded).resolve() == base.resolve()  # one folder however spelled (relative, `..`, symlinks)
+def _local_base(recorded: str, revision: str | None = None) -> Path | None:
+    """The recorded base's folder here: the path itself, or the Hub id's snapshot in the Hugging Face cache (looked up,
+    never downloaded); None where neither holds a model (a config.json and its weights) to compare."""
+    folder = Path(recorded)
+    if not (folder / "config.json").is_file():
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(recorded, "config.json", revision=revision)
+        except ValueError:  # not a Hub id either (e.g. an absolute path of another machine): huggingface_hub refuses it
+            return None
+        if not isinstance(cached, str):
+            return None
+        folder = Path(cached).parent
+    has_weights = _weight_files(folder, "model.safetensors") or _weight_files(folder, "pytorch_model.bin")
+    return folder if has_weights else None
+
+
+def _same_name(recorded: str, base: Path) -> bool:
     # A Hub id (or a folder of another machine): the base is that name, a Hub cache snapshot of it, or a folder of
     # that name (what `huggingface-cli download ID --local-dir NAME` and copies between machines give).
     return recorded in (str(base), _hub_cache_repo_id(base)) or Path(recorded).name == base.resolve().name
@@ -234,6 +280,130 @@ def _hub_cache_repo_id(folder: Path) -> str | None:
     return None
 
 
+# config.json keys that make two models' architecture and shapes differ (the weights' fingerprint covers the rest)
+ARCHITECTURE_KEYS = ("model_type", "architectures", "vocab_size", "hidden_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "intermediate_size", "tie_word_embeddings",
+                     "rotary_pct", "use_parallel_residual", "hidden_act")
+
+
+def model_difference(first: Path, second: Path) -> str | None:
+    """None when the two model folders hold the same model: the same architecture and shapes in config.json and the
+    same value in every weight (dtypes aside); else what differs first, naming the key or tensor."""
+    configs = [_config(folder) for folder in (first, second)]
+    for key in ARCHITECTURE_KEYS:
+        if configs[0].get(key) != configs[1].get(key):
+            return f"config.json {key} is {configs[0].get(key)!r} in {first}, {configs[1].get(key)!r} in {second}"
+    fingerprints = [weight_fingerprint(folder) for folder in (first, second)]
+    for name in sorted(fingerprints[0].keys() | fingerprints[1].keys()):
+        here, there = (f.get(name) for f in fingerprints)
+        if here is None or there is None:
+            return f"tensor {name} is only in {first if there is None else second}"
+        if here[0] != there[0]:
+            return f"tensor {name} has shape {list(here[0])} in {first}, {list(there[0])} in {second}"
+        if here[1] != there[1]:
+            return f"tensor {name} holds other values in {second} than in {first}"
+    return None
+
+
+def _config(folder: Path) -> dict:
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"cannot read {folder}/config.json ({err}); save or download the model again") from err
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{folder}/config.json is not a JSON object; save or download the model again")
+    return config
+
+
+def weight_fingerprint(folder: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """tensor name → (shape, digest of its fp32 values) of a model folder's weights, streamed one tensor at a time
+    (safetensors, sharded or not; a pytorch_model.bin memory-mapped). fp32 values: a bf16 copy saved as fp32 is the
+    same model."""
+    import hashlib
+
+    def digest(tensor: torch.Tensor) -> tuple[tuple[int, ...], str]:
+        data = tensor.detach().to(torch.float32).contiguous().numpy().tobytes()
+        return tuple(tensor.shape), hashlib.blake2b(data, digest_size=16).hexdigest()
+
+    fingerprint = {}
+    safetensors_files = _weight_files(folder, "model.safetensors")
+    if safetensors_files:
+        from safetensors import safe_open
+
+        for path in safetensors_files:
+            try:
+                with safe_open(str(path), framework="pt") as stored:
+                    for name in stored.keys():
+                        fingerprint[name] = digest(stored.get_tensor(name))
+            except Exception as err:  # safetensors raises its own error type for a truncated file
+                raise CheckpointError(f"cannot read {path}: {err}; save or download the model again") from err
+        return fingerprint
+    for path in _weight_files(folder, "pytorch_model.bin"):
+        try:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as err:  # a pickle naming code, or a truncated file
+            raise CheckpointError(f"cannot read {path} ({type(err).__name__}); save the model as safetensors") from err
+        fingerprint.update((name, digest(tensor)) for name, tensor in state.items())
+    if not fingerprint:
+        raise CheckpointError(f"model folder {folder} has no weights (model.safetensors or pytorch_model.bin); save "
+                              "or download the model again")
+    return fingerprint
+
+
+def _weight_files(folder: Path, name: str) -> list[Path]:
+    """`name` in `folder`, or the shards its `name`.index.json lists (save_pretrained's sharded form)."""
+    index = folder / f"{name}.index.json"
+    if index.is_file():
+        return [folder / shard for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [folder / name] if (folder / name).is_file() else []
+
+
+def _adapter_class_misfit(adapter_config: dict, base: Path) -> str | None:
+    """The model class peft recorded for the adapter's base (`auto_mapping.base_model_class`) where the base's
+    config.json names other architectures; None when they agree or either is silent."""
+    trained = (adapter_config.get("auto_mapping") or {}).get("base_model_class")
+    architectures = _config(base).get("architectures") or []
+    if trained and architectures and trained not in architectures:
+        return f"it was trained on a {trained}, the base is a {' / '.join(map(str, architectures))}"
+    return None
+
+
+def _adapter_shape_misfit(adapter: Path, base: Path) -> str | None:
+    """The first LoRA tensor of the adapter that no weight of the base takes (lora_A is [r, in], lora_B [out, r] of
+    the base's [out, in] weight), None when every one fits; from the files' headers, nothing is loaded."""
+    from safetensors import safe_open
+
+    weights = adapter / ADAPTER_WEIGHTS
+    shapes = _base_weight_shapes(base)
+    if not weights.is_file() or shapes is None:  # loading reports a missing file, or checks a .bin base
+        return None
+    with safe_open(str(weights), framework="pt") as stored:
+        for name in sorted(stored.keys()):
+            module, _, kind = name.removeprefix("base_model.model.").rpartition(".lora_")
+            if not module:
+                continue
+            target = shapes.get(f"{module}.weight")
+            shape = stored.get_slice(name).get_shape()
+            if target is None:
+                return f"its {name} finds no weight {module}.weight in the base"
+            if (kind.startswith("A") and shape[1] != target[1]) or (kind.startswith("B") and shape[0] != target[0]):
+                return f"its {name} has shape {list(shape)}, the base's {module}.weight {list(target)}"
+    return None
+
+
+def _base_weight_shapes(folder: Path) -> dict[str, list[int]] | None:
+    from safetensors import safe_open
+
+    files = _weight_files(folder, "model.safetensors")
+    if not files:
+        return None
+    shapes = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as stored:
+            shapes.update((name, stored.get_slice(name).get_shape()) for name in stored.keys())
+    return shapes
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # `neox_hf merge BASE ADAPTER OUT`
 # ----------------------------------------------------------------------------------------------------------------
@@ -244,7 +414,8 @@ def add_merge_arguments(parser) -> None:
     parser.add_argument("adapter", help="adapter folder (adapter_config.json + adapter_model.safetensors)")
     parser.add_argument("out", help="output folder for the merged GPTNeoX model")
     parser.add_argument("--force", action="store_true",
-                        help="merge even when the adapter's adapter_config.json records another base model")
+                        help="merge even into another model than the base the adapter's adapter_config.json "
+                             "records, or when that base is not here to compare")
 
 
 def run_merge(args) -> int:

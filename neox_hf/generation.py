@@ -18,7 +18,7 @@ from typing import Iterable, Iterator, TextIO
 import torch
 from transformers import set_seed
 
-from neox_hf.errors import DataError, UsageError
+from neox_hf.errors import DataError, UsageError, print_to_stderr
 from neox_hf.inference import load_for_inference
 from neox_hf.io import atomic_path
 
@@ -54,9 +54,14 @@ def generate_text(model_path, prompts: list[str], *, max_new_tokens: int = 64, t
 
 
 def complete_all(model, tokenizer, prompts: Iterable[str], sampling: Sampling) -> Iterator[Completion]:
-    """Completions one prompt at a time (lazy, so interactive mode answers each line as it comes)."""
-    for index, prompt in enumerate(prompts):
-        yield complete(model, tokenizer, prompt, sampling, seed=sampling.seed + index)
+    """Completions one prompt at a time (lazy, so interactive mode answers each line as it comes); refused at once
+    when --max-new-tokens leaves no room for a prompt in the model's context."""
+    context = model.config.max_position_embeddings
+    if sampling.max_new_tokens >= context:  # generation would run past the positions the model was trained on
+        raise UsageError(f"--max-new-tokens {sampling.max_new_tokens} leaves no room for a prompt in the model's "
+                         f"context of {context} positions (max_position_embeddings); give at most {context - 1}")
+    return (complete(model, tokenizer, prompt, sampling, seed=sampling.seed + index)
+            for index, prompt in enumerate(prompts))
 
 
 @torch.no_grad()
@@ -80,7 +85,11 @@ def _context_ids(model, tokenizer, prompt: str, max_new_tokens: int) -> torch.Te
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
     if not ids:
         ids = [tokenizer.eos_token_id]
-    room = max(model.config.max_position_embeddings - max_new_tokens, 1)
+    context = model.config.max_position_embeddings
+    room = max(context - max_new_tokens, 1)  # complete_all refuses more new tokens than the context holds
+    if len(ids) > room:
+        print_to_stderr(f"note: a prompt of {len(ids)} tokens keeps its last {room}: with --max-new-tokens "
+                        f"{max_new_tokens} that fills the model's context of {context} positions")
     return torch.tensor([ids[-room:]], dtype=torch.long, device=model.device)
 
 

@@ -20,6 +20,7 @@ from neox_hf.errors import CheckpointError, UsageError
 from neox_hf.model.vocab import check_vocab_covers_tokenizer
 from neox_hf.data.tokenizer import load_tokenizer
 from neox_hf.io import folder_refusal_message, is_weights_only_refusal
+from neox_hf.model.folder import from_pretrained_whole
 
 if TYPE_CHECKING:  # imported where an adapter is loaded: peft costs every process ~1.4 s of start-up
     from peft import PeftModel
@@ -55,7 +56,9 @@ def load_base_model(path) -> GPTNeoXForCausalLM:
     folder = check_model_folder(path)
     try:
         # the stock class of the folder's model_type (GPTNeoX, Llama or Mistral; checked above), no remote code
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=False)
+        return from_pretrained_whole(AutoModelForCausalLM, folder, dtype=torch.float32, trust_remote_code=False)
+    except CheckpointError:  # weights missing from a folder that loaded: its own line, not wrapped below
+        raise
     except Exception as err:  # OSError, ValueError, RuntimeError, or safetensors' own error for a truncated file
         if is_weights_only_refusal(err):  # a pickled weights file naming code: say which, not torch's advice page
             raise CheckpointError(folder_refusal_message(folder, err)) from err

@@ -45,6 +45,7 @@ import json
 import math
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 GIB = 2**30
 RESERVED_BYTES = 1 * GIB  # CUDA context, NCCL buffers and allocator slack: not available to tensors
@@ -127,9 +128,11 @@ class Assumptions:
     dp_bandwidth: float = DP_BANDWIDTH
     tp_bandwidth: float = TP_BANDWIDTH
     reserved_bytes: int = RESERVED_BYTES
+    mfu_source: str = "assumed; `--mfu-from RUN_DIR` takes a run's measured MFU"
 
     def describe(self) -> str:
-        return (f"step time: model FLOPs at MFU {self.mfu:.0%} of {self.gpu} {self.peak_flops / 1e12:.0f} TFLOP/s, "
+        return (f"step time: model FLOPs at MFU {self.mfu:.0%} ({self.mfu_source}) of {self.gpu} "
+                f"{self.peak_flops / 1e12:.0f} TFLOP/s, "
                 f"data-parallel traffic at {self.dp_bandwidth / 1e9:.0f} GB/s, tensor-parallel at "
                 f"{self.tp_bandwidth / 1e9:.0f} GB/s per GPU; fits: total ≤ GPU memory − "
                 f"{self.reserved_bytes / GIB:.0f} GiB (CUDA context, NCCL)")
@@ -148,6 +151,7 @@ class Plan:
     assumptions: Assumptions = field(default_factory=Assumptions)
     precision: str = "fp32"
     deepspeed: bool = True
+    leanest: LayoutPlan | None = None  # of the layouts considered, the one whose largest stage needs least memory
 
     def to_dict(self) -> dict:
         return {"gpus": self.gpus, "gpu_memory_bytes": self.gpu_memory_bytes, "precision": self.precision,
@@ -530,11 +534,20 @@ def recipe_precision(recipe) -> str:
 
 
 def recipe_layout(recipe, gpus: int | None = None) -> Layout:
+    """The recipe's layout on `gpus`. A recipe with a train_batch_size (GPT-NeoX's) keeps it: without `gpus` on the
+    data-parallel size that reaches it, on `gpus` with the accumulation that does (`check_gpus_hold_layout` refuses
+    a count where none does)."""
+    from neox_hf.recipe import accumulation_for_train_batch, data_parallel_for_train_batch
+
     p, t = recipe.parallel, recipe.train
     model_parallel = p.pipeline_parallel * p.tensor_parallel
-    return Layout(p.pipeline_parallel, p.tensor_parallel, max(1, (gpus or model_parallel) // model_parallel),
-                  p.zero_stage, t.micro_batch_size, t.gradient_accumulation_steps, p.activation_checkpointing,
-                  p.sequence_parallel, p.backend, p.dp_replicate)
+    if gpus is None:
+        dp = data_parallel_for_train_batch(t) or 1
+    else:
+        dp = max(1, gpus // model_parallel)
+    accumulation = accumulation_for_train_batch(t, dp) or t.gradient_accumulation_steps
+    return Layout(p.pipeline_parallel, p.tensor_parallel, dp, p.zero_stage, t.micro_batch_size, accumulation,
+                  p.activation_checkpointing, p.sequence_parallel, p.backend, p.dp_replicate)
 
 
 def engine_for(recipe, layout: Layout, precision: str) -> Engine:
@@ -592,7 +605,9 @@ def _sequence_parallel_options(pp: int, tp: int, seq: int) -> tuple[bool, ...]:
 
 
 def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """The divisors of n, ascending, in √n steps (`--gpus 1000000000` counted to a billion: 242 s)."""
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return small + [n // k for k in reversed(small) if k * k != n]
 
 
 def plan_for_recipe(recipe, gpus: int | None = None, gpu_memory_bytes: int | None = None, *, top: int = 10,
@@ -609,11 +624,13 @@ def plan_for_recipe(recipe, gpus: int | None = None, gpu_memory_bytes: int | Non
                 deepspeed=engine_for(recipe, own_layout, precision).deepspeed)
     if gpus is None:
         return plan
-    global_batch = own_layout.micro_batch * own_layout.gradient_accumulation_steps * own_layout.data
+    global_batch = (recipe.train.train_batch_size  # a GPT-NeoX config's batch: every layout proposed keeps it
+                    or own_layout.micro_batch * own_layout.gradient_accumulation_steps * own_layout.data)
     plans = [plan_layout(recipe, shape, layout, precision, assumptions, gpu_memory_bytes)
              for layout in candidate_layouts(recipe, shape, gpus, global_batch)]
     fitting = [p for p in plans if p.fits is not False]
     plan.considered, plan.fitting = len(plans), len(fitting)
+    plan.leanest = min(plans, key=lambda p: p.largest_stage.total, default=None)
     plan.ranked = sorted(fitting, key=lambda p: (p.step_seconds, p.largest_stage.total))[:top]
     return plan
 
@@ -676,6 +693,9 @@ def _add_options(parser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     parser.add_argument("--top", type=int, default=10, help="how many fitting layouts to list (default 10)")
     parser.add_argument("--mfu", type=float, default=DEFAULT_MFU, help=f"assumed MFU (default {DEFAULT_MFU})")
+    parser.add_argument("--mfu-from", default=None, metavar="RUN",
+                        help="take the MFU a run measured: its output folder (or train_log.jsonl: the median of its "
+                             "logged `mfu`), or benchmarks/gpu_profile.sh's matrix.md (neox_hf's datasheet MFU)")
     parser.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU whose datasheet peak sets the time (default {DEFAULT_GPU})")
 
 
@@ -717,8 +737,61 @@ def _plan_from_options(args, recipe_argv: list[str]) -> Plan:
     check_gpus_hold_layout(recipe, args.gpus)
     memory = None if args.gpu_memory is None else int(args.gpu_memory * GIB)
     # planned for GPUs elsewhere: `auto` is bf16 on every GPU with a datasheet peak here (compute capability ≥ 8)
-    return plan_for_recipe(recipe, args.gpus, memory, top=args.top, assumptions=assumptions_for(args.gpu, args.mfu),
-                           precision="bf16")
+    assumptions = assumptions_for(args.gpu, args.mfu)
+    if args.mfu_from is not None:
+        assumptions.mfu, assumptions.mfu_source = measured_mfu(args.mfu_from)
+    plan = plan_for_recipe(recipe, args.gpus, memory, top=args.top, assumptions=assumptions, precision="bf16")
+    check_some_layout_fits(plan)
+    return plan
+
+
+def check_some_layout_fits(plan: Plan) -> None:
+    """UsageError saying why, when `--gpus` was given and no layout fits (a table of "the 0 fastest" said nothing)."""
+    from neox_hf.errors import UsageError
+
+    if plan.gpus is None or plan.ranked:
+        return
+    if plan.leanest is None:
+        raise UsageError(f"no layout splits the recipe over {plan.gpus} GPUs: pipeline stages must not outnumber the "
+                         "layers, tensor parallel must divide the attention heads and data parallel the global batch; "
+                         "give another --gpus")
+    lean = plan.leanest
+    raise UsageError(f"none of the {plan.considered} layouts on {plan.gpus} GPUs fits in {_gib(plan.gpu_memory_bytes)} "
+                     f"GiB per GPU: the leanest ({describe_layout(lean.layout)}) needs "
+                     f"{_gib(lean.largest_stage.total)} GiB on its largest rank; give more --gpu-memory or more --gpus, or a smaller model")
+
+
+def measured_mfu(source: str) -> tuple[float, str]:
+    """(MFU, where it was measured) from a run's train_log.jsonl (the median of the MFU of its logged windows, each
+    against the peak its start-up report names: the datasheet's on a known GPU) or from gpu_profile.sh's matrix table
+    (the `neox_hf train(recipe)` row's datasheet MFU)."""
+    from neox_hf.errors import UsageError
+
+    path = Path(source)
+    if path.suffix == ".md" and path.is_file():
+        for line in path.read_text().splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) > 7 and cells[2] == "neox_hf train(recipe)" and cells[7].endswith("%"):
+                return float(cells[7].rstrip("%")) / 100, f"measured on the device: {source}, {cells[0]} {cells[1]}"
+        raise UsageError(f"--mfu-from {source}: no `neox_hf train(recipe)` row with a datasheet MFU in it; give "
+                         "benchmarks/gpu_profile.sh's matrix.md from a GPU run, or a run's output folder")
+    log = path / "train_log.jsonl" if path.is_dir() else path
+    if not log.is_file():
+        raise UsageError(f"--mfu-from {source}: neither a run folder with train_log.jsonl nor a matrix.md; give the "
+                         "output.dir of a run on the GPUs you plan for")
+    values = []
+    for line in log.read_text().splitlines():
+        try:
+            value = json.loads(line).get("mfu")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(value, (int, float)) and 0 < value <= 1:
+            values.append(float(value))
+    if not values:
+        raise UsageError(f"--mfu-from {source}: {log} logs no `mfu`; a run logs it at each log interval once its "
+                         "model shape and device peak are known")
+    values.sort()
+    return values[len(values) // 2], f"measured by {source}: the median of {len(values)} logged windows"
 
 
 def assumptions_for(gpu: str, mfu: float) -> Assumptions:
@@ -734,10 +807,21 @@ def assumptions_for(gpu: str, mfu: float) -> Assumptions:
 def check_gpus_hold_layout(recipe, gpus: int | None) -> None:
     from neox_hf.errors import UsageError
 
+    from neox_hf.recipe import accumulation_for_train_batch, data_parallel_for_train_batch
+
     need = recipe.parallel.pipeline_parallel * recipe.parallel.tensor_parallel
     if gpus is not None and gpus % need:
         raise UsageError(f"--gpus {gpus} cannot hold the recipe's layout (pipeline {recipe.parallel.pipeline_parallel} "
                          f"× tensor {recipe.parallel.tensor_parallel} = {need} per replica); give a multiple of {need}")
+    t = recipe.train
+    if gpus is not None and t.train_batch_size is not None and accumulation_for_train_batch(t, gpus // need) is None:
+        dp, per_replica = gpus // need, f" (× {need} per replica)" if need > 1 else ""
+        raise UsageError(f"--gpus {gpus}: train_batch_size {t.train_batch_size} is not micro batch "
+                         f"{t.micro_batch_size} × any gradient_accumulation_steps × {dp} data-parallel processes, so "
+                         f"the recipe's layout cannot keep the config's batch on {gpus} GPUs; give --gpus "
+                         f"{data_parallel_for_train_batch(t) * need} (a data-parallel size dividing "
+                         f"{t.train_batch_size // t.micro_batch_size}{per_replica}), or another "
+                         "--train.micro_batch_size")
 
 
 def describe_layout(layout: Layout) -> str:

@@ -138,6 +138,34 @@ def runs_sharing_one_process_group():
             dist.destroy_process_group()
 
 
+class HostReads:
+    """A dispatch mode counting the ops that copy a device value to the host (`.item()`, `int(t)`, `bool(t)`,
+    `nonzero`, `masked_select`: on a GPU each waits for every kernel queued before it). Runs on CPU too: the op is
+    dispatched whatever the device, so a CPU run counts the syncs a GPU run would pay."""
+
+    OPS = ("_local_scalar_dense", "nonzero", "is_nonzero", "masked_select", "unique", "repeat_interleave")
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.counts: dict[str, int] = {}
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.__name__.split(".")[0]
+                if name in HostReads.OPS:
+                    self.counts[name] = self.counts.get(name, 0) + 1
+                return func(*args, **(kwargs or {}))
+
+            @property
+            def total(self) -> int:
+                return sum(self.counts.values())
+
+        return _Mode()
+
+
 @pytest.fixture
 def fresh_accelerate_state():
     yield

@@ -4,7 +4,8 @@ Single-GPU training of recipes/tiny.yaml (bf16, as `auto` decides on a GPU) and 
 and in fp16 with DeepSpeed's loss scaler forced to overflow; the fused linear + cross-entropy against the unfused
 head (values and peak memory); sdpa (and flash-attention 2 where installed) on packed, isolated documents against
 eager attention; DeepSpeed ZeRO-1 on one GPU against the plain run; kill -9 and resume against the uninterrupted
-run; `neox_hf export` of a ZeRO-1 checkpoint loaded by stock transformers. The CPU versions of these checks are in
+run; `neox_hf export` of a ZeRO-1 checkpoint loaded by stock transformers; FP8 training where the GPU has FP8
+tensor cores and Transformer Engine is installed (not yet run on such a GPU). The CPU versions of these checks are in
 tests/test_train.py, test_fused_cross_entropy.py, test_data_batching.py, test_zero_equivalence.py, test_resume.py.
 
 Skipped where torch sees no GPU. NEOX_HF_TEST_DEVICE=cpu runs every body on CPU instead (smaller shapes where a
@@ -145,6 +146,20 @@ def test_tiny_recipe_trains_in_bf16_on_one_gpu_and_stock_transformers_generates_
     assert generated.shape[1] == prompt["input_ids"].shape[1] + 10
 
 
+FP8_GPU = (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+           and importlib.util.find_spec("transformer_engine") is not None)
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="needs a GPU with FP8 tensor cores (compute capability ≥ 8.9) and "
+                                        "Transformer Engine; elsewhere tests/test_fp8.py checks the refusal")
+def test_tiny_recipe_trains_in_fp8_where_the_gpu_has_fp8(tmp_path, capsys):
+    """`train.precision: fp8` runs accelerate's Transformer Engine recipe (the start-up report says so) and learns."""
+    out = in_process_run(*tiny_run_args(tmp_path / "fp8", "--train.precision", "fp8"), capsys=capsys)
+    assert "FP8 matmuls" in out
+    losses = step_losses(tmp_path / "fp8")
+    assert all(math.isfinite(v) for v in losses.values()) and losses[max(losses)] < losses[min(losses)], losses
+
+
 def pythia_160m_args(out: Path, steps: int, *extra: str) -> list:
     """recipes/pythia-160m.yaml (ZeRO-1, activation checkpointing) on the bundled text, `steps` long, its cosine
     schedule fitted to them (the recipe decays over 143,000)."""
@@ -233,6 +248,70 @@ def test_fused_cross_entropy_equals_the_unfused_head_in_less_memory(dtype, tol, 
     for got, want in ((d_hidden, reference[2]), (d_weight, reference[3])):
         assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
     assert fused_bytes < unfused_bytes / 2, (fused_bytes, unfused_bytes)
+
+
+@pytest.mark.parametrize("kernel", ["liger", "cce"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+def test_library_loss_kernels_equal_the_unfused_head(kernel, dtype, tol, fp32_matmuls):
+    """`train.loss_kernel: liger | cce` (what `auto` picks on a GPU where installed): the library's sums equal the
+    unfused head's, loss and both gradients, with the z-loss where the library computes it (Liger)."""
+    from neox_hf.ops.library_loss import LIBRARIES, installed
+
+    if not ON_GPU:
+        pytest.skip("Triton kernels: CUDA only (the choice of kernel is tested everywhere in test_loss_kernel.py)")
+    if not installed(kernel):
+        pytest.skip(f"{LIBRARIES[kernel]} is not installed (`pip install -e \".[gpu]\"`)")
+    z_loss = 1e-4 if kernel == "liger" else 0.0
+    hidden, weight, labels = random_case(0, 4096, 768, 50304)
+    hidden, weight, labels = hidden.to(DEVICE, dtype), weight.to(DEVICE, dtype), labels.to(DEVICE)
+
+    loss, count, d_hidden, d_weight = loss_and_grads(_library_leaf(kernel), hidden, weight, labels, z_loss=z_loss)
+    reference = loss_and_grads(unfused, hidden, weight, labels, z_loss=z_loss)
+    assert count.item() == int((labels != -100).sum())
+    assert abs(loss.item() - reference[0].item()) <= tol * abs(reference[0].item())
+    for got, want in ((d_hidden, reference[2]), (d_weight, reference[3])):
+        assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+
+
+def _library_leaf(kernel):
+    """`library_head_loss` as a function of (hidden, weight, labels), the weight a leaf whose .grad is kept."""
+    from neox_hf.ops.library_loss import library_head_loss
+
+    class _Head(torch.nn.Module):  # a bias-free linear whose weight IS the given tensor
+        def __init__(self, weight):
+            super().__init__()
+            self.weight, self.bias = weight, None
+
+    def loss(hidden, weight, labels, z_loss=0.0):
+        return library_head_loss(kernel, _Head(weight), hidden, labels, z_loss=z_loss)
+
+    return loss
+
+
+def test_a_training_step_never_waits_for_the_host(tmp_path, on_device):
+    """The host-read audit of test_host_syncs.py on the GPU: under `torch.cuda.set_sync_debug_mode("error")` the
+    steps between log steps of a bf16 run of the tiny recipe (fused loss, packed documents kept apart) raise on any
+    synchronising call; the start-up, log steps and the final save are outside the guarded window."""
+    if not ON_GPU:
+        pytest.skip("CUDA's sync debug mode (the CPU audit is test_host_syncs.py)")
+    from neox_hf.train import loop
+
+    original = loop._advance_schedule
+
+    def guarded_step(run, state, result):
+        torch.cuda.set_sync_debug_mode("error" if state.step % 4 not in (0, 3) else "default")
+        return original(run, state, result)
+
+    loop._advance_schedule = guarded_step
+    try:
+        from neox_hf.cli import train_main
+
+        assert train_main([str(REPO / "recipes" / "tiny.yaml"), "--train.train_iters", "12", "--train.log_interval",
+                           "4", "--train.save_interval", "1000", "--train.eval_interval", "1000",
+                           "--data.isolate_documents", "true", "--output.dir", str(tmp_path / "out")]) == 0
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        loop._advance_schedule = original
 
 
 @pytest.fixture(scope="module")

@@ -252,6 +252,95 @@ def test_merge_compares_a_recorded_hub_id_by_name_and_proceeds_without_one(base,
     assert "records no base model" in capsys.readouterr().out
 
 
+def _stock_peft_adapter(base_folder, out) -> tuple[Path, torch.Tensor]:
+    """A LoRA adapter trained with stock peft (get_peft_model, a few AdamW steps) on `base_folder`, saved in `out`
+    (adapter_config.json records `base_folder`), and its base + adapter logits on the test batch."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(3)
+    model = get_peft_model(GPTNeoXForCausalLM.from_pretrained(base_folder),
+                           LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["query_key_value", "dense"]))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    batch = _batch(vocab=50277)
+    for _ in range(3):
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(out)
+    with torch.no_grad():
+        return out, model.eval()(batch["input_ids"]).logits
+
+
+def _copy_of(base_folder, out) -> Path:
+    """The same weights saved at another path (what a copy between machines or a re-save gives)."""
+    GPTNeoXForCausalLM.from_pretrained(base_folder).save_pretrained(out)
+    return out
+
+
+def test_merge_compares_the_base_by_its_weights_not_its_path(base, tmp_path, capsys):
+    from neox_hf.cli import main
+
+    adapter, reference = _stock_peft_adapter(base, tmp_path / "adapter")
+    copy = _copy_of(base, tmp_path / "elsewhere" / "copy")
+    assert json.loads((adapter / finetune.ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == str(base)
+    capsys.readouterr()
+    assert main(["merge", str(copy), str(adapter), str(tmp_path / "merged")]) == 0
+    assert "is the same model" in capsys.readouterr().out
+    torch.testing.assert_close(_merged_logits(tmp_path / "merged"), reference, atol=1e-5, rtol=0)
+    # another model of the same shapes: refused in one line naming the first tensor that differs
+    other = make_tiny_folder(tmp_path / "other", seed=1)
+    capsys.readouterr()
+    assert main(["merge", str(other), str(adapter), str(tmp_path / "wrong")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    assert "tensor embed_out.weight holds other values" in err and str(other) in err, err  # first in name order
+    assert not (tmp_path / "wrong").exists()
+
+
+def test_merge_finds_a_recorded_hub_id_in_the_hub_cache_and_compares_weights(base, tmp_path, capsys, monkeypatch):
+    """An adapter trained on `EleutherAI/pythia-14m` from the Hugging Face cache: a folder of the same weights merges
+    whatever its name, a folder named like it with other weights is refused (a name is not a model)."""
+    import huggingface_hub.constants
+    from neox_hf.cli import main
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--EleutherAI--pythia-14m" / "snapshots" / ("0" * 40)
+    _copy_of(base, snapshot)
+    (cache / "models--EleutherAI--pythia-14m" / "refs").mkdir()
+    (cache / "models--EleutherAI--pythia-14m" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    adapter = _adapter_on(base, tmp_path / "adapter", recorded="EleutherAI/pythia-14m")
+    capsys.readouterr()
+    assert main(["merge", str(base), str(adapter), str(tmp_path / "merged")]) == 0
+    assert "is the same model" in capsys.readouterr().out
+    impostor = make_tiny_folder(tmp_path / "pythia-14m", seed=1)
+    capsys.readouterr()
+    assert main(["merge", str(impostor), str(adapter), str(tmp_path / "impostor")]) == 2
+    assert "holds other values" in capsys.readouterr().err
+
+
+def test_merge_checks_shapes_alone_when_the_recorded_base_is_not_here(tmp_path, capsys):
+    from neox_hf.cli import main
+
+    named = make_tiny_folder(tmp_path / "pythia-14m")  # the name the adapter records, whose weights nobody can check
+    adapter = _adapter_on(named, tmp_path / "adapter", recorded="EleutherAI/pythia-14m")
+    capsys.readouterr()
+    assert main(["merge", str(named), str(adapter), str(tmp_path / "merged")]) == 0
+    assert "weights cannot be compared" in capsys.readouterr().out
+    wide = _adapter_on(make_tiny_folder(tmp_path / "wide", hidden_size=128), tmp_path / "wide-adapter",
+                       recorded="EleutherAI/pythia-14m")
+    capsys.readouterr()
+    assert main(["merge", str(named), str(wide), str(tmp_path / "wide-merged"), "--force"]) == 2  # no base takes it
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lora_A.weight has shape [4, 128]" in err, err
+    # the model class peft records for the base (adapter_config.json auto_mapping) is the base's config too
+    config = json.loads((adapter / finetune.ADAPTER_CONFIG).read_text())
+    config["auto_mapping"] = {"base_model_class": "LlamaForCausalLM", "parent_library": "transformers"}
+    (adapter / finetune.ADAPTER_CONFIG).write_text(json.dumps(config))
+    assert main(["merge", str(named), str(adapter), str(tmp_path / "llama-merged")]) == 2
+    assert "trained on a LlamaForCausalLM, the base is a GPTNeoXForCausalLM" in capsys.readouterr().err
+
+
 def test_merge_without_base_folder_is_refused_before_training(tmp_path):
     recipe = lora_recipe(tmp_path, tmp_path / "run", model={"from_pretrained": None}, peft={"merge": True})
     with pytest.raises(RecipeError, match="model.from_pretrained"):

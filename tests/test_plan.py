@@ -225,3 +225,35 @@ def test_plan_reads_a_gpt_neox_config_written_here(tmp_path):
     mine = plan_for_recipe(_recipe(str(ours)), gpus=8).recipe_layout
     assert theirs.layout == mine.layout and mine.layout.pipeline == 2 and mine.layout.tensor == 2
     assert [s.model_states for s in theirs.stages] == [s.model_states for s in mine.stages]
+
+
+def test_plan_takes_the_mfu_a_run_measured_and_says_so(tmp_path, capsys):
+    """`--mfu-from RUN_DIR`: the median MFU of the run's logged windows replaces the assumed 40%, step times scale by
+    40% / measured, and the table names the run; the device run's matrix.md (gpu_profile.sh) works the same way."""
+    from neox_hf.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    logged = [0.31, 0.2, 0.25, None]  # None: a window logged before the peak was known
+    (run / "train_log.jsonl").write_text("".join(json.dumps({"step": 10 * (i + 1), "loss": 3.0,
+                                                            **({"mfu": m} if m is not None else {})}) + "\n"
+                                                for i, m in enumerate(logged)))
+    recipe = [str(REPO / "recipes/20b.yaml"), "--gpus", "96", "--gpu-memory", "80", "--json"]
+    assert main(["plan", *recipe]) == 0
+    assumed = json.loads(capsys.readouterr().out)
+    assert main(["plan", *recipe, "--mfu-from", str(run)]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["assumptions"]["mfu"] == 0.25 and "median of 3 logged windows" in measured["assumptions"]["mfu_source"]
+    own_assumed, own_measured = assumed["layouts"][0], measured["layouts"][0]
+    compute_share = own_measured["step_seconds"] / own_assumed["step_seconds"]
+    assert 1.0 < compute_share <= 0.4 / 0.25 + 1e-9  # compute slows by 40/25; communication does not change
+
+    matrix = tmp_path / "matrix.md"
+    matrix.write_text("| shape | precision | what | tokens/s | step ms | TFLOP/s | MFU | datasheet MFU | data wait ms | "
+                      "vs first |\n| 160m | bf16 | neox_hf train(recipe) | 300000 | 50.0 | 300.000 | 45.0% | 33.5% | "
+                      "0.10 | 1.31× |\n")
+    assert main(["plan", str(REPO / "recipes/tiny.yaml"), "--gpus", "2", "--mfu-from", str(matrix)]) == 0
+    assert "MFU 34% (measured on the device" in capsys.readouterr().out
+    assert main(["plan", str(REPO / "recipes/tiny.yaml"), "--mfu-from", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "--mfu-from" in err

@@ -180,13 +180,17 @@ def test_two_process_zero3_run_saves_full_weights_exports_them_and_scores_eval_t
 
 
 @pytest.mark.distributed  # slow tier: torch.compile's first call builds kernels for a few seconds
-def test_compiled_decoder_trains_like_eager(tmp_path, fresh_accelerate_state):
+def test_compiled_decoder_layers_train_like_eager_with_one_graph_and_no_breaks(tmp_path, fresh_accelerate_state):
+    """`train.compile: true` compiles each decoder layer: the two layers and every step share one graph (no
+    recompile across layers or steps of one shape), nothing breaks the graph, and the losses equal eager's."""
+    from torch._dynamo.utils import counters
+
     from neox_hf.recipe import recipe_from_dict
     from neox_hf.train.loop import train
 
     def losses(compile_: bool) -> list[float]:
         recipe = recipe_from_dict({
-            "model": {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "seq_length": 32},
+            "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "seq_length": 32},
             "tokenizer": {"path": str(REPO / "examples/data/gpt-neox-20b-tokenizer.json")},
             "data": {"sources": [{"path": str(REPO / "examples/data/tinyshakespeare.txt")}], "shuffle": False},
             "train": {"train_iters": 3, "micro_batch_size": 2, "eval_iters": 0, "log_interval": 1, "compile": compile_,
@@ -197,5 +201,22 @@ def test_compiled_decoder_trains_like_eager(tmp_path, fresh_accelerate_state):
         reset_accelerate_state()
         return result
 
-    eager, compiled = losses(False), losses(True)
+    eager = losses(False)
+    counters.clear()
+    compiled = losses(True)
     assert len(compiled) == 3 and max(abs(a - b) for a, b in zip(eager, compiled)) <= 1e-4, (eager, compiled)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert counters["frames"]["total"] == counters["frames"]["ok"] == 1, dict(counters["frames"])
+
+
+def test_compile_auto_compiles_on_cuda_only():
+    import torch
+
+    from neox_hf.engines.compile import compiles
+    from neox_hf.recipe import TrainConfig
+
+    assert compiles(TrainConfig(compile="auto"), torch.device("cuda"))
+    assert not compiles(TrainConfig(compile="auto"), torch.device("cpu"))
+    assert compiles(TrainConfig(compile=True), torch.device("cpu"))
+    assert not compiles(TrainConfig(compile=False), torch.device("cuda"))

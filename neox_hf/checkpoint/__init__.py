@@ -97,7 +97,7 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
         }
         atomic_torch_save(trainer_state, staging / f"trainer_state_rank{accelerator.process_index}.pt")
     except Exception as err:
-        raise _save_failed(output_dir, staging, err) from err
+        raise _save_failed(output_dir, staging, err, several=accelerator.num_processes > 1) from err
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         try:  # config + tokenizer make the checkpoint self-describing for `neox_hf export`.
@@ -117,12 +117,20 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
     return final
 
 
-def _save_failed(output_dir, staging: Path, err: Exception) -> Exception:
+class SaveAbandoned(RuntimeError):
+    """This rank's part of a checkpoint failed because another rank's failed save removed the staging folder under it:
+    the cause is that rank's error (which it reports), not this one."""
+
+
+def _save_failed(output_dir, staging: Path, err: Exception, *, several: bool = False) -> Exception:
     """Remove the half-written `staging` (on a full disk it holds the space a retry needs, ~100 MB for a tiny model)
     and return what to raise: for a full disk one line saying so and which checkpoint is intact (safetensors and
     torch.save report it in their own words: `SafetensorError ... os error 28`, `[enforce fail at
-    inline_container.cc]`); anything else as it was. A rank that fails while others wait in DeepSpeed's save
-    collectives leaves them to the process group's timeout."""
+    inline_container.cc]`); SaveAbandoned when another rank's failure removed the staging first (`several` ranks
+    write into it); anything else as it was. The failed rank then exits at once (`neox_hf.cli.train_main`), and the
+    launcher ends the ranks still waiting in the save's collectives."""
+    if several and _staging_removed(err, staging):
+        return SaveAbandoned(f"another rank's failed save removed {staging} while this rank wrote into it ({err})")
     full = _out_of_space(err, staging.parent)
     shutil.rmtree(staging, ignore_errors=True)
     if not full:
@@ -135,6 +143,16 @@ def _save_failed(output_dir, staging: Path, err: Exception) -> Exception:
     return CheckpointError(f"no space left on {output_dir} while saving checkpoint {name}: {kept}, and the partial "
                            f"{name} was removed; free space (or lower `train.keep_last_n`), then continue with "
                            "--resume")
+
+
+def _staging_removed(err: BaseException, staging: Path) -> bool:
+    """Whether a write into `staging` failed because the folder is gone (a rank's write there can only miss it so)."""
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, FileNotFoundError) and str(staging) in str(cause):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def _out_of_space(err: BaseException, folder: Path) -> bool:
@@ -527,9 +545,10 @@ def _load_error(folder: Path, err: Exception, *, deepspeed: bool = False) -> Che
     if is_weights_only_refusal(err):
         return CheckpointError(f"{folder_refusal_message(folder, err, deepspeed=deepspeed)}; {_resume_hint(folder)}")
     text = _first_line(err)
-    if "size mismatch" in str(err) or "shape" in text.lower():
+    if "size mismatch" in str(err) or "shape" in text.lower() or "Error(s) in loading state_dict" in str(err):
         return CheckpointError(
-            f"{folder} holds a model of another shape than the recipe builds ({text}); resume with the recipe the "
+            f"{folder} holds a model of another shape than the recipe builds ({_first_difference(err) or text}); "
+            "resume with the recipe the "
             f"checkpoint was written with ({folder.parent.parent / 'recipe.yaml'} if the run finished), or start a new "
             "run in another output.dir"
         )
@@ -540,6 +559,31 @@ def _load_error(folder: Path, err: Exception, *, deepspeed: bool = False) -> Che
                                f"`neox_hf export {folder} OUT`")
     return CheckpointError(f"cannot load checkpoint {folder}: {bad} is truncated or corrupt ({text}); "
                            f"{_resume_hint(folder)}")
+
+
+def _first_difference(err: Exception) -> str | None:
+    """The first tensor torch's `load_state_dict` error names, with its two shapes (or which side lacks it); its first
+    line, "Error(s) in loading state_dict for NeoXForCausalLM:", says neither."""
+    import re
+
+    text = str(err)
+    size = re.search(r"size mismatch for ([^:]+): copying a param with shape (torch\.Size\(\[[^\]]*\]\)) from "
+                     r"checkpoint, the shape in current model is (torch\.Size\(\[[^\]]*\]\))", text)
+    if size:
+        name, stored, built = size.groups()
+        return f"`{name}` is {_shape(stored)} in the checkpoint, {_shape(built)} in the recipe's model"
+    missing = re.search(r'Missing key\(s\) in state_dict: "([^"]+)"', text)
+    if missing:
+        return f"the recipe's model has `{missing.group(1)}`, the checkpoint does not"
+    unexpected = re.search(r'Unexpected key\(s\) in state_dict: "([^"]+)"', text)
+    if unexpected:
+        return f"the checkpoint has `{unexpected.group(1)}`, the recipe's model does not"
+    return None
+
+
+def _shape(size: str) -> str:
+    """"torch.Size([50304, 64])" → "[50304, 64]"."""
+    return size[len("torch.Size("):-1]
 
 
 def first_unreadable_file(folder: Path) -> Path | None:

@@ -284,21 +284,3 @@ def _gather(value) -> list:
 
 def _distributed(dist) -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def check_same_tensors(stored: dict, targets: dict, folder: Path) -> None:
-    """Refuse a checkpoint of another model shape: the first key missing either side or with another full shape."""
-    for key, target in targets.items():
-        if key not in stored:
-            raise CheckpointError(f"{folder} holds no {key}: it was written for another model (this run builds "
-                                  f"{key} {list(target.shape)}); resume with the recipe it was written with")
-        shape = list(getattr(stored[key], "size", []))
-        if shape != list(target.shape):
-            raise CheckpointError(f"{folder} holds {key} of shape {shape}; this run builds {list(target.shape)}: "
-                                  "resume with the model settings it was written with (the vocabulary is padded to "
-                                  "model.make_vocab_size_divisible_by × tensor_parallel; set model.vocab_size to keep "
-                                  "it)")
-    extra = sorted(set(k for k in stored if k.startswith("model/")) - _every_rank_keys(targets))
-    if extra:
-        raise CheckpointError(f"{folder} holds {extra[0]}, which this run's model lacks: it was written for another "
-                              "model; resume with the recipe it was written with")

@@ -219,6 +219,8 @@ def _jsonl_texts(jsonl_paths, text_key: str, counts: dict) -> Iterator[str]:
             yield from _texts_of_file(path, text_key, counts)
         except DataError:
             raise
+        except EOFError as err:  # gzip's (and data/files.py's zstd reader's) word for a file cut short
+            raise DataError(f"{path} is truncated (compressed stream ends early): download it again") from err
         except Exception as err:  # gzip / zstandard / OS errors of a damaged or mislabelled file
             raise DataError(f"{path}: cannot be read ({type(err).__name__}: {err}); the file is damaged or its suffix "
                             "does not match its compression (.jsonl, .jsonl.gz, .jsonl.zst)") from err

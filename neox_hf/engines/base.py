@@ -15,6 +15,7 @@ from neox_hf.engines import zero_state
 from neox_hf.engines.scaler import loss_scale, loss_scale_floor
 from neox_hf.errors import RecipeError
 from neox_hf.objectives import build_objective
+from neox_hf.ops.library_loss import loss_kernel
 from neox_hf.parallel.layout import Layout, StepResult
 
 
@@ -24,7 +25,7 @@ class Engine:
     # Whether a checkpoint of the same layout resumes from accelerate's save_state files; False: always from the
     # layout-free state (an engine whose model and optimizer Accelerate does not hold)
     reads_accelerate_checkpoint: bool = True
-    objectives: tuple[str, ...] = ("lm", "dpo", "rm")
+    objectives: tuple[str, ...] = ("lm", "dpo", "rm", "kto")
 
     def __init__(self, recipe, accelerator, layout: Layout, *, model=None, optimizer=None):
         if recipe.train.objective not in self.objectives:
@@ -33,6 +34,21 @@ class Engine:
         self.recipe, self.accelerator, self.layout = recipe, accelerator, layout
         self.model, self.optimizer = model, optimizer
         self._objective = None
+        self._loss_kernel = None
+
+    @property
+    def loss_kernel(self) -> str:
+        """The head-loss kernel this run computes with (`neox_hf.ops.library_loss.loss_kernel`): `unfused`, `neox`,
+        `liger` or `cce`; what the step and evaluation hand the objective as `fused`."""
+        if self._loss_kernel is None:
+            device = self.accelerator.device if self.accelerator is not None else torch.device("cpu")
+            self._loss_kernel = loss_kernel(self.recipe.train, device, self.layout.tp)
+        return self._loss_kernel
+
+    @property
+    def head_loss_fused(self) -> bool | str:
+        """`fused` as `neox_hf.ops.head_loss` takes it."""
+        return {"unfused": False, "neox": True}.get(self.loss_kernel, self.loss_kernel)
 
     @property
     def objective(self):

@@ -18,8 +18,9 @@ def build_model_from_recipe(recipe, tokenizer, layout: Layout):
     `parallelize`. From scratch the model is layout-free (`model_from_seed`): each parameter drawn from the seed and
     its name, and under TP only this rank's shards ever exist.
     """
-    from neox_hf.model.vocab import check_vocab_covers_tokenizer, padded_vocab_size
     from neox_hf.model.spec import config_class_for_folder, config_from_recipe, model_class_for_config
+    from neox_hf.model.folder import from_pretrained_whole
+    from neox_hf.model.vocab import check_vocab_covers_tokenizer, padded_vocab_size
     from neox_hf.parallel.tensor_parallel import from_pretrained_tensor_parallel
 
     m = recipe.model
@@ -35,7 +36,8 @@ def build_model_from_recipe(recipe, tokenizer, layout: Layout):
         check_vocab_covers_tokenizer(stored_vocab, tokenizer, where=m.from_pretrained)
     elif m.from_pretrained:
         model_class = model_class_for_config(config_class_for_folder(m.from_pretrained).from_pretrained(m.from_pretrained))
-        model = model_class.from_pretrained(m.from_pretrained, dtype=torch.float32, attn_implementation=m.attn_implementation)
+        model = from_pretrained_whole(model_class, m.from_pretrained, dtype=torch.float32,
+                                      attn_implementation=m.attn_implementation)
         check_vocab_covers_tokenizer(model.config.vocab_size, tokenizer, where=m.from_pretrained)
         model = _pad_vocab_for_tp(model, recipe)
     else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 
+from neox_hf.engines.compile import compile_decoder_layers, compiles
 from neox_hf.engines.optimizer import build_optimizer
 from neox_hf.engines.replica import ReplicaEngine, enable_activation_checkpointing, tensor_parallel_once
 from neox_hf.parallel.tensor_parallel import gather_full_state_dict
@@ -24,6 +25,14 @@ class PlainEngine(ReplicaEngine):
     def describe(self) -> str:
         return "one model replica per data-parallel rank (tensor parallelism inside it)"
 
+    def startup_lines(self) -> list[str]:
+        setting = self.recipe.train.compile
+        if compiles(self.recipe.train, self.accelerator.device):
+            return [f"compile: each decoder layer with torch.compile (`train.compile: {str(setting).lower()}`); masks, "
+                    "rotary tables and the loss eager"]
+        why = " (auto compiles on CUDA only)" if setting == "auto" else ""
+        return [f"compile: off{why}"]
+
     def parallelize(self, model):
         """Apply TP (+ sequence parallelism) and activation checkpointing, build AdamW, let Accelerate/DeepSpeed wrap
         both; DeepSpeed is handed the layout so ZeRO reduces over the data-parallel group only. (model, optimizer),
@@ -32,10 +41,8 @@ class PlainEngine(ReplicaEngine):
         model = tensor_parallel_once(model, layout, sequence_parallel=recipe.parallel.sequence_parallel)
         if recipe.parallel.activation_checkpointing:
             enable_activation_checkpointing(model)
-        if recipe.train.compile:
-            # Only the decoder, in place (nn.Module.compile keeps the state-dict keys): the fused loss runs eagerly.
-            lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-            lm.base_model.compile()
+        if compiles(recipe.train, accelerator.device):
+            compile_decoder_layers(model)
         optimizer = build_optimizer(model, recipe.train)
         distributed = layout.world_size > 1
         with deepspeed_initialize_with_mpu(DeepSpeedMPU(layout)) if distributed else contextlib.nullcontext():

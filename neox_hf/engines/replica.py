@@ -53,7 +53,7 @@ class ReplicaEngine(Engine):
         for batch, count in zip(micro_batches, units):
             with accelerator.accumulate(model):
                 with accelerator.autocast():
-                    out = objective.loss(model, batch, fused=t.fused_cross_entropy, z_loss=t.z_loss)
+                    out = objective.loss(model, batch, fused=self.head_loss_fused, z_loss=t.z_loss)
                 scale = backward_scale(t.loss_normalization, count.double(), totals[0], gas=len(micro_batches),
                                        dp=layout.dp)
                 weighted += out.loss_sum.detach().double() * scale
@@ -76,11 +76,11 @@ class ReplicaEngine(Engine):
     def eval_sums(self, batches: list[dict]) -> torch.Tensor:
         """[Σ loss, units, Σ of each metric] of the objective over this data-parallel group's eval batches, float64, on
         device."""
-        objective, t, device = self.objective, self.recipe.train, self.accelerator.device
+        objective, device = self.objective, self.accelerator.device
         total = torch.zeros(2 + len(objective.metric_names), dtype=torch.float64, device=device)
         for batch in batches:
             with self.accelerator.autocast():
-                out = objective.loss(self.model, batch, fused=t.fused_cross_entropy)
+                out = objective.loss(self.model, batch, fused=self.head_loss_fused)
             total += torch.cat([torch.stack([out.loss_sum.double(), out.units.double()]),
                                 _metric_vector(out, objective.metric_names, device)])
         return dp_sum(self.layout, total)
@@ -110,9 +110,10 @@ def labelled_tokens(batch: dict) -> torch.Tensor:
 
 
 def _samples(micro_batches: list[dict], objective, device) -> torch.Tensor:
-    """Samples of the step: sequences, or pairs for a pair objective (a micro-batch of P pairs has 2P rows)."""
+    """Samples of the step: sequences, pairs (a micro-batch of P pairs has 2P rows) or KTO examples (P examples and
+    their P KL sequences): the objective's `rows_per_sample`."""
     rows = sum(mb["input_ids"].shape[0] for mb in micro_batches)
-    return torch.tensor(rows // 2 if objective.unit == "pair" else rows, device=device)
+    return torch.tensor(rows // objective.rows_per_sample, device=device)
 
 
 def _clip_gradients(accelerator, model, clip_grad: float):

@@ -20,6 +20,7 @@ from neox_hf.model.vocab import check_vocab_covers_tokenizer, padded_vocab_size
 from neox_hf.data.tokenizer import load_tokenizer
 from neox_hf.io import folder_refusal_message, is_weights_only_refusal, weights_only_loads
 from neox_hf.model.spec import config_class_for_folder, config_from_recipe, model_class_for_config
+from neox_hf.model.folder import from_pretrained_whole
 
 
 def neox_recipe_and_tokenizer(neox_config_paths: list[str], tokenizer_path: str | None = None):
@@ -84,7 +85,9 @@ def export_hf_to_neox(hf_folder, out_dir, *, tp_size: int = 1, step: int = 0) ->
         check_model_folder(hf_folder)
     try:
         model_class = model_class_for_config(config_class_for_folder(str(hf_folder)).from_pretrained(hf_folder))
-        model = model_class.from_pretrained(hf_folder, dtype="auto")
+        model = from_pretrained_whole(model_class, hf_folder, dtype="auto")
+    except CheckpointError:
+        raise
     except (OSError, ValueError, RuntimeError) as err:
         raise CheckpointError(f"cannot load the model in {hf_folder}: {err}") from err
     return export_neox_checkpoint(model, model.config, out_dir, tp_size=tp_size, step=step)
@@ -190,7 +193,6 @@ def export_training_checkpoint(checkpoint_dir, out_dir) -> Path:
     if not (checkpoint_dir / "config.json").is_file():
         raise CheckpointError(f"{checkpoint_dir / 'config.json'} is missing: not a neox_hf training checkpoint")
     config = config_class_for_folder(str(checkpoint_dir)).from_pretrained(checkpoint_dir)
-    model = model_class_for_config(config)(config)
     _refuse_truncated_layout_free_state(checkpoint_dir)
     try:
         state = training_checkpoint_state_dict(checkpoint_dir, config)
@@ -204,12 +206,25 @@ def export_training_checkpoint(checkpoint_dir, out_dir) -> Path:
         raise CheckpointError(f"cannot export {checkpoint_dir}: {damaged} is truncated or corrupt "
                               f"({_first_line(err)})" + (f"; export the previous checkpoint, {previous}" if previous
                                                          else "")) from err
+    model = _model_for_weights(checkpoint_dir, config, state)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
         raise CheckpointError(f"{checkpoint_dir}: weights do not match its config (missing {missing[:5]}, unexpected {unexpected[:5]})")
     tokenizer = load_tokenizer(str(checkpoint_dir)) if (checkpoint_dir / "tokenizer.json").is_file() else None
     return save_hf_folder(model, out_dir, tokenizer=tokenizer)
+
+
+def _model_for_weights(checkpoint_dir: Path, config, state: dict):
+    """The empty model `state` fills: a reward model's weights (`score.weight`, no LM head) go into stock
+    AutoModelForSequenceClassification, as an rm run saves its final folder (the checkpoint's config.json may still
+    name the causal LM the run started from); others into our CausalLM for `config`."""
+    if "score.weight" in state and not {"lm_head.weight", "embed_out.weight"} & state.keys():
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        stock = AutoConfig.from_pretrained(checkpoint_dir, num_labels=state["score.weight"].shape[0])
+        return AutoModelForSequenceClassification.from_config(stock, dtype=torch.float32)
+    return model_class_for_config(config)(config)
 
 
 def _refuse_truncated_layout_free_state(checkpoint_dir: Path) -> None:

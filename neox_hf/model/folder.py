@@ -1,5 +1,6 @@
-"""Writing consolidated Hugging Face model folders atomically, from a model or from a merged state dict
-(`model_holding`: what a pipeline run, whose ranks each hold one stage, saves from).
+"""Hugging Face model folders: written atomically, from a model or from a merged state dict (`model_holding`: what a
+pipeline run, whose ranks each hold one stage, saves from), and read whole (`from_pretrained_whole`: never with a
+weight drawn at random for one the folder lacks).
 
 Gap filled: `save_pretrained` writes straight into the target folder, so a crash leaves a half-written model that
 still looks loadable. We write into a staging folder beside the target and move the files in, `config.json` last,
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from neox_hf.errors import CheckpointError
 from neox_hf.io import move_files_into, staging_folder
 from neox_hf.model.spec import model_class_for_config
 
@@ -51,4 +53,22 @@ def model_holding(state_dict: dict[str, torch.Tensor], config):
     model.base_model.rotary_emb = type(rotary)(config=config)  # non-persistent buffer, still on meta
     if config.tie_word_embeddings:
         model.tie_weights()
+    return model
+
+
+def from_pretrained_whole(model_class, folder, *, new_weights: tuple[str, ...] = (), **kwargs):
+    """`model_class.from_pretrained(folder, **kwargs)`, or CheckpointError naming the weights the folder lacks, unless
+    each starts with one of `new_weights` (a head the recipe adds on purpose: the rm objective's `score`).
+    Gap filled: transformers draws missing weights at random and only prints a load report, so a reward model's
+    folder loaded as a causal LM would train, evaluate and generate with a random LM head, exit 0."""
+    model, info = model_class.from_pretrained(folder, output_loading_info=True, **kwargs)
+    missing = sorted(k for k in info["missing_keys"] if not k.startswith(new_weights))
+    if missing:
+        stored = ", ".join(model.config.architectures or ["an unnamed architecture"])
+        named = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        hint = ("a reward model's folder has no LM head: give the causal-LM folder it was trained from (or "
+                "`neox_hf eval --objective rm` to score with it)" if stored.endswith("ForSequenceClassification")
+                else "give a folder saved from the same kind of model")
+        raise CheckpointError(f"{folder} holds {stored} weights without {named}, which {type(model).__name__} needs "
+                              f"(they would be drawn at random); {hint}")
     return model

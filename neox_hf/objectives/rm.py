@@ -25,6 +25,7 @@ def sequence_rewards(model, batch: dict) -> torch.Tensor:
 
 class RewardObjective(Objective):
     name, unit, metric_names = "rm", "pair", METRICS
+    rows_per_sample = 2
 
     def units(self, batch: dict) -> torch.Tensor:
         return torch.tensor(batch["input_ids"].shape[0] // 2, device=batch["input_ids"].device)
@@ -58,12 +59,14 @@ def _reward_model(recipe, tokenizer):
 
     from neox_hf.model.vocab import check_vocab_covers_tokenizer, padded_vocab_size
     from neox_hf.model import config_from_recipe
+    from neox_hf.model.folder import from_pretrained_whole
 
     m = recipe.model
     if m.from_pretrained:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            m.from_pretrained, num_labels=1, pad_token_id=tokenizer.pad_token_id, dtype=torch.float32,
-            attn_implementation=m.attn_implementation)
+        # a causal-LM folder has no score head: the new head is this recipe's to initialise, nothing else is
+        model = from_pretrained_whole(
+            AutoModelForSequenceClassification, m.from_pretrained, new_weights=("score.",), num_labels=1,
+            pad_token_id=tokenizer.pad_token_id, dtype=torch.float32, attn_implementation=m.attn_implementation)
         check_vocab_covers_tokenizer(model.config.vocab_size, tokenizer, where=m.from_pretrained)
     else:
         vocab = m.vocab_size or padded_vocab_size(len(tokenizer), m.make_vocab_size_divisible_by,

@@ -29,6 +29,7 @@ does it for you.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from neox_hf.errors import NeoXHFError
+from neox_hf.ops.library_loss import LIBRARIES, library_head_loss, takes
 from neox_hf.parallel.mappings import all_reduce_max, all_reduce_sum, copy_to_tp_region
 
 # Each chunk adds a rank-`rows` update into the whole [V, H] weight gradient, which moves as many bytes as the chunk's
@@ -347,7 +349,7 @@ def _exp_was_safe(sum_exp: torch.Tensor) -> bool:
     return bool(((sum_exp >= math.exp(-EXP_SAFE_LOGIT)) & (sum_exp <= math.exp(EXP_SAFE_LOGIT))).all())
 
 
-def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, fused: bool = True,
+def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, fused: bool | str = True,
               z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The one head loss of neox_hf (training, eval, pipeline last stages): (Σ token cross-entropies, labelled
     tokens) of `head` on the final hidden states, labels aligned, -100 ignored.
@@ -355,8 +357,15 @@ def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, fu
     `fused` (train.fused_cross_entropy) takes the chunked op of `lm_head_loss`; otherwise a vocab-parallel head uses
     its unfused sharded cross-entropy and a plain head full logits. Under ZeRO-3 the weight is a partition that
     DeepSpeed gathers only around the head module's own forward and backward, so the fused op runs as that forward
-    (`_as_module_forward`); likewise a head FSDP2 shards as its own group (`neox_hf.engines.fsdp2`).
+    (`_as_module_forward`); likewise a head FSDP2 shards as its own group (`neox_hf.engines.fsdp2`). `fused` may name
+    a library kernel (`liger`, `cce`: `neox_hf.ops.library_loss`), which computes the loss where it can take the head;
+    ours everywhere else.
     """
+    if fused in LIBRARIES and takes(head):
+        loss = functools.partial(library_head_loss, fused, head, z_loss=z_loss)
+        if hasattr(head.weight, "ds_id"):  # a ZeRO-3 partition (an FSDP2 head is not taken: ours runs it)
+            return _as_module_forward(head, loss, hidden, labels)
+        return loss(hidden, labels)
     if fused and (hasattr(getattr(head, "weight", None), "ds_id") or _fsdp_sharded(head)):  # ZeRO-3 / FSDP2 shards
         return _as_module_forward(head, lambda h, y: lm_head_loss(head, h, y, z_loss=z_loss), hidden, labels)
     if fused:

@@ -17,6 +17,7 @@ is refused with the exact command to use, not with a process-group traceback.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from neox_hf.errors import LaunchError
+from neox_hf.recipe import accumulation_for_train_batch, data_parallel_for_train_batch, train_batch_disagreement
 
 
 @dataclass(frozen=True)
@@ -132,12 +134,15 @@ def check_launch(recipe, recipe_path: str | None = None) -> None:
     """Refuse, with the command that works, a launch whose process count cannot hold the recipe's layout.
 
     On CPU `accelerate launch --num_processes N` without `--use_deepspeed` silently starts ONE process, so a layout
-    that needs N processes arriving with WORLD_SIZE 1 gets the DeepSpeed launch spelled out.
+    that needs N processes arriving with WORLD_SIZE 1 gets the DeepSpeed launch spelled out. A recipe with a
+    `train.train_batch_size` (GPT-NeoX's) that micro × accumulation × this launch's data-parallel size misses is
+    refused as GPT-NeoX refuses it, naming both ways to reach it.
     """
     p = recipe.parallel
     need = required_model_parallel(p)
     world = launch_world_size()
     if world % need == 0:
+        _check_train_batch(recipe, world // need, need, recipe_path)
         return
     what = " × ".join(f"{name} {size}" for name, size in (("pipeline", p.pipeline_parallel), ("tensor parallel", p.tensor_parallel)) if size > 1)
     if world == 1:
@@ -152,8 +157,22 @@ def check_launch(recipe, recipe_path: str | None = None) -> None:
     )
 
 
+def _check_train_batch(recipe, data_parallel: int, model_parallel: int, recipe_path: str | None) -> None:
+    t = recipe.train
+    disagreement = train_batch_disagreement(t, data_parallel)
+    if disagreement is None:
+        return
+    replicas = data_parallel_for_train_batch(t)  # ≥ 1: recipe validation refused a train_batch_size none reaches
+    command = launch_command(replicas * model_parallel, recipe_path, backend=recipe.parallel.backend)
+    fixes = [f"launch {replicas} data-parallel processes ({command})"]
+    accumulation = accumulation_for_train_batch(t, data_parallel)
+    if accumulation is not None:
+        fixes.append(f"pass --train.gradient_accumulation_steps {accumulation}")
+    raise LaunchError(f"{disagreement}: {', or '.join(fixes)}")
+
+
 def launch_command(num_processes: int, recipe_path: str | None = None, *, backend: str = "deepspeed") -> str:
-    args = " ".join(sys.argv[1:]) if recipe_path is None else recipe_path
+    args = shlex.join(sys.argv[1:]) if recipe_path is None else recipe_path  # pastable: `[{path: x}]` stays one word
     if backend == "fsdp2":
         return f"torchrun --standalone --nproc_per_node {num_processes} run_clm_neox.py {args}".rstrip()
     return f"accelerate launch --use_deepspeed --num_processes {num_processes} run_clm_neox.py {args}".rstrip()

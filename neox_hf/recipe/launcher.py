@@ -5,7 +5,9 @@ Gap filled: `accelerate launch` puts an accelerate config's DeepSpeed keys (`zer
 environment, and Accelerate's `DeepSpeedPlugin(hf_ds_config=...)` then refuses to start ("When using
 `deepspeed_config_file`, the following accelerate config variables will be ignored"); with launcher flags instead of a
 config file it silently lets the JSON win. Our DeepSpeed JSON is generated from the recipe, so neither is right:
-here the launcher's values become one more layer of the recipe, under the recipe files and overrides.
+here the launcher's values become one more layer of the recipe, under the recipe files and overrides. The launcher's
+`dynamo_backend` (with which Accelerate would torch.compile the whole model in `prepare`, the fused loss included)
+becomes `train.compile` the same way.
 
 - The recipe leaves a key unset → the launcher's value is used.
 - Both set it to the same value → fine.
@@ -67,10 +69,10 @@ def _offload_param(raw: str) -> bool:
 
 
 def _precision(raw: str) -> str:
-    precision = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}.get(raw)
+    precision = {"no": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}.get(raw)
     if precision is None:
         raise RecipeError(f"the launch asks for `mixed_precision: {raw}`, which neox_hf does not train in; use no, "
-                          "bf16 or fp16 in the accelerate config (or leave it to `train.precision`)")
+                          "bf16, fp16 or fp8 in the accelerate config (or leave it to `train.precision`)")
     return precision
 
 
@@ -94,6 +96,14 @@ def _fsdp_version(raw: str) -> str:
     return "fsdp2"
 
 
+def _dynamo(raw: str) -> bool:
+    if raw not in ("no", "inductor"):
+        raise RecipeError(f"the launch asks for `dynamo_backend: {raw.upper()}`: neox_hf compiles with torch.compile's "
+                          "inductor (`train.compile: true`) only; set dynamo_backend to INDUCTOR or NO in the "
+                          "accelerate config (or drop it and use `--train.compile true`)")
+    return raw == "inductor"
+
+
 _KEYS = (
     _Key("ACCELERATE_DEEPSPEED_ZERO_STAGE", "zero_stage", "parallel.zero_stage", int),
     _Key("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "offload_optimizer_device", "parallel.offload_optimizer",
@@ -108,6 +118,8 @@ _KEYS = (
          neutral=("none",)),
     _Key("ACCELERATE_USE_FSDP", "use_fsdp", "parallel.backend", _fsdp_backend, neutral=("false",)),
     _Key("FSDP_VERSION", "fsdp_version", "parallel.backend", _fsdp_version),
+    # accelerate would torch.compile the whole model in `prepare` (the fused loss included); it becomes train.compile
+    _Key("ACCELERATE_DYNAMO_BACKEND", "dynamo_backend", "train.compile", _dynamo, neutral=("no",)),
 )
 
 
@@ -140,10 +152,11 @@ def reconcile_with_launcher(raw: dict, source: str, environ: Mapping[str, str] |
                 notices.append(f"{where} `{setting.accelerate_key}: {setting.shown}` is accelerate's default; the "
                                f"recipe's {decides} decides")
             continue
-        if ours is None:
+        if ours is None or ours == "auto":  # `auto` (precision, compile) takes what the launch asks for
             raw = _with_value(raw, setting.recipe_key, setting.value)
+            left = "leaves it unset" if ours is None else "leaves it to `auto`"
             notices.append(f"`{setting.recipe_key}: {_show(setting.value)}` comes from {where} "
-                           f"(`{setting.accelerate_key}: {setting.shown}`; the recipe leaves it unset)")
+                           f"(`{setting.accelerate_key}: {setting.shown}`; the recipe {left})")
         elif ours == setting.value:
             notices.append(f"{where} `{setting.accelerate_key}: {setting.shown}` agrees with the recipe's "
                            f"`{setting.recipe_key}`")
@@ -170,7 +183,7 @@ def check_recipe_agrees_with_launcher(recipe, environ: Mapping[str, str] | None 
             continue
         section, name = setting.recipe_key.split(".")
         ours = getattr(getattr(recipe, section), name)
-        if ours != setting.value:
+        if ours != setting.value and ours != "auto":
             raise _contradiction(setting, ours, "the recipe")
 
 
@@ -179,9 +192,11 @@ def launcher_environment_reconciled(recipe):
     """While Accelerate builds its DeepSpeed plugin and Accelerator: the launcher's values have been folded into the
     recipe (or agree with it), so Accelerate must neither refuse the JSON for them nor read the launcher's
     accumulation steps over the recipe's (`Accelerator` prefers ACCELERATE_GRADIENT_ACCUMULATION_STEPS to its
-    argument). The environment is restored afterwards."""
+    argument), nor compile the model its own way (the launcher's dynamo_backend is `train.compile` now). The
+    environment is restored afterwards."""
     t = recipe.train
-    replaced = {CONFIG_FIELDS: None, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": str(t.gradient_accumulation_steps)}
+    replaced = {CONFIG_FIELDS: None, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": str(t.gradient_accumulation_steps),
+                "ACCELERATE_DYNAMO_BACKEND": None}
     saved = {key: os.environ.get(key) for key in replaced}
     try:
         for key, value in replaced.items():

@@ -158,6 +158,17 @@ def check_before_build(recipe: Recipe) -> None:
     check_data_sources(recipe)
     check_hub_token(recipe)
     check_resume_path(recipe)
+    check_loss_kernel(recipe)
+
+
+def check_loss_kernel(recipe: Recipe) -> None:
+    """A library loss kernel named by `train.loss_kernel` that cannot run on this machine's device or layout."""
+    import torch
+
+    from neox_hf.ops.library_loss import loss_kernel
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    loss_kernel(recipe.train, device, recipe.parallel.tensor_parallel)
 
 
 def _first_sentence(err: Exception) -> str:

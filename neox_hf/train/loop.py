@@ -38,8 +38,10 @@ from neox_hf.hardware import Peak, device_peak
 from neox_hf.train.mfu import flops_per_token, mfu
 from neox_hf.train.prefetch import Prefetcher, pinned, workers_for
 from neox_hf.checkpoint.run_log import RECIPE_NAME, append_step_entries, record_evaluation, truncate_train_log
+from neox_hf.train.preemption import Preempted, StopRequest
 from neox_hf.train.schedule import build_lr_scheduler
 from neox_hf.engines import build_engine
+from neox_hf.ops.library_loss import describe as describe_loss_kernel
 from neox_hf.train.preference import build_data, frozen_reference, with_reference_logps
 from neox_hf.parallel.layout import StepResult, dp_sum
 
@@ -86,7 +88,12 @@ def _train(recipe: Recipe, notices: list[str] | None, startup_warnings=None) -> 
         accelerator.print(f"step 0: eval loss {history.eval_losses[-1][1]:.4f}")
         record_evaluation(accelerator, recipe.output.dir, 0, history.eval_losses[-1][1], {},
                       perplexity=recipe.train.objective == "lm")
-    run_steps(run, state, history)
+    try:
+        run_steps(run, state, history)
+    except Preempted:
+        for tracker in accelerator.trackers:  # they write what they buffered; the process group stays for main's exit
+            tracker.finish()
+        raise
     final_eval = evaluate(run) if run.has_eval else None
     if final_eval is not None:
         history.eval_losses.append((state.step, final_eval))
@@ -213,8 +220,14 @@ class History:
 
 
 def run_steps(run: TrainingRun, state: TrainState, history: History | None = None) -> History:
-    t = run.recipe.train
     history = history if history is not None else History()
+    with StopRequest() as stop:  # before the prefetcher: a forked data worker starts with these handlers
+        _run_steps(run, state, history, stop)
+    return history
+
+
+def _run_steps(run: TrainingRun, state: TrainState, history: History, stop: StopRequest) -> None:
+    t = run.recipe.train
     device = run.accelerator.device.type
     batches = Prefetcher(run.loader, prepare=pinned if device == "cuda" else None,
                          workers=workers_for(run.recipe.data.num_workers, device))
@@ -236,6 +249,12 @@ def run_steps(run: TrainingRun, state: TrainState, history: History | None = Non
             progress.update(1)
             if _due(state.step, t.log_interval) or state.step == t.train_iters:
                 progress.set_postfix(step_log.flush())
+            signal_name = _stop_agreed(run, state, stop)
+            if signal_name is not None:  # before an evaluation: the time left is for the checkpoint
+                step_log.flush()
+                with step_log.paused():
+                    save_checkpoint_of(run, state)
+                raise Preempted(state.step, signal_name)
             if _due(state.step, t.eval_interval) and state.step < t.train_iters and (run.has_eval or t.eval_tasks):
                 with step_log.paused():  # tokens/s and MFU leave out the evaluation
                     _eval_and_log(run, state, history)
@@ -246,7 +265,16 @@ def run_steps(run: TrainingRun, state: TrainState, history: History | None = Non
     finally:
         batches.close()
         progress.close()
-    return history
+
+
+def _stop_agreed(run: TrainingRun, state: TrainState, stop: StopRequest) -> str | None:
+    """The stop signal's name when the ranks agree that one of them received it (see neox_hf.train.preemption).
+    Several ranks agree at log steps only, where the host has just waited for the logged losses; one process checks
+    at every step."""
+    t, world_size = run.recipe.train, run.layout.world_size
+    if world_size > 1 and not (_due(state.step, t.log_interval) or state.step == t.train_iters):
+        return None
+    return stop.agreed(run.accelerator.device, world_size)
 
 
 def _due(step: int, interval: int | None) -> bool:
@@ -414,23 +442,32 @@ def evaluate(run: TrainingRun) -> float:
 
 def _layout_free_engine(engine, recipe):
     """The engine whose layout-free state a checkpoint holds; None under PEFT (its adapters' names are not the
-    model's: those checkpoints resume on their own layout only)."""
-    return engine if recipe.peft.method is None else None
+    model's) and for optimizers other than Adam's (the layout-free state holds Adam's two moments; Lion's one moment,
+    SGD's momentum and 8-bit states are not in it): those checkpoints resume on their own layout only."""
+    if recipe.peft.method is not None or recipe.train.optimizer not in ("adamw", "adam"):
+        return None
+    return engine
 
 
 def _save_checkpoint_and_push(run: TrainingRun, state: TrainState) -> None:
     t = run.recipe.train
-    save_checkpoint(run.accelerator, output_dir=run.recipe.output.dir, state=state, scheduler=run.scheduler,
-                    data_loader=run.loader_position or run.loader, keep_last_n=t.keep_last_n,
-                    model_config=run.accelerator.unwrap_model(run.model).config, tokenizer=run.tokenizer,
-                    precision=t.precision, engine=_layout_free_engine(run.engine, run.recipe),
-                    write_layout_free=t.layout_free_checkpoint)
+    save_checkpoint_of(run, state)
     if t.push_to_hub is not None and t.push_to_hub.revision_per_step and run.recipe.peft.method is None:
         # Pythia convention: an HF folder of step N on branch `step{N}`, uploaded in the background.
         folder = Path(run.recipe.output.dir) / "hub_steps" / f"step{state.step}"
         save_final_model(run, out_dir=folder)
         if run.pusher is not None:
             run.pusher.push_step(folder, state.step)
+
+
+def save_checkpoint_of(run: TrainingRun, state: TrainState) -> Path:
+    """The resumable checkpoint of the run at `state` (collective: every rank calls it)."""
+    t = run.recipe.train
+    return save_checkpoint(run.accelerator, output_dir=run.recipe.output.dir, state=state, scheduler=run.scheduler,
+                           data_loader=run.loader_position or run.loader, keep_last_n=t.keep_last_n,
+                           model_config=run.accelerator.unwrap_model(run.model).config, tokenizer=run.tokenizer,
+                           precision=t.precision, engine=_layout_free_engine(run.engine, run.recipe),
+                           write_layout_free=t.layout_free_checkpoint)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -490,9 +527,7 @@ def startup_report(run: TrainingRun, notices: list[str]) -> str:
         f"objective {t.objective}, loss weighted per "
         f"{run.engine.objective.unit if t.loss_normalization == 'token' else 'micro-batch (GPT-NeoX)'}",
     ]
-    lines.append(f"precision: {_precision_in_effect(t, accelerator)}; loss: "
-                 + ("fused chunked linear + cross-entropy (no [tokens, vocab] logits; softmax and sums in fp32)"
-                    if t.fused_cross_entropy else "full logits, then cross-entropy in fp32"))
+    lines.append(f"precision: {_precision_in_effect(t, accelerator)}; loss: {describe_loss_kernel(run.engine.loss_kernel)}")
     if hasattr(run.loader, "describe"):
         lines.append(run.loader.describe())
     elif recipe.data.mode == "pack":
@@ -535,6 +570,10 @@ def _precision_in_effect(t, accelerator) -> str:
 
 
 def _mixed_precision_in_effect(t, accelerator) -> str:
+    if t.precision == "fp8":
+        return (f"FP8 matmuls in Transformer Engine's linear layers ({t.fp8.format}, delayed scaling over "
+                f"{t.fp8.amax_history_len} steps), bf16 autocast elsewhere, fp32 weights, gradients and optimizer "
+                "states")
     if accelerator.state.deepspeed_plugin is not None:
         return (f"{t.precision} weights, activations and gradients, fp32 master weights and optimizer states "
                 f"(DeepSpeed {t.precision})")

@@ -199,7 +199,10 @@ def _serve(loader, stateful: bool, writer, reader) -> None:
     when a write fails (the training process closed its end, or died)."""
     reader.close()  # the training process's end only: a write fails once it closes it
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle: it stops the worker
+    # Ctrl-C and a preemption signal (SLURM signals every process of the job) are the training process's to handle:
+    # it stops the worker, after its checkpoint for a preemption (neox_hf.train.preemption).
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     torch.set_num_threads(1)  # torch's DataLoader workers do the same: the parent's cores run the step
     try:
         for batch in loader:

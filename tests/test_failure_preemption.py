@@ -1,0 +1,237 @@
+"""One rank's failure ends a multi-process launch in seconds, naming that rank, with the last checkpoint intact;
+SIGTERM / SIGUSR1 (preemption) stop every rank at one agreed step after a checkpoint (exit 75), and `--resume`
+continues it exactly; a `.zst` cut short is refused. The failures are started by tests/workers/fail_at_step.py on one
+rank of a real launch of the entry point; the signals are real signals to real processes."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import zstandard
+
+from neox_hf.checkpoint import checkpoint_name, is_complete_checkpoint
+from neox_hf.train.preemption import PREEMPTED_EXIT_STATUS
+from tests.conftest import REPO, accelerate_launch_command, finish_launch, launch_env, reset_accelerate_state, \
+    start_init_layouts
+from tests.test_checkpoint_lifecycle import tiny_args
+
+
+def step_losses(output_dir: Path) -> dict[int, float]:
+    """The last logged loss of every step."""
+    losses = {}
+    for line in (output_dir / "train_log.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            losses[record["step"]] = record["loss"]
+    return losses
+
+
+def checkpoint_folders(output_dir: Path) -> list[str]:
+    return sorted(p.name for p in (output_dir / "checkpoints").iterdir() if p.name != "latest")
+
+
+def latest_checkpoint(output_dir: Path) -> str:
+    name = (output_dir / "checkpoints" / "latest").read_text().strip()
+    assert is_complete_checkpoint(output_dir / "checkpoints" / name), name
+    return name
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. One rank fails: the launch ends within seconds, that rank's error line says why, the last checkpoint is intact
+# ----------------------------------------------------------------------------------------------------------------
+
+# (processes, failing rank, step, kind, what its error line says)
+FAULTS = [
+    (2, 1, 6, "disk", "no space left on"),  # in the step-6 checkpoint save, the others waiting in its barrier
+    (2, 1, 5, "data", "is corrupt"),  # from the prefetch thread, the other rank in the step's all-reduce
+    (4, 2, 5, "exception", "RuntimeError: injected fault after step 5"),
+]
+
+
+@pytest.mark.parametrize("processes,rank,step,kind,says", FAULTS, ids=[f"{f[0]}proc-{f[3]}" for f in FAULTS])
+def test_a_failing_rank_ends_the_launch_at_once_naming_itself(processes, rank, step, kind, says, small_text, tmp_path):
+    """Before: a failed rank spent ~4 s in the interpreter's teardown (destroying a process group its peers still
+    waited in) before the launcher could end the others, and said nothing of which rank it was."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+               str(REPO / "tests" / "workers" / "fail_at_step.py"), str(rank), str(step), kind, "--",
+               *tiny_args(out, small_text, "--train.precision", "fp32", "--train.log_interval", "1", steps=30,
+                          save=2, keep=3)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=launch_env(), timeout=600)
+    ended = time.time()
+    assert done.returncode != 0, done.stderr[-3000:]
+    fault = float(Path(f"{out}.fault_time").read_text())
+    assert ended - fault < 30, f"the launch ended {ended - fault:.1f} s after the fault"
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr[-5000:]
+    assert errors[0].startswith(f"error: rank {rank} of {processes}: ") and says in errors[0], errors[0]
+    assert latest_checkpoint(out) == checkpoint_name(4)
+    # Nothing but staging besides them: a rank still writing when the failed one removed the staging can leave a
+    # `.tmp-step_*` folder (a resume removes it).
+    assert [name for name in checkpoint_folders(out) if not name.startswith(".tmp-")] == \
+        [checkpoint_name(2), checkpoint_name(4)]
+    print(f"{kind} on rank {rank} of {processes}: the launch ended {ended - fault:.1f} s after the fault")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. Preemption
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed  # slow tier: three whole trainings in this process, ~20 s
+def test_sigusr1_in_one_process_checkpoints_the_next_step_and_resume_matches_an_uninterrupted_run(
+        small_text, tmp_path, capsys, fresh_accelerate_state):
+    """In this process: SIGUSR1 (SLURM's warning before the time limit) once step 3 is logged; the run stops after
+    the step it was in, with its checkpoint, returning 75; `--resume` gives an uninterrupted run's losses."""
+    from neox_hf.cli import train_main as main
+
+    def args(out, *extra):
+        return tiny_args(out, small_text, "--train.precision", "fp32", "--train.log_interval", "1", *extra,
+                         steps=12, save=100)
+
+    assert main(args(tmp_path / "straight")) == 0
+    reset_accelerate_state()
+    out = tmp_path / "preempted"
+    late = []  # a signal after the run's steps lands here instead of ending pytest
+    previous = signal.signal(signal.SIGUSR1, lambda *_: late.append(True))
+    sender = threading.Thread(target=_signal_once_logged, args=(out / "train_log.jsonl", 3), daemon=True)
+    sender.start()
+    try:
+        status = main(args(out))
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert status == PREEMPTED_EXIT_STATUS and not late, capsys.readouterr().err[-3000:]
+    stopped = max(step_losses(out))
+    assert 3 <= stopped < 12
+    assert f"stopped on SIGUSR1 after step {stopped}" in capsys.readouterr().err
+    assert latest_checkpoint(out) == checkpoint_name(stopped)
+    reset_accelerate_state()
+    assert main(args(out, "--resume")) == 0
+    assert step_losses(out) == pytest.approx(step_losses(tmp_path / "straight"), abs=1e-6)
+
+
+def _signal_once_logged(log: Path, step: int) -> None:
+    import os
+
+    while not (log.is_file() and len(log.read_text().splitlines()) >= step):
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def test_sigterm_to_one_rank_stops_both_at_one_step_and_a_second_signal_during_the_save_changes_nothing(
+        small_text, tmp_path):
+    """A 2-process run: SIGTERM to rank 1 alone after the step-6 checkpoint; rank 0, never signalled, stops at the
+    same step (agreed at a log step, every 2), after the checkpoint of that step. During that save every rank gets
+    SIGTERM again (a scheduler and the launcher each send one): the checkpoint completes, step 6's stays intact. The
+    resumed run's steps equal an uninterrupted run's."""
+    root = tmp_path
+    common = [a for a in tiny_args(root, small_text, "--train.precision", "fp32", "--train.log_interval", "2",
+                                   steps=16, save=6, keep=5)]
+    at = common.index("--output.dir")
+    common = common[:at] + common[at + 2:]
+    out = root / "preempted"
+    launch = subprocess.Popen(accelerate_launch_command(REPO / "run_clm_neox.py", *common, "--output.dir", out),
+                              cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    latest = out / "checkpoints" / "latest"
+    deadline = time.time() + 600
+    while not (latest.is_file() and latest.read_text().strip() == checkpoint_name(6)):
+        assert launch.poll() is None, launch.stdout.read()[-5000:]
+        assert time.time() < deadline
+        time.sleep(0.02)
+    workers = {int(p.environ()["RANK"]): p for p in psutil.Process(launch.pid).children(recursive=True)
+               if "run_clm_neox.py" in " ".join(p.cmdline()) and "RANK" in p.environ()}
+    assert sorted(workers) == [0, 1]
+    signalled = time.time()
+    workers[1].send_signal(signal.SIGTERM)
+    during_save = 0
+    while launch.poll() is None:
+        if any(p.name.startswith(".tmp-") for p in (out / "checkpoints").iterdir()):
+            for worker in workers.values():
+                try:
+                    worker.send_signal(signal.SIGTERM)
+                    during_save += 1
+                except psutil.NoSuchProcess:
+                    pass
+        time.sleep(0.01)
+    output = launch.stdout.read()
+    print(f"the launch ended {time.time() - signalled:.1f} s after the signal")
+    stopped = {int(s) for s in re.findall(r"rank \d of 2: stopped on SIGTERM after step (\d+)", output)}
+    assert len(stopped) == 1, output[-5000:]
+    step = stopped.pop()
+    assert step > 6 and step % 2 == 0 and during_save, output[-5000:]
+    assert re.findall(r"exitcode\s*:\s*(\d+)", output) and \
+        set(re.findall(r"exitcode\s*:\s*(-?\d+)", output)) <= {str(PREEMPTED_EXIT_STATUS), "-15"}, output[-5000:]
+    assert not [line for line in output.splitlines() if line.startswith("error:")], output[-5000:]
+    assert latest_checkpoint(out) == checkpoint_name(step)
+    assert is_complete_checkpoint(out / "checkpoints" / checkpoint_name(6))
+    assert checkpoint_folders(out) == [checkpoint_name(6), checkpoint_name(step)]
+
+    finish_launch(start_init_layouts(root, {"straight": "", "preempted": "--resume"}, *common), "the resume")
+    straight, resumed = step_losses(root / "straight"), step_losses(out)
+    assert sorted(resumed) == list(range(1, 17))  # the preempted run's steps kept, the rest appended
+    assert resumed == pytest.approx(straight, abs=1e-6)
+
+
+def test_sigusr1_to_the_launcher_set_up_as_the_slurm_script_does_stops_its_ranks_with_a_checkpoint(small_text,
+                                                                                                   tmp_path):
+    """examples/launch/slurm.sbatch's environment for `accelerate launch` (the launcher forwards SIGUSR1 to its ranks
+    and waits for them): SIGUSR1 to the launcher alone ends it with 128 + 10, the status the script requeues on,
+    after both ranks stopped at one step with its checkpoint."""
+    script = (REPO / "examples" / "launch" / "slurm.sbatch").read_text()
+    exported = dict(pair.split("=", 1) for pair in shlex.split(re.search(r"^export (.+)$", script, re.M).group(1)))
+    assert set(exported) == {"PET_SIGNALS_TO_HANDLE", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"}
+    out = tmp_path / "run"
+    launch = subprocess.Popen(
+        accelerate_launch_command(REPO / "run_clm_neox.py", *tiny_args(
+            out, small_text, "--train.precision", "fp32", "--train.log_interval", "2", steps=40, save=2, keep=5)),
+        cwd=REPO, env=launch_env(**exported), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    latest = out / "checkpoints" / "latest"
+    deadline = time.time() + 600
+    while not latest.is_file():
+        assert launch.poll() is None, launch.stdout.read()[-5000:]
+        assert time.time() < deadline
+        time.sleep(0.02)
+    launch.send_signal(signal.SIGUSR1)
+    output, _ = launch.communicate(timeout=300)
+    assert launch.returncode == 128 + signal.SIGUSR1 and "status -eq 138" in script, output[-5000:]
+    stopped = re.findall(r"rank (\d) of 2: stopped on SIGUSR1 after step (\d+)", output)
+    assert sorted(rank for rank, _ in stopped) == ["0", "1"] and len({step for _, step in stopped}) == 1, output[-5000:]
+    assert latest_checkpoint(out) == checkpoint_name(int(stopped[0][1]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. A .zst cut short
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_preprocess_refuses_a_zst_cut_at_a_block_end_in_one_line(tmp_path, capsys):
+    """The cut falls where a block of whole lines ends, inside the frame: zstandard's stream_reader ends quietly
+    there (the last assertion), so preprocess wrote a shorter corpus or, reading it through a BufferedReader, blamed
+    line 31 for bad JSON; never that the file was cut."""
+    from neox_hf.cli import main
+
+    lines = [json.dumps({"text": f"document {i} " + "words " * 40}).encode() + b"\n" for i in range(400)]
+    compressor = zstandard.ZstdCompressor().compressobj()
+    first = b"".join(compressor.compress(line) for line in lines[:200])
+    first += compressor.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)  # a block boundary after line 200
+    cut = tmp_path / "pile-00.jsonl.zst"
+    cut.write_bytes(first)  # the rest of the frame (lines 200-399, the frame's end) never arrived
+    code = main(["preprocess", str(cut), "--tokenizer", str(REPO / "examples/data/gpt-neox-20b-tokenizer.json"),
+                 "--output-prefix", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == \
+        [f"error: {cut} is truncated (compressed stream ends early): download it again"], err
+    assert not list(tmp_path.glob("out*"))
+    with zstandard.ZstdDecompressor().stream_reader(cut.open("rb")) as reader:  # no error: 200 lines, then "EOF"
+        assert reader.read() == b"".join(lines[:200])
