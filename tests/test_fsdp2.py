@@ -270,6 +270,16 @@ def test_an_accelerate_fsdp_config_that_contradicts_the_recipe_is_refused():
         reconcile_with_launcher({}, "recipe.yaml", {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"})
 
 
+def test_a_deepspeed_launch_of_an_fsdp2_recipe_is_refused_naming_the_launchers_that_work():
+    from neox_hf.errors import RecipeError
+    from neox_hf.recipe.launcher import check_recipe_agrees_with_launcher
+
+    with pytest.raises(RecipeError, match=r"--use_deepspeed` .* with `parallel.backend: fsdp2`: launch it with "
+                                          r"`torchrun .* or an FSDP accelerate config"):
+        check_recipe_agrees_with_launcher(_recipe(backend="fsdp2"), {"ACCELERATE_USE_DEEPSPEED": "true"})
+    check_recipe_agrees_with_launcher(_recipe(backend="fsdp2"), {})
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # `neox_hf plan`: FSDP2 layouts ranked beside DeepSpeed's (fast tier)
 # ----------------------------------------------------------------------------------------------------------------

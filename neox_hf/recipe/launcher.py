@@ -177,7 +177,13 @@ def launcher_precision(environ: Mapping[str, str] | None = None) -> str | None:
 def check_recipe_agrees_with_launcher(recipe, environ: Mapping[str, str] | None = None) -> None:
     """For a Recipe built in Python (not through `parse_run_args`): a launcher value that contradicts it is refused
     here rather than silently overridden by the generated DeepSpeed JSON. (`train.precision: auto` took the
-    launcher's mixed precision when the recipe was settled: `launcher_precision`.)"""
+    launcher's mixed precision when the recipe was settled: `launcher_precision`.) A DeepSpeed launch of an FSDP2
+    recipe is refused too: Accelerate would set its processes up for DeepSpeed's engine."""
+    environ = os.environ if environ is None else environ
+    if recipe.parallel.backend == "fsdp2" and environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        raise RecipeError("`accelerate launch --use_deepspeed` (or a DeepSpeed accelerate config) with "
+                          "`parallel.backend: fsdp2`: launch it with `torchrun --standalone --nproc_per_node N "
+                          "run_clm_neox.py ...` or an FSDP accelerate config (examples/launch/cpu_2proc_fsdp2.yaml)")
     for setting in launcher_settings(environ):
         if setting.neutral:
             continue
