@@ -88,11 +88,20 @@ def _raw_rows(source: DataSource) -> Iterator[Optional[dict]]:
 
 
 def pair_texts(source: DataSource, row) -> Optional[tuple[str, str, str]]:
-    """(prompt, chosen, rejected) of one row, or None when a field is missing or not a string."""
+    """(prompt, chosen, rejected) of one row, or None when a field is missing, not a string, or not Unicode text (a
+    JSON `\\ud800` escape decodes to a lone surrogate, which the tokenizer cannot take)."""
     if not isinstance(row, dict):
         return None
     texts = tuple(row.get(key) for key in (source.prompt_key, source.chosen_key, source.rejected_key))
-    return texts if all(isinstance(text, str) for text in texts) else None
+    return texts if all(isinstance(text, str) and _is_unicode_text(text) for text in texts) else None
+
+
+def _is_unicode_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def read_pairs(sources: list[DataSource], *, role: str = "all", fraction: float = 0.0,
