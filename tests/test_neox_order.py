@@ -151,7 +151,7 @@ def test_resume_at_step_k_continues_identically(corpus):
     resumed.load_state_dict(state)
     assert all(torch.equal(next(resumed)["labels"], b["labels"]) for b in batches[k * ACC:])
     other = train_loader(data_cfg(prefix, seed=99), 1)
-    with pytest.raises(DataError, match="same data settings"):
+    with pytest.raises(DataError, match="saved with `data.seed: 1234` and this run has `data.seed: 99`"):
         other.load_state_dict(state)
 
 
