@@ -323,3 +323,30 @@ def test_a_damaged_checkpoint_is_never_answered_with_overwrite_while_another_is_
     assert_one_line_error(code, err, advice.format(**steps))
     assert "is truncated or corrupt" in err
     assert "start the run again without --resume (and with --overwrite)" not in err  # deleted the intact one
+
+
+def test_dpo_eval_against_a_reference_of_another_architecture_says_so_and_another_vocabulary_is_refused(
+        runs, tmp_path, capfd):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from neox_hf.data.tokenizer import load_tokenizer
+
+    torch.manual_seed(0)
+    llama = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                 intermediate_size=64, vocab_size=50304, max_position_embeddings=128)).save_pretrained(llama)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(_pair(i)) + "\n" for i in range(4)))
+    code, err = run_cli(["eval", str(runs / "lm"), "--objective", "dpo", "--reference", str(llama), "--data",
+                         str(pairs)], capfd)
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if "note: the reference" in line]
+    assert len(notes) == 1 and "is a LlamaForCausalLM (llama), the policy a GPTNeoXForCausalLM (gpt_neox)" in notes[0]
+
+    other = load_tokenizer(str(BUNDLED_TOKENIZER))
+    other.add_special_tokens({"additional_special_tokens": ["<|reference-only|>"]})
+    other.save_pretrained(llama)
+    code, err = run_cli(["eval", str(runs / "lm"), "--objective", "dpo", "--reference", str(llama), "--data",
+                         str(pairs)], capfd)
+    assert_one_line_error(code, err, "has another vocabulary (50,278 tokens) than the policy's tokenizer (50,277; "
+                                     "'<|reference-only|>' is id 50277 in the reference's, absent in the policy's)")
