@@ -480,3 +480,12 @@ def test_bad_accelerate_config_key_is_refused_in_one_line(env, needle, capsys, m
 def test_the_fuzz_of_the_newer_inputs_covers_at_least_forty():
     cases = len(PREFERENCE_ROWS) + 1 + len(LLAMA_CONFIGS) + len(PLAN_ARGS) + len(ACCELERATE_ENV)
     assert cases >= 40, cases
+
+
+def test_preprocess_of_a_lone_surrogate_document_names_its_line(tmp_path, capsys):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"text": "a good document"}\n{"text": "half a pair \\ud800 here"}\n')
+    code, err = run_cli(["preprocess", str(docs), "--tokenizer", str(BUNDLED_TOKENIZER), "--output-prefix",
+                         str(tmp_path / "c")], capsys)
+    assert_one_line_error(code, err, "docs.jsonl:2: `text` is not Unicode text")  # was the tokenizer's TypeError
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]  # nothing half-written

@@ -42,6 +42,7 @@ import torch
 
 from neox_hf.data.loader import validation_sources
 from neox_hf.data.padding import IGNORE_INDEX, padded_length
+from neox_hf.data.files import is_unicode_text
 from neox_hf.data.sources import file_lines, is_held_out, resolve_files, source_format
 from neox_hf.data.state import changed_data_setting
 from neox_hf.errors import DataError
@@ -94,15 +95,7 @@ def pair_texts(source: DataSource, row) -> Optional[tuple[str, str, str]]:
     if not isinstance(row, dict):
         return None
     texts = tuple(row.get(key) for key in (source.prompt_key, source.chosen_key, source.rejected_key))
-    return texts if all(isinstance(text, str) and _is_unicode_text(text) for text in texts) else None
-
-
-def _is_unicode_text(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    return texts if all(isinstance(text, str) and is_unicode_text(text) for text in texts) else None
 
 
 def read_pairs(sources: list[DataSource], *, role: str = "all", fraction: float = 0.0,
