@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from neox_hf.errors import CheckpointError, print_to_stderr
-from neox_hf.checkpoint.layout_free import (has_layout_free_state, stored_model_shapes, load_from_accelerate_files, load_layout_free,
-                                            save_layout_free)
+from neox_hf.checkpoint.layout_free import (has_layout_free_state, load_from_accelerate_files, load_layout_free,
+                                            save_layout_free, stored_model_shapes, truncated_file)
 from neox_hf.io import (TMP_PREFIX, atomic_torch_save, atomic_write_text, folder_refusal_message, give_umask_modes,
                         is_weights_only_refusal, load_torch_safely, weights_only_loads)
 
@@ -647,10 +647,19 @@ def _safetensors_intact(path: Path) -> bool:
         return False
 
 
+def _looks_intact(folder: Path) -> bool:
+    """No damage the cheap checks see: accelerate's and DeepSpeed's files, and the layout-free state's sizes."""
+    try:
+        return first_unreadable_file(folder) is None and (not has_layout_free_state(folder) or
+                                                          truncated_file(folder) is None)
+    except Exception:  # noqa: BLE001 — unreadable metadata: not a checkpoint to recommend
+        return False
+
+
 def _resume_hint(folder: Path) -> str:
     """What to do about a damaged checkpoint `folder`: never `--overwrite` while another checkpoint is intact (it
     deletes the run's checkpoints, a later intact one included)."""
-    intact = [p for p in complete_checkpoints(folder.parent) if p != folder and first_unreadable_file(p) is None]
+    intact = [p for p in complete_checkpoints(folder.parent) if p != folder and _looks_intact(p)]
     step = checkpoint_step(folder)
     earlier = [p for p in intact if step is not None and checkpoint_step(p) < step]
     delete = f"delete the damaged {folder}"
