@@ -31,12 +31,16 @@ setup(
                  # tests/test_objectives.py compares DPO and the reward model with TRL's trainers (1.16 tokenises and
                  # computes the losses as tested; 1.x keeps transformers 5 / accelerate 1.x)
                  "trl>=1.16,<2",
+                 # tests/test_optimizers.py: train.optimizer lion, sm3
+                 "lion-pytorch>=0.2", "pytorch-optimizer>=3",
                  # the layering contract (.importlinter) and the docs site (mkdocs.yml), both checked by the fast tier
                  "import-linter>=2.16", "mkdocs>=1.6", "mkdocs-material>=9"],
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9"],
         # train.loss_kernel auto: the head loss through Liger's or Cut Cross-Entropy's Triton kernels on CUDA
         "gpu": ["liger-kernel>=0.8", "cut-cross-entropy"],  # `mkdocs serve` / `mkdocs build` of docs/
         "eval": ["lm-eval>=0.4.5"],  # train.eval_tasks: lm-evaluation-harness during training
+        # train.optimizer: lion, sm3 (GPT-NeoX optimizer.type Lion, SM3)
+        "optimizers": ["lion-pytorch>=0.2", "pytorch-optimizer>=3"],
         "trackers": ["wandb"],  # output.report_to: [wandb]; comet_ml, mlflow, aim install the same way
     },
     entry_points={"console_scripts": ["neox_hf=neox_hf.cli:main"]},

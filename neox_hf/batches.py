@@ -35,32 +35,29 @@ def add_batches_arguments(parser) -> None:
 
 
 def recipe_for_batches(configs: list[str], data_path: str | None, vocab_file: str | None, order: str | None = None):
-    """The recipe the configs describe, with --data-path / --vocab-file applied and GPT-NeoX's order selected."""
-    from neox_hf.neox_yaml import DEFAULT_SPLIT
+    """The recipe the configs describe, with --data-path / --vocab-file applied and GPT-NeoX's order selected.
+
+    --data-path and the order go in as command-line overrides (`--data.sources`, `--data.order`), so the config's data
+    keys (`split`, the seed, the pack implementation) apply to the path given here exactly as to the data a config
+    names, through the one route `run_clm_neox.py CONFIG --data.sources ...` takes too."""
+    import json
+
     from neox_hf.recipe.args import parse_run_args
 
-    recipe = parse_run_args(list(configs)).recipe
-    data = recipe.data
+    files = list(configs)
+    chosen = order or parse_run_args(files).recipe.data.order
+    chosen = "gpt-neox" if chosen == "stream" else chosen
+    overrides = ["--data.order", chosen]
     if data_path is not None:
-        data.sources = [_source(data_path)]
-        data.split = data.split or DEFAULT_SPLIT
-    data.order = order or ("gpt-neox" if data.order == "stream" else data.order)
-    if data.order == "preshuffled":
-        data.split = None  # the rows are the order; nothing is split
+        overrides += ["--data.sources", json.dumps([{"path": data_path, "format": "indexed"}])]
+    if chosen == "preshuffled":
+        overrides += ["--data.split", "null"]  # the rows are the order; nothing is split
     if vocab_file is not None:
-        recipe.tokenizer.path = vocab_file
-    if not data.sources:
+        overrides += ["--tokenizer.path", json.dumps(vocab_file)]
+    recipe = parse_run_args(files + overrides).recipe
+    if not recipe.data.sources:
         raise DataError("no data: the config names no data_path / train_data_paths; pass --data-path PREFIX")
-    from neox_hf.recipe import validate
-
-    validate(recipe)
     return recipe
-
-
-def _source(path: str):
-    from neox_hf.recipe import DataSource
-
-    return DataSource(path=path, format="indexed")
 
 
 def step_batches(recipe, data_parallel: int, start_step: int, end_step: int, out: np.ndarray | None = None

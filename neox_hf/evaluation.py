@@ -1,5 +1,6 @@
 """`neox_hf eval`: token-weighted loss and perplexity of a saved model (full or adapter folder) on a local file; with
 `--objective dpo` the DPO loss and reward accuracy of a policy against a reference on preference pairs, with
+`--objective kto` the KTO loss, KL estimate and rewards of a policy against a reference on unpaired completions, with
 `--objective rm` the pairwise loss and accuracy of a reward model.
 
 Gap filled: transformers' `Trainer.evaluate` averages per-batch mean losses (wrong for dynamically padded or
@@ -12,7 +13,9 @@ beside the loss over the whole text.
 Preference pairs are read, tokenised and batched by `neox_hf.data.preference` (as training reads them) and scored by
 the training objectives of `neox_hf.objectives` (TRL's formulas): `dpo_loss` is the mean over pairs of the sigmoid
 DPO loss, `rewards_accuracy` the fraction of pairs whose implicit reward β(π − ref) is higher for the chosen answer;
-`rm_loss` the mean of −log σ(r_chosen − r_rejected), `accuracy` the fraction with r_chosen > r_rejected.
+`rm_loss` the mean of −log σ(r_chosen − r_rejected), `accuracy` the fraction with r_chosen > r_rejected;
+`kto_loss` the mean over examples of TRL's KTO loss, its KL estimate taken per batch of `--batch-size` examples (the
+KL sequences pair each prompt with the previous example's completion of the batch, as in training).
 
 For lm-evaluation-harness benchmarks use `lm_eval --model hf --model_args pretrained=FOLDER` on a merged folder.
 """
@@ -35,7 +38,7 @@ from neox_hf.recipe import DataConfig, DataSource
 
 PERPLEXITY_METRIC = Path(__file__).resolve().parent / "metrics" / "perplexity"
 ALL_BATCHES = 10**9
-OBJECTIVES = ("lm", "dpo", "rm")
+OBJECTIVES = ("lm", "dpo", "rm", "kto")
 
 
 def load_perplexity_metric():
@@ -98,12 +101,18 @@ def _score(model, batches: list[dict]) -> dict:
 def add_eval_arguments(parser) -> None:
     parser.add_argument("model", help="model folder, or adapter folder of a LoRA run (rm: a reward-model folder)")
     parser.add_argument("--data", required=True, help="jsonl / json / txt / parquet file (or glob) to evaluate on "
-                        "(dpo / rm: rows of prompt, chosen, rejected)")
+                        "(dpo / rm: rows of prompt, chosen, rejected; kto: prompt, completion, label)")
     parser.add_argument("--objective", choices=OBJECTIVES, default="lm",
                         help="lm (default): loss and perplexity; dpo: DPO loss and reward accuracy against "
-                        "--reference; rm: a reward model's pairwise loss and accuracy")
-    parser.add_argument("--reference", default=None, help="dpo: the reference model folder (the run's starting model)")
-    parser.add_argument("--beta", type=float, default=0.1, help="dpo: β of the DPO loss (default 0.1)")
+                        "--reference; kto: KTO loss, KL and rewards against --reference; rm: a reward model's "
+                        "pairwise loss and accuracy")
+    parser.add_argument("--reference", default=None,
+                        help="dpo / kto: the reference model folder (the run's starting model)")
+    parser.add_argument("--beta", type=float, default=0.1, help="dpo / kto: β of the loss (default 0.1)")
+    parser.add_argument("--desirable-weight", type=float, default=1.0, help="kto: λ_D (default 1)")
+    parser.add_argument("--undesirable-weight", type=float, default=1.0, help="kto: λ_U (default 1)")
+    parser.add_argument("--completion-key", default="completion", help="kto: the completion column")
+    parser.add_argument("--label-key", default="label", help="kto: the boolean desirable column")
     parser.add_argument("--prompt-key", default="prompt", help="dpo / rm: the prompt column (default: prompt)")
     parser.add_argument("--chosen-key", default="chosen", help="dpo / rm: the preferred answer (default: chosen)")
     parser.add_argument("--rejected-key", default="rejected", help="dpo / rm: the other answer (default: rejected)")
@@ -129,7 +138,7 @@ def run_eval(args) -> int:
     if args.objective != "lm":
         return _run_preference_eval(args)
     if args.reference is not None:
-        raise UsageError("--reference is for --objective dpo; drop it, or add --objective dpo")
+        raise UsageError("--reference is for --objective dpo or kto; drop it, or add --objective dpo / kto")
     result = evaluate_model(args.model, args.data, tokenizer_path=args.tokenizer, template=_unescape(args.template),
                             prompt_template=_unescape(args.prompt_template), text_key=args.text_key,
                             seq_length=args.seq_length, batch_size=args.batch_size, max_batches=args.max_batches,
@@ -167,17 +176,30 @@ def _finite(value: float) -> str:
 
 
 def _run_preference_eval(args) -> int:
-    if args.objective == "dpo" and not args.reference:
-        raise UsageError("--objective dpo needs --reference BASE: the reference model folder (the run's starting "
-                         "model, its `model.from_pretrained`)")
+    if args.objective in ("dpo", "kto") and not args.reference:
+        raise UsageError(f"--objective {args.objective} needs --reference BASE: the reference model folder (the run's "
+                         "starting model, its `model.from_pretrained`)")
     if args.objective == "rm" and args.reference:
         raise UsageError("--reference is for --objective dpo; a reward model is scored alone: drop --reference")
-    if not (args.beta > 0 and math.isfinite(args.beta)):
-        raise UsageError(f"--beta must be a finite number > 0, got {args.beta}")
+    for flag, value in (("--beta", args.beta), ("--desirable-weight", args.desirable_weight),
+                        ("--undesirable-weight", args.undesirable_weight)):
+        if not (value > 0 and math.isfinite(value)):
+            raise UsageError(f"{flag} must be a finite number > 0, got {value}")
     source = DataSource(path=str(args.data), prompt_key=args.prompt_key, chosen_key=args.chosen_key,
-                        rejected_key=args.rejected_key)
-    _check_pairs(source)
-    if args.objective == "dpo":
+                        rejected_key=args.rejected_key, completion_key=args.completion_key, label_key=args.label_key)
+    _check_pairs(source, unpaired=args.objective == "kto")
+    if args.objective == "kto":
+        if args.batch_size < 2:
+            raise UsageError("--objective kto estimates its KL term from the other examples of a batch: give "
+                             "--batch-size ≥ 2")
+        result = evaluate_kto(args.model, args.reference, source, beta=args.beta,
+                              desirable_weight=args.desirable_weight, undesirable_weight=args.undesirable_weight,
+                              tokenizer_path=args.tokenizer, seq_length=args.seq_length, batch_size=args.batch_size,
+                              max_batches=args.max_batches, device=args.device)
+        text = (f"kto_loss {result['kto_loss']:.4f}  kl {result['kl']:.4f}  rewards_chosen "
+                f"{result['rewards_chosen']:.4f}  rewards_rejected {result['rewards_rejected']:.4f}  over "
+                f"{result['examples']:,} examples (beta {args.beta})")
+    elif args.objective == "dpo":
         result = evaluate_dpo(args.model, args.reference, source, beta=args.beta, tokenizer_path=args.tokenizer,
                               seq_length=args.seq_length, batch_size=args.batch_size, max_batches=args.max_batches,
                               device=args.device)
@@ -191,15 +213,18 @@ def _run_preference_eval(args) -> int:
     return _report(args, result, text)
 
 
-def _check_pairs(source: DataSource) -> None:
+def _check_pairs(source: DataSource, unpaired: bool = False) -> None:
     """The pairs file is read before any model is loaded: a wrong path or column costs no load."""
     from neox_hf.data.preference import read_pairs
 
     try:
-        read_pairs([source], max_skipped_fraction=DataConfig().max_skipped_fraction)  # as training refuses
+        # as training refuses
+        read_pairs([source], max_skipped_fraction=DataConfig().max_skipped_fraction, unpaired=unpaired)
     except DataError as err:
         message = str(err).replace("set `prompt_key` / `chosen_key` / `rejected_key` on the source",
                                    "pass --prompt-key / --chosen-key / --rejected-key")
+        message = message.replace("set `prompt_key` / `completion_key` / `label_key` on the source",
+                                  "pass --prompt-key / --completion-key / --label-key")
         message = message.replace(", or raise `data.max_skipped_fraction` to accept it", "")
         raise DataError(message) from None
 
@@ -255,8 +280,31 @@ def evaluate_dpo(model_path, reference_path, source: DataSource, *, beta: float 
             "logps_rejected": sums["logps/rejected"] / pairs, "pairs": pairs}
 
 
+def evaluate_kto(model_path, reference_path, source: DataSource, *, beta: float = 0.1, desirable_weight: float = 1.0,
+                 undesirable_weight: float = 1.0, tokenizer_path: str | None = None, seq_length: int | None = None,
+                 batch_size: int = 8, max_batches: int | None = None, device: str = "auto") -> dict:
+    """{"kto_loss", "kl", "rewards_chosen", "rewards_rejected", "rewards_margin", "logps_chosen", "logps_rejected",
+    "examples"}: means over the examples of TRL's KTO loss and metrics (`neox_hf.objectives.kto`)."""
+    from neox_hf.objectives.kto import KTOObjective
+
+    model, tokenizer = load_for_inference(model_path, tokenizer_path, device=device)
+    reference, _ = load_for_inference(reference_path, tokenizer_path or str(model_path), device=device)
+    check_reference(model, reference, tokenizer, reference_path)
+    seq_length = seq_length or model.config.max_position_embeddings
+    batches = [_on(b, model.device) for b in _pair_batches(source, tokenizer, "kto", seq_length, batch_size,
+                                                           max_batches)]
+    objective = KTOObjective(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
+                             reference_model=reference)
+    loss_sum, sums, examples = _sums(objective, model, batches)
+    return {"model": str(model_path), "reference": str(reference_path), "data": source.path, "beta": beta,
+            "kto_loss": loss_sum / examples, "kl": sums["kl"] / examples,
+            "rewards_chosen": sums["rewards/chosen"] / examples, "rewards_rejected": sums["rewards/rejected"] / examples,
+            "rewards_margin": sums["rewards/margins"] / examples, "logps_chosen": sums["logps/chosen"] / examples,
+            "logps_rejected": sums["logps/rejected"] / examples, "examples": examples}
+
+
 def check_reference(model, reference, tokenizer, reference_path) -> None:
-    """DPO scores the same token ids under both models: a reference whose own tokenizer has another vocabulary than
+    """DPO and KTO score the same token ids under both models: a reference whose own tokenizer has another vocabulary than
     the one the pairs were tokenised with is refused; a reference of another architecture (a Llama reference for a
     GPTNeoX policy) is allowed, with a note, since the usual reference is the policy's own starting model."""
     from neox_hf.inference import folder_tokenizer

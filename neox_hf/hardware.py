@@ -206,3 +206,20 @@ def _timed(work, device: torch.device) -> float:
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def fp8_unsupported_reason() -> str | None:
+    """Why `train.precision: fp8` cannot run on this machine (no CUDA GPU, a GPU without FP8 tensor cores, no
+    Transformer Engine), or None where it can. FP8 matmuls need compute capability 8.9 (Ada) or 9.0+ (Hopper)."""
+    if not torch.cuda.is_available():
+        return "there is no CUDA GPU here (FP8 matmuls need an Ada or Hopper GPU, compute capability ≥ 8.9)"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        return (f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has no FP8 tensor cores "
+                "(they need ≥ 8.9: Ada, Hopper or later)")
+    from accelerate.utils import is_transformer_engine_available
+
+    if not is_transformer_engine_available():
+        return "Transformer Engine is not installed (`pip install transformer-engine[pytorch]`)"
+    return None
+

@@ -23,6 +23,9 @@ from neox_hf.errors import RecipeError
 class NeoXTranslation:
     recipe: dict  # nested dict for `recipe_from_dict`
     notices: list[str] = field(default_factory=list)  # what was approximated or ignored, printed at start-up
+    # How the config orders data it does not name (`split`; `train_data_weights` of a config naming none): for the
+    # data the command line gives (`--data.sources`, `neox_hf batches --data-path`), see `place_command_line_data`
+    data_defaults: dict = field(default_factory=dict)
 
 
 def looks_like_neox_config(raw: dict) -> bool:
@@ -179,7 +182,6 @@ _SUPPORTED_VALUES = {
 }
 
 _MUST_BE_FALSY = {
-    "use_bnb_optimizer": "8-bit optimizers are not wired",
     "gmlp_attn_dim": "gMLP blocks are not GPTNeoX",
     "use_qk_layernorm": "QK layer norm is not part of GPTNeoX",
     "moe_num_experts": "mixture of experts is not part of GPTNeoX",
@@ -332,10 +334,11 @@ def translate_neox_args(args: dict) -> NeoXTranslation:
     handled |= _translate_batch(args, recipe, notices)
     handled |= _translate_optimizer(args, recipe, notices)
     handled |= _translate_zero(args, recipe)
-    handled |= _translate_precision(args, recipe)
+    handled |= _translate_precision(args, recipe, notices)
     handled |= _translate_pipeline(args, recipe)
     handled |= _translate_sequence_parallel(args, recipe, notices)
-    handled |= _translate_data(args, recipe, notices)
+    data_defaults: dict = {}
+    handled |= _translate_data(args, recipe, notices, data_defaults)
     handled |= _translate_logging(args, recipe, notices)
     handled |= set(_MUST_BE_FALSY)
     ignored = sorted(k for k in args if k not in handled)
@@ -345,7 +348,31 @@ def translate_neox_args(args: dict) -> NeoXTranslation:
     if ignored:
         notices.append("GPT-NeoX options not translated (no counterpart in neox_hf; check they are not needed): "
                        + ", ".join(ignored))
-    return NeoXTranslation(recipe=recipe, notices=notices)
+    return NeoXTranslation(recipe=recipe, notices=notices, data_defaults=data_defaults)
+
+
+def place_command_line_data(raw: dict, given: dict, defaults: dict) -> dict:
+    """`raw` (the translated config merged with the command line) with the config's data keys applied to the data the
+    command line names (`given`: what the command line and our recipe files say), as GPT-NeoX applies them to a
+    `--data-path` given at launch: `split` divides one corpus in GPT-NeoX's order (GPT-NeoX's data_path mode) unless
+    the command line gives its own, and `train_data_weights` of a config naming no data weigh the sources in the
+    order given, where a source gives no weight of its own."""
+    given_data = given.get("data") if isinstance(given.get("data"), dict) else {}
+    sources = given_data.get("sources")
+    if not defaults or not isinstance(sources, list) or not sources:
+        return raw
+    data = dict(raw["data"])
+    if data.get("order") == "gpt-neox" and "split" not in given_data and len(sources) == 1 and "split" in defaults:
+        data["split"] = defaults["split"]
+    elif "split" not in given_data and len(sources) != 1 and data.get("split") is not None:
+        data["split"] = None  # the config's data_path split does not apply to several sources (train_data_paths mode)
+    weights = defaults.get("weights")
+    if weights:
+        if len(weights) != len(sources):
+            raise RecipeError(f"train_data_weights has {len(weights)} entries but the command line gives "
+                              f"{len(sources)} data source(s); give one source per weight, or a weight on each source")
+        data["sources"] = [{"weight": w, **s} if isinstance(s, dict) else s for s, w in zip(sources, weights)]
+    return {**raw, "data": data}
 
 
 _FAMILY_KEYS = {"norm", "activation", "num_kv_heads", "sliding_window_width", "mlp_multiple_of", "rms_norm_epsilon",
@@ -402,9 +429,9 @@ def _translate_family(args: dict, recipe: dict, notices: list[str]) -> set[str]:
     _put(recipe, "model.use_parallel_residual", False)
     _put(recipe, "model.hidden_act", "silu")
     if gqa:
-        _put(recipe, "model.num_kv_heads", _convert("num_kv_heads", kv, int))
+        _put(recipe, "model.num_kv_heads", _convert("num_kv_heads", kv, _int))
     if args.get("sliding_window_width"):
-        _put(recipe, "model.sliding_window", _convert("sliding_window_width", args["sliding_window_width"], int))
+        _put(recipe, "model.sliding_window", _convert("sliding_window_width", args["sliding_window_width"], _int))
         notices.append(f"sliding_window_width {args['sliding_window_width']} → MistralForCausalLM (Llama with a "
                        "sliding attention window)")
     # GPT-NeoX's RMSNorm default epsilon is 1e-8; layernorm_epsilon is not read for rmsnorm.
@@ -436,7 +463,7 @@ def _translate_family(args: dict, recipe: dict, notices: list[str]) -> set[str]:
     elif not ffn:
         ffn = 4 * int(args.get("hidden_size") or 0)
         source = f"4 × hidden_size = {ffn} (no intermediate_size)"
-    multiple = _convert("mlp_multiple_of", args.get("mlp_multiple_of") or 1, int)
+    multiple = _convert("mlp_multiple_of", args.get("mlp_multiple_of") or 1, _int)
     if ffn:
         from neox_hf.model.llama import gated_mlp_widths
 
@@ -454,14 +481,16 @@ def _translate_family(args: dict, recipe: dict, notices: list[str]) -> set[str]:
 
 
 # GPT-NeoX `train_impl` → train.objective
-_OBJECTIVES = {"normal": "lm", "dpo": "dpo", "rm": "rm"}
+_OBJECTIVES = {"normal": "lm", "dpo": "dpo", "rm": "rm", "kto": "kto"}
+_KTO_KEYS = ("kto_beta", "kto_desirable_weight", "kto_undesirable_weight")
 
 
 def _translate_objective(args: dict, recipe: dict, notices: list[str]) -> set[str]:
-    """GPT-NeoX's `train_impl` and its DPO keys; KTO / REINFORCE and GPT-NeoX's tokenized pair files are refused."""
+    """GPT-NeoX's `train_impl` and its DPO and KTO keys; REINFORCE and GPT-NeoX's tokenized pair / reward files are
+    refused."""
     impl = args.get("train_impl") or "normal"
     if impl not in _OBJECTIVES:
-        raise _refuse("train_impl", impl, "train.objective is lm (normal), dpo or rm; KTO and REINFORCE are not "
+        raise _refuse("train_impl", impl, "train.objective is lm (normal), dpo, rm or kto; REINFORCE is not "
                                           "implemented")
     _put(recipe, "train.objective", _OBJECTIVES[impl])
     if args.get("dpo_beta") is not None:
@@ -480,12 +509,24 @@ def _translate_objective(args: dict, recipe: dict, notices: list[str]) -> set[st
         raise _refuse(pairs[0], args[pairs[0]], "GPT-NeoX's tokenized chosen/rejected .bin/.idx files are not read; "
                       "give preference pairs as jsonl/parquet/Hub sources with prompt/chosen/rejected columns "
                       "(data.sources, data.mode: pad, data.order: stream)")
-    kto = sorted(k for k in args if k.startswith("kto_") or k in ("kl_div_beta", "kl_impl", "fp32_reinforce",
-                                                                  "reinforce_leave_one_out"))
-    if kto:
-        notices.append("no effect without train_impl kto / reinforce: " + ", ".join(kto))
-    return {"train_impl", "dpo_beta", "dpo_reference_free", "precompute_model_name", "dpo_fp32", *kto,
-            *pairs}
+    rewards = sorted(k for k in args if k.endswith("_reward_data_paths") and args[k])
+    if rewards:
+        raise _refuse(rewards[0], args[rewards[0]], "GPT-NeoX's tokenized .bin/.idx reward files are not read; give "
+                      "KTO's examples as jsonl/parquet/Hub sources with prompt/completion/label columns (TRL's "
+                      "unpaired format; data.sources, data.mode: pad, data.order: stream)")
+    if impl == "kto":
+        for key in _KTO_KEYS:
+            if args.get(key) is not None:
+                _put(recipe, f"train.{key}", _convert(key, args[key], float))
+        if args.get("kto_fp32") is False:
+            notices.append("kto_fp32: false has no effect: KTO log-probabilities are computed in fp32 here")
+    unused = sorted(k for k in args if (k.startswith("kto_") and impl != "kto")
+                    or k in ("kl_div_beta", "kl_impl", "fp32_reinforce", "reinforce_leave_one_out"))
+    if unused:
+        notices.append("no effect without train_impl kto / reinforce: " + ", ".join(unused))
+    kto = [k for k in args if k.startswith("kto_")]
+    return {"train_impl", "dpo_beta", "dpo_reference_free", "precompute_model_name", "dpo_fp32", *kto, *unused,
+            *pairs, *rewards}
 
 
 # Integer options read outside _DIRECT's converters, converted once (and their sign checked) before translation.
@@ -560,7 +601,7 @@ def _batch_value(args: dict, key: str, absent: int | None = None) -> int | None:
         return absent
     if args[key] is None:
         return None
-    value = _convert(key, args[key], int)
+    value = _convert(key, args[key], _int)
     if value <= 0:
         raise RecipeError(f"GPT-NeoX option `{key}: {value}` must be > 0, as GPT-NeoX requires")
     return value
@@ -571,7 +612,7 @@ def _data_parallel_size(args: dict) -> int | None:
     then counts its hostfile's or the machine's GPUs)."""
     gpus = _batch_value(args, "global_num_gpus")
     if gpus is None and args.get("num_gpus") and args.get("num_nodes"):
-        per_node, nodes = _convert("num_gpus", args["num_gpus"], int), _convert("num_nodes", args["num_nodes"], int)
+        per_node, nodes = _convert("num_gpus", args["num_gpus"], _int), _convert("num_nodes", args["num_nodes"], _int)
         gpus = per_node * nodes if per_node > 0 and nodes > 0 else None  # num_nodes -1: every node of the hostfile
     if gpus is None:
         return None
@@ -621,27 +662,84 @@ def _batch_for_any_launch(train_batch: int | None, micro: int | None, accumulati
     return micro, accumulation
 
 
+# GPT-NeoX `optimizer.type` (lower case, as its get_optimizer compares it) → (train.optimizer, offload, the keyword
+# arguments GPT-NeoX passes through from optimizer.params, the library's defaults where the config omits them)
+_OPTIMIZER_TYPES = {
+    "adam": ("adamw", False, {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction"}),
+    "adamw": ("adamw", False, {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction"}),
+    "fused_adam": ("adamw", False, {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction"}),
+    "cpu_adam": ("adamw", True, {"lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction"}),
+    "cpu_torch_adam": ("adam", True, {"lr", "betas", "eps", "weight_decay"}),
+    "lion": ("lion", False, {"lr", "betas", "weight_decay"}),
+    "sgd": ("sgd", False, {"lr", "momentum", "nesterov", "weight_decay"}),
+    "sm3": ("sm3", False, {"lr", "momentum", "beta", "eps"}),
+}
+# FusedAdam / DeepSpeedCPUAdam / torch's Adam: betas (0.9, 0.999), eps 1e-8; Lion: betas (0.9, 0.99)
+_LIBRARY_BETAS = {"adamw": (0.9, 0.999), "adam": (0.9, 0.999), "lion": (0.9, 0.99)}
+_REFUSED_OPTIMIZERS = {
+    "onebitadam": "DeepSpeed builds 1-bit Adam inside its own engine over its compressed NCCL/MPI communication "
+                  "backend, which neox_hf's Accelerate path never hands it (and which needs CUDA); use Adam",
+    "madgrad_wd": "no maintained package computes GPT-NeoX's MADGRAD with decoupled weight decay (its own copy: "
+                  "decay before the step; pytorch-optimizer's MADGRAD decays after it, and the madgrad package is "
+                  "unmaintained); use Adam or Lion",
+}
+
+
 def _translate_optimizer(args: dict, recipe: dict, notices: list[str]) -> set[str]:
+    """GPT-NeoX's `optimizer` block (its type and the params it passes to the optimizer) and `use_bnb_optimizer` →
+    train.optimizer and its settings; the library's defaults where the params omit betas / eps, as GPT-NeoX gets
+    them. Types that cannot run here are refused by name, as are params GPT-NeoX would pass that have no setting."""
     optimizer = args.get("optimizer")
     if not optimizer:
-        return {"optimizer"}
+        if args.get("use_bnb_optimizer"):
+            _put(recipe, "train.optimizer", "adam8bit")
+        return {"optimizer", "use_bnb_optimizer"}
     kind = str(optimizer.get("type", "Adam"))
-    if kind.lower() not in ("adam", "adamw", "cpu_adam", "cpu_torch_adam", "fused_adam"):
-        raise _refuse("optimizer.type", kind, "neox_hf trains with AdamW (Adam with decoupled weight decay, as GPT-NeoX's Adam)")
-    if kind.lower().startswith("cpu"):
+    if kind.lower() in _REFUSED_OPTIMIZERS:
+        raise _refuse("optimizer.type", kind, _REFUSED_OPTIMIZERS[kind.lower()])
+    if kind.lower() not in _OPTIMIZER_TYPES:
+        raise _refuse("optimizer.type", kind, "GPT-NeoX's Adam, cpu_adam, cpu_torch_adam, Lion, SGD and SM3 are; "
+                                              "OneBitAdam and madgrad_wd are refused by name")
+    name, offload, accepted = _OPTIMIZER_TYPES[kind.lower()]
+    if args.get("use_bnb_optimizer"):
+        if name != "adamw" or offload:
+            raise _refuse("use_bnb_optimizer", True, f"GPT-NeoX reads it for optimizer.type Adam only, not {kind}")
+        name = "adam8bit"  # GPT-NeoX: bitsandbytes' Adam8bit in place of FusedAdam
+        notices.append("use_bnb_optimizer: true → train.optimizer: adam8bit (bitsandbytes' 8-bit Adam; CUDA only)")
+    _put(recipe, "train.optimizer", name)
+    if offload:
         _put(recipe, "parallel.offload_optimizer", True)
         notices.append(f"optimizer.type {kind} → parallel.offload_optimizer: true")
     params = optimizer.get("params", {}) or {}
+    unknown = sorted(set(params) - accepted)
+    if unknown:
+        raise _refuse(f"optimizer.params.{unknown[0]}", params[unknown[0]],
+                      f"{kind}'s params translated here are {', '.join(sorted(accepted))}")
+    for key, default in (("adam_w_mode", True), ("adamw_mode", True), ("bias_correction", True)):
+        if key in params and bool(params[key]) != default:
+            raise _refuse(f"optimizer.params.{key}", params[key], f"only {key}: {default} (GPT-NeoX's default) is "
+                                                                  "built here")
     if "lr" in params:
-        _put(recipe, "train.lr", float(params["lr"]))
-    if "betas" in params:
-        _put(recipe, "train.adam_beta1", float(params["betas"][0]))
-        _put(recipe, "train.adam_beta2", float(params["betas"][1]))
+        _put(recipe, "train.lr", _convert("optimizer.params.lr", params["lr"], float))
+    betas = params.get("betas", _LIBRARY_BETAS.get(name if name != "adam8bit" else "adamw"))
+    if betas is not None:
+        _put(recipe, "train.adam_beta1", _convert("optimizer.params.betas", betas[0], float))
+        _put(recipe, "train.adam_beta2", _convert("optimizer.params.betas", betas[1], float))
     if "eps" in params:
-        _put(recipe, "train.adam_eps", float(params["eps"]))
+        _put(recipe, "train.adam_eps", _convert("optimizer.params.eps", params["eps"], float))
+    elif name in ("adamw", "adam", "adam8bit"):
+        _put(recipe, "train.adam_eps", 1e-8)
+    elif name == "sm3":
+        _put(recipe, "train.adam_eps", 1e-30)  # SM3's default
+    if "beta" in params:
+        _put(recipe, "train.sm3_beta", _convert("optimizer.params.beta", params["beta"], float))
+    if "momentum" in params:
+        _put(recipe, "train.momentum", _convert("optimizer.params.momentum", params["momentum"], float))
+    if "nesterov" in params:
+        _put(recipe, "train.nesterov", _convert("optimizer.params.nesterov", params["nesterov"], bool))
     if "weight_decay" in params and "weight_decay" not in args:
-        _put(recipe, "train.weight_decay", float(params["weight_decay"]))
-    return {"optimizer"}
+        _put(recipe, "train.weight_decay", _convert("optimizer.params.weight_decay", params["weight_decay"], float))
+    return {"optimizer", "use_bnb_optimizer"}
 
 
 def _translate_zero(args: dict, recipe: dict) -> set[str]:
@@ -653,7 +751,18 @@ def _translate_zero(args: dict, recipe: dict) -> set[str]:
     return {"zero_optimization"}
 
 
-def _translate_precision(args: dict, recipe: dict) -> set[str]:
+# GPT-NeoX's Transformer Engine FP8 recipe keys → train.fp8 (accelerate's TERecipeKwargs)
+_FP8_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "te_fp8_format": ("format", lambda v: {"hybrid": "HYBRID", "e4m3": "E4M3"}[str(v).lower()]),
+    "te_fp8_margin": ("margin", int),
+    "te_fp8_amax_history_len": ("amax_history_len", int),
+    "te_fp8_amax_compute_algo": ("amax_compute_algo", lambda v: {"max": "max", "most_recent": "most_recent"}[str(v)]),
+    "te_fp8_wgrad": ("wgrad", bool),
+}
+_TE_LAYERS = ("te_columnparallel", "te_rowparallel", "te_layernorm_mlp", "te_mha")
+
+
+def _translate_precision(args: dict, recipe: dict, notices: list[str]) -> set[str]:
     fp16 = args.get("fp16") or {}
     bf16 = args.get("bf16") or {}
     precision = args.get("precision")
@@ -665,7 +774,36 @@ def _translate_precision(args: dict, recipe: dict) -> set[str]:
         _put(recipe, "train.precision", "fp16")
     else:  # GPT-NeoX trains fp32 when its config enables neither; our default (`auto`) would pick bf16 on some devices
         _put(recipe, "train.precision", "fp32")
-    return {"fp16", "bf16", "precision"}
+    _translate_fp8(args, recipe, notices)
+    return {"fp16", "bf16", "precision", *_FP8_KEYS, "te_fp8_mha", *_TE_LAYERS}
+
+
+def _translate_fp8(args: dict, recipe: dict, notices: list[str]) -> None:
+    """`te_fp8_*` → train.precision: fp8 with its recipe (refused at start-up where the GPU has no FP8: never silently
+    bf16). `te_fp8_mha` (FP8 attention) has no counterpart in accelerate's recipe and is refused; the TE layer keys
+    choose kernels (accelerate swaps in Transformer Engine's linear layers for FP8 itself)."""
+    if args.get("te_fp8_mha"):
+        raise _refuse("te_fp8_mha", args["te_fp8_mha"], "FP8 attention is not part of accelerate's Transformer Engine "
+                                                        "recipe; FP8 here covers the linear layers: set it false")
+    fp8 = [key for key in _FP8_KEYS if args.get(key) is not None]
+    layers = [key for key in _TE_LAYERS if args.get(key)]
+    if not fp8:
+        if layers:
+            notices.append(f"{', '.join(layers)}: Transformer Engine kernels, no effect here (FP8 needs te_fp8_* keys "
+                           "or `train.precision: fp8`)")
+        return
+    for key in fp8:
+        field, convert = _FP8_KEYS[key]
+        try:
+            _put(recipe, f"train.fp8.{field}", convert(args[key]))
+        except (KeyError, TypeError, ValueError):
+            raise _refuse(key, args[key], "GPT-NeoX's values are hybrid / e4m3 (format) and max / most_recent "
+                                          "(amax_compute_algo)") from None
+    other = recipe["train"]["precision"]
+    _put(recipe, "train.precision", "fp8")
+    notices.append(f"{', '.join(fp8)} → train.precision: fp8 (accelerate's Transformer Engine FP8 recipe for the "
+                   f"linear layers, bf16 autocast elsewhere, in place of the config's {other}); refused at start-up "
+                   "where the GPU has no FP8 tensor cores")
 
 
 def _translate_pipeline(args: dict, recipe: dict) -> set[str]:
@@ -688,12 +826,12 @@ def _translate_sequence_parallel(args: dict, recipe: dict, notices: list[str]) -
     return {"sequence_parallel"}
 
 
-def _translate_data(args: dict, recipe: dict, notices: list[str]) -> set[str]:
+def _translate_data(args: dict, recipe: dict, notices: list[str], defaults: dict) -> set[str]:
     """Data paths, weights and labels; a config that names its data gets GPT-NeoX's exact sample order
     (`data.order: gpt-neox`): `data_path` + `split` (default "969, 30, 1") or `train_data_paths` blended by weight."""
     paths = args.get("train_data_paths") or ([args["data_path"]] if args.get("data_path") else [])
     weights = args.get("train_data_weights") or [1.0] * len(paths)
-    if len(weights) != len(paths):
+    if paths and len(weights) != len(paths):
         raise RecipeError(f"train_data_weights has {len(weights)} entries but train_data_paths has {len(paths)}; give one weight per path")
     labels = args.get("train_label_data_paths") or []
     if labels and len(labels) != len(paths):
@@ -707,7 +845,7 @@ def _translate_data(args: dict, recipe: dict, notices: list[str]) -> set[str]:
     if args.get("seed") is not None:
         # GPT-NeoX shuffles its index with the run's seed, also when the data path comes from the command line
         # (`neox_hf batches --data-path`, `--data.sources`), so the seed cannot wait for the config to name data.
-        _put(recipe, "data.seed", _convert("seed", args["seed"], int))
+        _put(recipe, "data.seed", _convert("seed", args["seed"], _int))
     valid = args.get("valid_data_paths") or []
     if valid and valid != paths:
         valid_weights = args.get("valid_data_weights") or [1.0] * len(valid)
@@ -716,6 +854,8 @@ def _translate_data(args: dict, recipe: dict, notices: list[str]) -> set[str]:
     if paths and not args.get("train_data_paths"):
         _put(recipe, "data.split", str(args.get("split") or DEFAULT_SPLIT))
     elif args.get("split") and not args.get("train_data_paths"):
+        # without data here, the split still holds out a fraction for our streamed order; for GPT-NeoX's order it
+        # splits the command line's corpus as it would the config's (place_command_line_data)
         parts = [float(x) for x in str(args["split"]).split(",")]
         if len(parts) >= 2 and sum(parts) > 0:
             _put(recipe, "data.validation_fraction", parts[1] / sum(parts))
@@ -723,6 +863,10 @@ def _translate_data(args: dict, recipe: dict, notices: list[str]) -> set[str]:
         if args.get(key) is not None:
             _put(recipe, f"data.{key}", args[key])
     _translate_curriculum(args.get("curriculum_learning"), recipe)
+    defaults["split"] = str(args.get("split") or DEFAULT_SPLIT)  # for one corpus given on the command line
+    if not paths:
+        if args.get("train_data_weights"):
+            defaults["weights"] = [_convert("train_data_weights", w, float) for w in args["train_data_weights"]]
     if args.get("test_data_paths"):
         notices.append("test_data_paths are not used during training (evaluate afterwards with `neox_hf eval`)")
     if args.get("load"):

@@ -4,7 +4,8 @@ Single-GPU training of recipes/tiny.yaml (bf16, as `auto` decides on a GPU) and 
 and in fp16 with DeepSpeed's loss scaler forced to overflow; the fused linear + cross-entropy against the unfused
 head (values and peak memory); sdpa (and flash-attention 2 where installed) on packed, isolated documents against
 eager attention; DeepSpeed ZeRO-1 on one GPU against the plain run; kill -9 and resume against the uninterrupted
-run; `neox_hf export` of a ZeRO-1 checkpoint loaded by stock transformers. The CPU versions of these checks are in
+run; `neox_hf export` of a ZeRO-1 checkpoint loaded by stock transformers; FP8 training where the GPU has FP8
+tensor cores and Transformer Engine is installed (not yet run on such a GPU). The CPU versions of these checks are in
 tests/test_train.py, test_fused_cross_entropy.py, test_data_batching.py, test_zero_equivalence.py, test_resume.py.
 
 Skipped where torch sees no GPU. NEOX_HF_TEST_DEVICE=cpu runs every body on CPU instead (smaller shapes where a
@@ -143,6 +144,20 @@ def test_tiny_recipe_trains_in_bf16_on_one_gpu_and_stock_transformers_generates_
     prompt = tokenizer("ROMEO:", return_tensors="pt").to(DEVICE)
     generated = model.generate(**prompt, max_new_tokens=10, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert generated.shape[1] == prompt["input_ids"].shape[1] + 10
+
+
+FP8_GPU = (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+           and importlib.util.find_spec("transformer_engine") is not None)
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="needs a GPU with FP8 tensor cores (compute capability ≥ 8.9) and "
+                                        "Transformer Engine; elsewhere tests/test_fp8.py checks the refusal")
+def test_tiny_recipe_trains_in_fp8_where_the_gpu_has_fp8(tmp_path, capsys):
+    """`train.precision: fp8` runs accelerate's Transformer Engine recipe (the start-up report says so) and learns."""
+    out = in_process_run(*tiny_run_args(tmp_path / "fp8", "--train.precision", "fp8"), capsys=capsys)
+    assert "FP8 matmuls" in out
+    losses = step_losses(tmp_path / "fp8")
+    assert all(math.isfinite(v) for v in losses.values()) and losses[max(losses)] < losses[min(losses)], losses
 
 
 def pythia_160m_args(out: Path, steps: int, *extra: str) -> list:

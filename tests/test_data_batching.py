@@ -186,3 +186,56 @@ def test_document_pieces_flag_each_documents_prompt_and_first_token():
     assert [p.learn.tolist() for p in pieces] == [[False, False, True], [True], [True, True], [False] * 4]
     assert [p.starts.tolist() for p in pieces] == [[True, False, False], [True], [True, False], [True, False, False, False]]
     assert document_pieces([]) == []
+
+
+def _tiny_neox(implementation: str):
+    from neox_hf.model import NeoXConfig, NeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = NeoXConfig(vocab_size=50304, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=256, max_position_embeddings=512)
+    config._attn_implementation = implementation
+    return NeoXForCausalLM(config).eval()
+
+
+def test_the_losses_decoder_call_equals_transformers_own_masks(tok, small_gsm8k):
+    """`ops.loss.decoder_hidden_states` (SDPA with no mask, or the documents' mask built on the device: no host read)
+    gives transformers' own hidden states for isolated packed documents (its packed-sequence detection), packed
+    windows, and right-padded rows (every real token; the pads' own states are never labelled)."""
+    from neox_hf.ops.loss import decoder_hidden_states
+
+    model = _tiny_neox("sdpa")
+    isolated = build_eval_loader(DataConfig(validation=[small_gsm8k], mode="pack", isolate_documents=True,
+                                            buffer_size=50), tok, seq_length=256, micro_batch_size=2, max_batches=1)[0]
+    packed = build_eval_loader(DataConfig(validation=[small_gsm8k], mode="pack", buffer_size=50), tok,
+                               seq_length=256, micro_batch_size=2, max_batches=1)[0]
+    padded = build_eval_loader(DataConfig(validation=[small_gsm8k], mode="pad", buffer_size=50), tok,
+                               seq_length=256, micro_batch_size=4, max_batches=1)[0]
+    assert (padded["attention_mask"] == 0).any()  # rows of several lengths
+    with torch.no_grad():
+        for batch in (isolated, packed, padded):
+            inputs = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
+            theirs = model.gpt_neox(**inputs, use_cache=False).last_hidden_state
+            ours = decoder_hidden_states(model, batch)
+            real = batch["attention_mask"].bool() if "attention_mask" in batch else torch.ones_like(batch["input_ids"],
+                                                                                                    dtype=torch.bool)
+            assert (ours[real] - theirs[real]).abs().max().item() <= 1e-5
+    assert model.config._attn_implementation == "sdpa"  # restored after each call
+
+
+@pytest.mark.distributed  # slow tier: transformers compiles flex attention on its first call
+def test_flex_attention_on_isolated_documents_equals_sdpa(tok, small_gsm8k):
+    """`model.attn_implementation: flex_attention` is handed the documents' BlockMask (masked blocks skipped, built
+    on the device): the same hidden states as the SDPA path, and not those of attention across documents."""
+    from neox_hf.ops.loss import decoder_hidden_states
+
+    batch = build_eval_loader(DataConfig(validation=[small_gsm8k], mode="pack", isolate_documents=True,
+                                         buffer_size=50), tok, seq_length=256, micro_batch_size=2, max_batches=1)[0]
+    across = {k: v for k, v in batch.items() if k != "position_ids"}
+    with torch.no_grad():
+        sdpa = decoder_hidden_states(_tiny_neox("sdpa"), batch)
+        flex_model = _tiny_neox("flex_attention")
+        flex = decoder_hidden_states(flex_model, batch)
+        flex_across = decoder_hidden_states(flex_model, across)
+    assert (flex - sdpa).abs().max().item() <= 1e-4
+    assert (flex_across - sdpa).abs().max().item() > 1e-2

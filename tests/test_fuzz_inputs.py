@@ -36,7 +36,7 @@ RECIPE_VALUES = [
     ("heads-do-not-divide", ["--model.hidden_size", "30"], "divisible"),
     ("hidden-size-float", ["--model.hidden_size", "1.5"], "hidden_size"),
     ("zero-stage-5", ["--parallel.zero_stage", "5"], "zero_stage"),
-    ("precision-fp8", ["--train.precision", "fp8"], "precision"),
+    ("precision-fp4", ["--train.precision", "fp4"], "precision"),  # fp8 is a precision (refused where no FP8 GPU)
     ("keep-last-zero", ["--train.keep_last_n", "0"], "keep_last_n"),
     ("warmup-above-one", ["--train.warmup", "1.5"], "warmup"),
     ("min-lr-above-lr", ["--train.min_lr", "1"], "min_lr"),
@@ -457,7 +457,7 @@ ACCELERATE_ENV = [
     ("accumulation-negative", {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "-2"}, "not a whole number ≥ 1"),
     ("clipping-word", {"ACCELERATE_GRADIENT_CLIPPING": "high"}, "gradient_clipping: high"),
     ("clipping-negative", {"ACCELERATE_GRADIENT_CLIPPING": "-1"}, "gradient_clipping"),
-    ("mixed-precision-fp8", {"ACCELERATE_MIXED_PRECISION": "fp8"}, "mixed_precision: fp8"),
+    ("mixed-precision-fp4", {"ACCELERATE_MIXED_PRECISION": "fp4"}, "mixed_precision: fp4"),
     ("mixed-precision-word", {"ACCELERATE_MIXED_PRECISION": "half"}, "mixed_precision: half"),
     ("offload-optimizer-disk", {"ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "disk"},
      "`offload_optimizer_device: disk`, which is not an offload device"),  # was silently no offload

@@ -83,7 +83,8 @@ def test_every_gpt_neox_llama_config_resolves_to_what_gpt_neox_builds(name):
      "use_bias_in_mlp"),
     ('{"num_layers": 2, "num_kv_heads": 2, "num_attention_heads": 4}', "num_kv_heads"),
     ('{"num_layers": 2, "use_bias_in_mlp": false}', "use_bias_in_mlp"),
-    ('{"num_layers": 2, "train_impl": "kto"}', "train_impl"),
+    ('{"num_layers": 2, "train_impl": "reinforce"}', "train_impl"),
+    ('{"num_layers": 2, "train_impl": "kto", "train_reward_data_paths": ["r"]}', "train_reward_data_paths"),
     ('{"num_layers": 2, "train_impl": "dpo", "dpo_reference_free": true}', "dpo_reference_free"),
     ('{"num_layers": 2, "precompute_model_name": "ref"}', "precompute_model_name"),
     ('{"num_layers": 2, "pos_train_data_paths": ["chosen"]}', "pos_train_data_paths"),
@@ -102,6 +103,12 @@ def test_train_impl_and_dpo_beta_translate(tmp_path):
     assert recipe["train"]["objective"] == "dpo" and recipe["train"]["dpo_beta"] == 0.01
     assert translate_neox_args({"train_impl": "rm"}).recipe["train"]["objective"] == "rm"
     assert translate_neox_args({"train_impl": "normal"}).recipe["train"]["objective"] == "lm"
+    kto = translate_neox_args({"train_impl": "kto", "kto_beta": 0.2, "kto_desirable_weight": 1.5,
+                               "kto_undesirable_weight": 0.5, "kto_fp32": False})
+    assert {k: v for k, v in kto.recipe["train"].items() if k.startswith(("objective", "kto"))} == {
+        "objective": "kto", "kto_beta": 0.2, "kto_desirable_weight": 1.5, "kto_undesirable_weight": 0.5}
+    assert any("kto_fp32" in n for n in kto.notices)
+    assert any("kto_beta" in n for n in translate_neox_args({"kto_beta": 0.2}).notices)  # no effect without kto
 
 
 def test_recipe_refuses_more_tensor_parallel_ranks_than_key_value_heads():

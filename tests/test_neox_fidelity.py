@@ -47,6 +47,81 @@ def test_config_seed_orders_the_batches_when_the_data_path_comes_from_the_comman
     np.testing.assert_array_equal(rows(recipe), expected)
 
 
+# Every GPT-NeoX data key that shapes the sample order, set away from its default (weights: over two corpora)
+ORDER_KEYS = {
+    "seed": {"seed": 42},
+    "split": {"split": "80,15,5"},
+    "seq_length": {"seq-length": SEQ // 2, "max-position-embeddings": SEQ // 2},
+    "pack_impl": {"pack_impl": "pack_until_overflow"},
+    "allow_chopped": {"pack_impl": "unpacked", "allow_chopped": False},
+    "weights": {"train_data_weights": [3, 1]},
+}
+
+
+@pytest.mark.parametrize("key", sorted(ORDER_KEYS))
+def test_every_order_key_of_the_config_applies_to_data_given_on_the_command_line(tmp_path, corpus, key):  # noqa: F811
+    """The batches of a config naming its data = those of the same config with the data on the command line
+    (`neox_hf batches --data-path`, `--data.sources`), key by key; and the key changes them (else the test is void)."""
+    prefix, _ = corpus
+    second = ref_corpus(tmp_path)
+    base = {"num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq-length": SEQ,
+            "max-position-embeddings": SEQ, "train-iters": ITERS, "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": ACC, "seed": 1234, "tokenizer_type": "HFTokenizer"}
+    paths = [prefix, second] if key == "weights" else [prefix]
+    naming = {"train_data_paths": paths} if key == "weights" else {"data-path": prefix}
+
+    def config(name, **keys):
+        path = tmp_path / f"{name}.yml"
+        path.write_text(json.dumps({**base, **keys}))
+        return str(path)
+
+    def rows(recipe):
+        # GPT-NeoX's cache names hold no split bounds: a cache left by another run would hide a dropped split
+        for cache in tmp_path.glob("*_indexmap_*.npy"):
+            cache.unlink()
+        return step_batches(recipe, DP, 0, ITERS)
+
+    expected = rows(recipe_for_batches([config("named", **naming, **ORDER_KEYS[key])], None, None))
+    default = {"train_data_weights": [1, 1]} if key == "weights" else {}
+    assert not np.array_equal(expected, rows(recipe_for_batches([config("default", **naming, **default)], None, None)))
+    pathless = config("pathless", **ORDER_KEYS[key])
+    sources = json.dumps([{"path": p, "format": "indexed"} for p in paths])
+    recipe = parse_run_args([pathless, "--data.sources", sources, "--data.order", "gpt-neox"]).recipe
+    np.testing.assert_array_equal(rows(recipe), expected)  # run_clm_neox.py CONFIG --data.sources ...
+    if len(paths) == 1:  # neox_hf batches CONFIG --data-path PREFIX
+        np.testing.assert_array_equal(rows(recipe_for_batches([pathless], prefix, None)), expected)
+
+
+def ref_corpus(tmp_path) -> str:
+    from test_neox_order import random_docs, write_corpus
+
+    return write_corpus(tmp_path / "second_text_document", random_docs(40, seed=9))
+
+
+def test_data_path_on_the_command_line_is_gpt_neox_s_data_path_whatever_the_config_names(tmp_path, corpus):  # noqa: F811
+    """`--data-path P` is GPT-NeoX's data_path: split by the config's `split` (its default where it has none), also
+    where the config itself names train_data_paths (which GPT-NeoX does not split)."""
+    prefix, _ = corpus
+    base = {"num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq-length": SEQ,
+            "max-position-embeddings": SEQ, "train-iters": ITERS, "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": ACC, "tokenizer_type": "HFTokenizer"}
+    named, listed = tmp_path / "named.yml", tmp_path / "listed.yml"
+    named.write_text(json.dumps({**base, "data-path": prefix}))
+    listed.write_text(json.dumps({**base, "train_data_paths": [prefix]}))
+    expected = recipe_for_batches([str(named)], None, None)
+    assert expected.data.split == "969, 30, 1"
+    assert recipe_for_batches([str(listed)], None, None).data.split is None  # train_data_paths: not split
+    assert recipe_for_batches([str(listed)], prefix, None).data.split == "969, 30, 1"
+
+
+def test_weights_without_data_must_match_the_command_line_s_sources(tmp_path, corpus):  # noqa: F811
+    prefix, _ = corpus
+    path = tmp_path / "weights.yml"
+    path.write_text(json.dumps({"num-layers": 2, "train_data_weights": [3, 1]}))
+    with pytest.raises(RecipeError, match="train_data_weights has 2 entries but the command line gives 1"):
+        parse_run_args([str(path), "--data.sources", f"[{{path: {prefix}, format: indexed}}]"])
+
+
 def neox_file(tmp_path, text: str, name: str = "run.yml") -> str:
     path = tmp_path / name
     path.write_text(text)

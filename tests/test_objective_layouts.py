@@ -31,6 +31,7 @@ STEPS, LOSS_TOL = 3, 1e-5
 LAYOUTS = {
     "dpo-zero1": ("dpo", 2, 1, 1), "dpo-zero3": ("dpo", 2, 1, 3), "dpo-tp2": ("dpo", 1, 2, 1),
     "rm-zero0": ("rm", 2, 1, 0), "rm-zero2": ("rm", 2, 1, 2), "rm-tp2": ("rm", 1, 2, 0),
+    "kto-zero1": ("kto", 2, 1, 1),
 }
 
 
@@ -49,6 +50,11 @@ def base(tmp_path_factory):
             chosen = " ".join(words[(i + k) % 12] for k in range(1 + i % 4))
             rejected = " ".join(words[(3 * i + k) % 12] for k in range(2 + i % 3))
             f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+    with (root / "unpaired.jsonl").open("w") as f:  # KTO: TRL's unpaired format, half of it desirable
+        for line in (root / "pairs.jsonl").read_text().splitlines():
+            pair = json.loads(line)
+            f.write(json.dumps({"prompt": pair["prompt"], "completion": pair["chosen"], "label": True}) + "\n")
+            f.write(json.dumps({"prompt": pair["prompt"], "completion": pair["rejected"], "label": False}) + "\n")
     return root
 
 
@@ -57,7 +63,8 @@ def recipe(base, out, objective: str, *, dp: int, tp: int = 1, zero: int = 0) ->
     path.write_text(json.dumps({
         "model": {"from_pretrained": str(base / "model"), "seq_length": 64, "num_attention_heads": 4},
         "tokenizer": {"path": str(BUNDLED_TOKENIZER)},
-        "data": {"sources": [{"path": str(base / "pairs.jsonl")}], "mode": "pad", "seed": 7},
+        "data": {"sources": [{"path": str(base / ("unpaired.jsonl" if objective == "kto" else "pairs.jsonl"))}],
+                 "mode": "pad", "seed": 7},
         "train": {"objective": objective, "train_iters": STEPS, "micro_batch_size": 2,
                   "gradient_accumulation_steps": 2 // dp, "lr": 1e-3, "min_lr": 1e-4, "warmup": 0.0,
                   "precision": "fp32", "log_interval": 1, "eval_interval": 100, "eval_iters": 0, "clip_grad": 1.0},
@@ -91,7 +98,7 @@ def one_process(base, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def layout_runs(base, tmp_path_factory):
-    """The six layouts in one 2-process launch of tests/workers/init_layouts.py, each its own recipe file (no common
+    """The layouts in one 2-process launch of tests/workers/init_layouts.py, each its own recipe file (no common
     arguments, no launcher ZeRO stage: each recipe sets its own), the ZeRO-3 one last; the folder holding each
     layout's output folder. A failed launch fails every test asking for it with the launch's output."""
     root = tmp_path_factory.mktemp("objective_layouts_launch")
@@ -102,7 +109,7 @@ def layout_runs(base, tmp_path_factory):
         assert dp * tp == 2  # the launch's processes
         (path,) = recipe(base, root / name, objective, dp=dp, tp=tp, zero=zero)
         specs[name] = shlex.quote(path)
-    finish_launch(start_init_layouts(root, specs), "the six layouts", timeout=1800)
+    finish_launch(start_init_layouts(root, specs), "the objective layouts", timeout=1800)
     return root
 
 
@@ -113,12 +120,14 @@ def test_objective_on_a_layout_equals_one_process(one_process, layout_runs, layo
     expected, got = one_process(objective), steps(out)
     assert sorted(got) == list(range(1, STEPS + 1))
     saved = json.loads((out / "config.json").read_text())  # stock classes: the policy, or the scalar-head reward model
-    assert saved["architectures"] == ["GPTNeoXForCausalLM" if objective == "dpo" else "GPTNeoXForSequenceClassification"]
+    assert saved["architectures"] == ["GPTNeoXForSequenceClassification" if objective == "rm" else "GPTNeoXForCausalLM"]
     if objective == "dpo":
         assert abs(expected[1]["loss"] - 0.6931471805599453) <= 1e-6  # reference = starting model: ln 2
+    if objective == "kto":
+        assert abs(expected[1]["loss"] - 0.5) <= 1e-6  # reference = starting model: r = z = 0, 1 − σ(0)
     for step in expected:
         assert abs(got[step]["loss"] - expected[step]["loss"]) <= LOSS_TOL, (step, got[step], expected[step])
-        assert got[step]["consumed_samples"] == expected[step]["consumed_samples"] == 4 * step  # pairs
+        assert got[step]["consumed_samples"] == expected[step]["consumed_samples"] == 4 * step  # pairs / examples
         for name in ("rewards/margins", "logps/chosen", "accuracy", "margin"):
             if name in expected[step]:
                 assert abs(got[step][name] - expected[step][name]) <= 1e-4 * max(1.0, abs(expected[step][name]))
@@ -156,3 +165,14 @@ def test_reward_run_first_step_equals_trls_reward_trainer(base, one_process, tmp
     reset_accelerate_state()  # TRL's Accelerator (fp32) would refuse a later in-process bf16 run on this worker
     first = one_process("rm")[1]["loss"]
     assert abs(first - trl_loss) <= LOSS_TOL, (first, trl_loss)
+
+
+def test_kto_trains_through_the_entry_point_in_one_process(one_process):
+    """`train.objective: kto` through `run_clm_neox.py`'s entry point: the first step is 1 − σ(0) = 0.5 (the policy
+    is its own reference), KTO's metrics are logged under TRL's names, and the samples count examples, not the rows
+    of their KL sequences."""
+    logged = one_process("kto")
+    assert sorted(logged) == list(range(1, STEPS + 1))
+    assert abs(logged[1]["loss"] - 0.5) <= 1e-6
+    assert {"kl", "rewards/chosen", "rewards/rejected", "logps/chosen"} <= set(logged[1])
+    assert [logged[step]["consumed_samples"] for step in logged] == [4, 8, 12]

@@ -396,3 +396,131 @@ def test_recipes_batch_the_bundled_pairs(tokenizer, name):
     assert next(train)["input_ids"].shape[0] == 2 * recipe.train.micro_batch_size
     held = {i for b in valid for i in b["pair_index"].tolist()}
     assert valid and 0 < len(held) < 40 and train.num_pairs + len(held) <= 300  # held-out pairs leave training
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KTO (issue 44): TRL's unpaired format, tokenisation, KL sequences, loss, KL estimate, metrics and gradients
+# ----------------------------------------------------------------------------------------------------------------
+
+KTO_ARGS = dict(beta=0.5, desirable_weight=1.3, undesirable_weight=0.7)
+
+
+def _unpaired() -> list[dict]:
+    """TRL's unpaired format from the pairs: every chosen completion desirable, every other rejected one
+    undesirable, so micro-batches hold unequal numbers of each."""
+    rows = []
+    for k, pair in enumerate(_pairs()):
+        rows.append({"prompt": pair["prompt"], "completion": pair["chosen"], "label": True})
+        if k % 2 == 0:
+            rows.append({"prompt": pair["prompt"], "completion": pair["rejected"], "label": False})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def trl_kto(tokenizer, tmp_path_factory):
+    from datasets import Dataset
+    from trl import KTOConfig, KTOTrainer
+
+    policy, reference = _policy_and_reference()
+    args = KTOConfig(output_dir=str(tmp_path_factory.mktemp("kto")), max_length=MAX_LENGTH, report_to=[],
+                     use_cpu=True, bf16=False, per_device_train_batch_size=4, dataloader_num_workers=0, **KTO_ARGS)
+    trainer = KTOTrainer(model=copy.deepcopy(policy), ref_model=copy.deepcopy(reference), args=args,
+                         train_dataset=Dataset.from_list(_unpaired()), processing_class=tokenizer)
+    yield trainer, policy, reference
+    reset_accelerate_state()
+
+
+def _kto_loader(tmp_path, tokenizer, micro_batch_size=4):
+    path = _write_jsonl(tmp_path / "unpaired.jsonl", _unpaired())
+    cfg = DataConfig(validation=[DataSource(path=str(path))], mode="pad", max_length=MAX_LENGTH, pad_to_multiple_of=1)
+    return build_preference_eval_loader(cfg, tokenizer, seq_length=MAX_LENGTH, micro_batch_size=micro_batch_size,
+                                        max_batches=100, objective="kto")
+
+
+def test_kto_tokenisation_kl_sequences_and_batches_equal_trl(trl_kto, tokenizer, tmp_path):
+    trainer = trl_kto[0]
+    texts = [(r["prompt"], r["completion"], r["label"]) for r in _unpaired()]
+    ours = tokenize_pairs(texts, tokenizer, "kto", MAX_LENGTH)
+    theirs = [(r["prompt_ids"], r["completion_ids"], r["label"]) for r in trainer.train_dataset]
+    assert [(list(p), list(c), label) for p, c, label in ours] == theirs
+    assert len(theirs) < len(texts)  # examples whose prompt fills max_length dropped, in both
+
+    batches = _kto_loader(tmp_path, tokenizer)
+    assert sum(len(b["label"]) for b in batches) == len(theirs)
+    for k, batch in enumerate(batches):
+        trl_batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4 * k, min(4 * k + 4, len(theirs)))])
+        n = len(trl_batch["label"])
+        assert torch.equal(batch["label"], trl_batch["label"].bool())
+        for ours_rows, prefix in ((slice(0, n), ""), (slice(n, 2 * n), "KL_")):
+            ids, mask = trl_batch[f"{prefix}input_ids"], trl_batch[f"{prefix}attention_mask"]
+            width = ids.shape[1]
+            assert torch.equal(batch["input_ids"][ours_rows][:, :width] * batch["attention_mask"][ours_rows][:, :width],
+                               ids * mask)
+            assert torch.equal(batch["attention_mask"][ours_rows].sum(1), mask.sum(1))
+            trl_labels = ids.masked_fill(trl_batch[f"{prefix}completion_mask"] == 0, -100)
+            assert torch.equal(batch["labels"][ours_rows][:, : width - 1], trl_labels[:, 1:])
+
+
+def test_kto_loss_kl_metrics_and_gradients_equal_trl(trl_kto, tokenizer, tmp_path):
+    trainer, policy, reference = trl_kto
+    trainer._metrics["train"].clear()
+    trainer.model.train()
+    trainer.model.zero_grad()
+    trl_batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    trl_loss = trainer.compute_loss(trainer.model, trl_batch)
+    trl_loss.backward()
+
+    ours_model = copy.deepcopy(policy).train()
+    batch = _kto_loader(tmp_path, tokenizer)[0]
+    objective = build_objective(TrainConfig(objective="kto", kto_beta=KTO_ARGS["beta"],
+                                            kto_desirable_weight=KTO_ARGS["desirable_weight"],
+                                            kto_undesirable_weight=KTO_ARGS["undesirable_weight"]))
+    objective.reference_model = reference
+    out = objective.loss(ours_model, batch)
+    assert int(out.units) == 4 and 0 < int(batch["label"].sum()) < 4
+    (out.loss_sum / out.units).backward()
+
+    torch.testing.assert_close(out.loss_sum / out.units, trl_loss.detach(), **TOL)
+    _assert_grads_equal(_grads(ours_model), _grads(trainer.model))
+    logged = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    assert logged["kl"] > 0  # the KL estimate is exercised, not clamped to 0
+    for name in objective.metric_names:
+        assert math.isclose(float(out.metric_sums[name]) / 4, logged[name], rel_tol=1e-5, abs_tol=1e-5), name
+
+
+@pytest.mark.parametrize("train,words", [
+    ({"micro_batch_size": 1}, "micro_batch_size` ≥ 2"),
+    ({"kto_beta": 0}, "kto_beta"),
+    ({"kto_undesirable_weight": -1}, "kto_undesirable_weight"),
+])
+def test_kto_recipe_refuses_what_trl_refuses(train, words):
+    from neox_hf.errors import RecipeError
+    from neox_hf.recipe import recipe_from_dict
+
+    raw = {"model": {"from_pretrained": "base"}, "data": {"mode": "pad", "sources": [{"path": "x.jsonl"}]},
+           "train": {"objective": "kto", "micro_batch_size": 4, **train}}
+    with pytest.raises(RecipeError, match=words):
+        recipe_from_dict(raw)
+    assert recipe_from_dict({**raw, "train": {"objective": "kto", "micro_batch_size": 4}}).train.objective == "kto"
+
+
+def test_eval_cli_kto(tokenizer, tmp_path):
+    base = _save_causal_lm(tmp_path / "base", tokenizer)
+    data = _write_jsonl(tmp_path / "unpaired.jsonl", _unpaired()[:6])
+    code, out, _ = _cli("eval", base, "--objective", "kto", "--reference", base, "--data", data, "--batch-size", "3",
+                        "--json", "--device", "cpu")
+    result = json.loads(out)
+    # the policy is its reference: every log-ratio and the KL estimate are 0, every loss 1 − σ(0) = 0.5
+    assert code == 0 and abs(result["kto_loss"] - 0.5) < 1e-6 and result["kl"] == 0 and result["examples"] == 6
+    code, out, _ = _cli("eval", base, "--objective", "kto", "--reference", base, "--data", data, "--device", "cpu")
+    assert code == 0 and out.startswith("kto_loss 0.5000  kl 0.0000"), out
+
+    renamed = _write_jsonl(tmp_path / "renamed.jsonl", [{"prompt": "a", "answer": "b", "good": True}])
+    for argv, words in (
+        (("--data", data), "--reference"),
+        (("--reference", base, "--data", data, "--batch-size", "1"), "--batch-size"),
+        (("--reference", base, "--data", data, "--undesirable-weight", "0"), "--undesirable-weight"),
+        (("--reference", base, "--data", renamed), "--completion-key"),
+    ):
+        code, out, err = _cli("eval", base, "--objective", "kto", *argv, "--device", "cpu")
+        assert code == 2 and out == "" and err.count("error:") == 1 and words in err, (argv, err)

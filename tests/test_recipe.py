@@ -81,7 +81,7 @@ def test_gpt_neox_python_literals_dash_keys_and_merge(tmp_path):
         ('{"num_layers": 2, "norm": "rmsnorm"}', "norm"),
         ('{"num_layers": 2, "activation": "swiglu"}', "activation"),
         ('{"num_layers": 2, "attention_config": [[["sparse_fixed"], 2]]}', "attention_config"),
-        ('{"num_layers": 2, "optimizer": {"type": "lion"}}', "optimizer.type"),
+        ('{"num_layers": 2, "optimizer": {"type": "madgrad_wd"}}', "optimizer.type"),
     ],
 )
 def test_inexpressible_gpt_neox_options_are_refused(tmp_path, text, key):

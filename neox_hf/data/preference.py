@@ -1,4 +1,5 @@
-"""Preference pairs (`train.objective: dpo | rm`): rows of `prompt`, `chosen`, `rejected` strings → batches of pairs.
+"""Preference pairs (`train.objective: dpo | rm`): rows of `prompt`, `chosen`, `rejected` strings → batches of pairs;
+and unpaired completions (`train.objective: kto`): rows of `prompt`, `completion` strings and a boolean `label`.
 
 Sources are TRL's standard preference format (other column names per source: `prompt_key`, `chosen_key`,
 `rejected_key`) in the files `neox_hf.data.sources` reads: jsonl (plain / .gz / .zst, read by its `file_lines`, an
@@ -13,6 +14,9 @@ rows; the tests compare with TRL's own code):
        `max_length` equal), and a pair whose prompt alone fills `max_length` is dropped, as TRL does.
   rm   `prompt + chosen + EOS` and `prompt + rejected + EOS` tokenised whole; a pair with a sequence longer than
        `max_length` is dropped (TRL's RewardTrainer filter).
+  kto  as dpo for one completion (trl 1.16 `KTOTrainer._prepare_dataset`): EOS appended unless present, `prompt` and
+       `prompt + completion` tokenised, the completion starting where they stop agreeing; an example whose prompt
+       alone fills `max_length` is dropped, a longer sequence keeps its start.
 
 A preference micro-batch of P pairs is one dict of 2P rows (TRL's concatenated forward): rows 0..P-1 the chosen
 sequences, rows P..2P-1 the rejected ones, right-padded with the tokenizer's pad id to the longest row rounded up to
@@ -24,6 +28,11 @@ sequences, rows P..2P-1 the rejected ones, right-padded with the tokenizer's pad
                                       the sources, in file order): the key of precomputed reference log-probs;
                                       a train and an eval loader number their own pairs (one table each)
 A pair is never split: its two sequences are rows i and P + i of one batch.
+
+A KTO micro-batch of P examples is 2P rows too: rows 0..P-1 the examples (prompt_i + completion_i), rows P..2P-1
+TRL's mismatched KL sequences (prompt_i + completion_{i-1}, the completions rotated by one within the micro-batch,
+so the KL set is the batch's own completions, as TRL builds them per batch), `labels` as dpo, `label` [P] bool
+(desirable), `pair_index` [P] each example's stable index.
 
 Gap filled: TRL's collators batch map-style datasets through `Trainer`'s sampler; our loop wants an endless,
 per-data-parallel-rank, exactly resumable iterator like `neox_hf.data.loader`'s. Pairs are read and tokenised once
@@ -49,7 +58,7 @@ from neox_hf.errors import DataError
 from neox_hf.recipe import DataConfig, DataSource
 
 STATE_VERSION = 1
-OBJECTIVES = ("dpo", "rm")
+OBJECTIVES = ("dpo", "rm", "kto")
 STAT_KEYS = ("documents", "skipped_empty", "skipped_undecodable", "truncated", "no_answer", "real_tokens",
              "padded_tokens")  # the pad loader's keys (documents = pairs here), so its run-log notes read both
 
@@ -98,12 +107,29 @@ def pair_texts(source: DataSource, row) -> Optional[tuple[str, str, str]]:
     return texts if all(isinstance(text, str) and is_unicode_text(text) for text in texts) else None
 
 
+def example_texts(source: DataSource, row) -> Optional[tuple[str, str, bool]]:
+    """(prompt, completion, label) of one unpaired row (TRL's format), or None when a field is missing, a text is not
+    a string or the label is not a boolean."""
+    if not isinstance(row, dict):
+        return None
+    prompt, completion, label = (row.get(key) for key in (source.prompt_key, source.completion_key, source.label_key))
+    ok = isinstance(prompt, str) and isinstance(completion, str) and isinstance(label, bool)
+    return (prompt, completion, label) if ok else None
+
+
+def _columns(source: DataSource, unpaired: bool) -> str:
+    keys = ((source.prompt_key, source.completion_key, source.label_key) if unpaired
+            else (source.prompt_key, source.chosen_key, source.rejected_key))
+    return f"`{keys[0]}`, `{keys[1]}` and `{keys[2]}`"
+
+
 def read_pairs(sources: list[DataSource], *, role: str = "all", fraction: float = 0.0,
-               stats: Optional[dict] = None, max_skipped_fraction: float = 1.0) -> list[tuple[str, str, str]]:
-    """Every usable pair of `sources`, in file order (sources one after the other).
+               stats: Optional[dict] = None, max_skipped_fraction: float = 1.0, unpaired: bool = False) -> list[tuple]:
+    """Every usable pair of `sources` (unpaired: every (prompt, completion, label) example), in file order (sources
+    one after the other).
 
     role "train" drops the pairs `fraction` holds out (`data.validation_fraction`, the hash rule of
-    `sources.is_held_out` over the pair's three texts), "validation" keeps only those, "all" keeps all.
+    `sources.is_held_out` over the pair's texts), "validation" keeps only those, "all" keeps all.
     Rows skipped (invalid JSON, a field missing or not a string, chosen == rejected: a pair that teaches nothing and
     holds the loss at ln 2) are counted in `stats`; above `max_skipped_fraction` of the rows, DataError, as the
     document loader refuses (`data.max_skipped_fraction`)."""
@@ -115,28 +141,30 @@ def read_pairs(sources: list[DataSource], *, role: str = "all", fraction: float 
         if source.weight != 1.0:
             raise DataError(f"data source `{source.path}`: `weight` {source.weight} is not used for preference pairs "
                             "(sources are read one after the other, each pair once per epoch); drop `weight`")
-        if source.chosen_key == source.rejected_key:
+        if not unpaired and source.chosen_key == source.rejected_key:
             raise DataError(f"data source `{source.path}`: `chosen_key` and `rejected_key` both name "
                             f"`{source.chosen_key}`, so every pair would compare a text with itself (loss ln 2, "
                             "nothing learnt); set `prompt_key` / `chosen_key` / `rejected_key` on the source to its "
                             "column names")
         found = identical = 0
         for row in _raw_rows(source):
-            texts = pair_texts(source, row)
+            texts = example_texts(source, row) if unpaired else pair_texts(source, row)
             if texts is None:
                 stats["skipped_undecodable"] = stats.get("skipped_undecodable", 0) + 1
                 continue
             found += 1
-            if texts[1] == texts[2]:
+            if not unpaired and texts[1] == texts[2]:
                 identical += 1
                 continue
-            held = is_held_out("\x00".join(texts).encode("utf-8", "surrogatepass"), fraction)
+            held = is_held_out("\x00".join(map(str, texts)).encode("utf-8", "surrogatepass"), fraction)
             if role == "all" or (role == "validation") == held:
                 pairs.append(texts)
         if not found:
-            raise DataError(f"data source `{source.path}` has no row with string fields `{source.prompt_key}`, "
-                            f"`{source.chosen_key}` and `{source.rejected_key}`; set `prompt_key` / `chosen_key` / "
-                            "`rejected_key` on the source to its column names")
+            names = "`prompt_key` / `completion_key` / `label_key`" if unpaired else \
+                "`prompt_key` / `chosen_key` / `rejected_key`"
+            kinds = "string fields and a boolean" if unpaired else "string fields"
+            raise DataError(f"data source `{source.path}` has no row with {kinds} {_columns(source, unpaired)}; set "
+                            f"{names} on the source to its column names")
         if identical == found:
             raise DataError(f"data source `{source.path}`: every one of its {found} pairs has `{source.chosen_key}` "
                             f"equal to `{source.rejected_key}` (loss ln 2, nothing learnt); give pairs whose chosen "
@@ -204,10 +232,31 @@ def tokenize_rm_pairs(pairs: list[tuple[str, str, str]], tokenizer) -> list[tupl
     return [(list(c), list(r)) for c, r in zip(chosen, rejected)]
 
 
+def tokenize_kto_examples(examples: list[tuple[str, str, bool]], tokenizer) -> list[tuple[list[int], list[int], bool]]:
+    """(prompt_ids, completion_ids, label) per example, as trl 1.16 `KTOTrainer._prepare_dataset` (plain text)."""
+    eos = tokenizer.eos_token
+    prompts = tokenizer([p for p, _, _ in examples])["input_ids"] if examples else []
+    whole = tokenizer([p + _with_eos(c, eos) for p, c, _ in examples])["input_ids"] if examples else []
+    out = []
+    for prompt_ids, ids, (_, _, label) in zip(prompts, whole, examples):
+        n = _common_prefix_length(prompt_ids, ids)
+        out.append((list(prompt_ids[:n]), list(ids[n:]), label))
+    return out
+
+
 def tokenize_pairs(pairs, tokenizer, objective: str, max_length: int, stats: Optional[dict] = None) -> list[tuple]:
     """The pairs that train, tokenised for `objective`, TRL's length rules applied (see the module docstring).
-    dpo: (prompt_ids, chosen_ids, rejected_ids); rm: ((), chosen_ids, rejected_ids)."""
+    dpo: (prompt_ids, chosen_ids, rejected_ids); rm: ((), chosen_ids, rejected_ids); kto (`pairs` are unpaired
+    examples): (prompt_ids, completion_ids, label)."""
     stats = stats if stats is not None else {}
+    if objective == "kto":
+        kept = []
+        for prompt, completion, label in tokenize_kto_examples(pairs, tokenizer):
+            if len(prompt) >= max_length:
+                stats["skipped_empty"] = stats.get("skipped_empty", 0) + 1  # TRL drops it: no completion token left
+                continue
+            kept.append((prompt, completion, label))
+        return kept
     if objective == "dpo":
         kept = []
         for prompt, c, r in tokenize_dpo_pairs(pairs, tokenizer):
@@ -224,7 +273,7 @@ def tokenize_pairs(pairs, tokenizer, objective: str, max_length: int, stats: Opt
                 continue
             kept.append(((), c, r))
         return kept
-    raise DataError(f"preference pairs are for train.objective dpo or rm, not {objective!r}")
+    raise DataError(f"preference pairs are for train.objective dpo, rm or kto, not {objective!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -261,6 +310,20 @@ def pad_pairs(pairs: list[tuple], pair_index: list[int], *, pad_id: int, multipl
     return batch
 
 
+def pad_unpaired(examples: list[tuple], example_index: list[int], *, pad_id: int, multiple: int,
+                 max_length: int) -> dict[str, torch.Tensor]:
+    """One KTO micro-batch of P tokenised examples: the P sequences, then their P KL sequences (prompt i with
+    completion i − 1, rotated within the batch as TRL's `add_kl_completion_ids`), plus `label` (see the module
+    docstring)."""
+    completions = [c for _, c, _ in examples]
+    rotated = completions[-1:] + completions[:-1]
+    # pad_pairs' (prompt, first, second) rows: the example's sequence first, its KL sequence second
+    batch = pad_pairs([(p, c, kl) for (p, c, _), kl in zip(examples, rotated)], example_index, pad_id=pad_id,
+                      multiple=multiple, max_length=max_length, labelled=True)
+    batch["label"] = torch.tensor([label for _, _, label in examples], dtype=torch.bool)
+    return batch
+
+
 class PreferenceLoader:
     """Endless (train) or one-pass (eval) iterator of preference micro-batches for one data-parallel rank, with the
     pad loader's `state_dict()` / `load_state_dict()` / `stats` / `describe()`.
@@ -276,7 +339,7 @@ class PreferenceLoader:
     def __init__(self, data_cfg: DataConfig, tokenizer, sources: list[DataSource], *, objective: str, seq_length: int,
                  micro_batch_size: int, dp_rank: int, dp_size: int, seed: int, role: str, cycle: bool):
         if objective not in OBJECTIVES:
-            raise DataError(f"preference pairs are for train.objective dpo or rm, not {objective!r}")
+            raise DataError(f"preference pairs are for train.objective dpo, rm or kto, not {objective!r}")
         if micro_batch_size < 1:
             raise DataError(f"micro_batch_size must be ≥ 1 pair, got {micro_batch_size}")
         if not 0 <= dp_rank < dp_size:
@@ -291,7 +354,7 @@ class PreferenceLoader:
         self.pad_id = tokenizer.pad_token_id
         self.read_stats = dict.fromkeys(STAT_KEYS, 0)
         texts = read_pairs(self.sources, role=role, fraction=data_cfg.validation_fraction, stats=self.read_stats,
-                           max_skipped_fraction=data_cfg.max_skipped_fraction)
+                           max_skipped_fraction=data_cfg.max_skipped_fraction, unpaired=objective == "kto")
         self.pairs = tokenize_pairs(texts, tokenizer, objective, self.max_length, self.read_stats)
         if not self.pairs:
             raise EmptyPairs(f"data sources {[s.path for s in self.sources]}: no usable preference pair "
@@ -324,6 +387,9 @@ class PreferenceLoader:
 
     def batch_of(self, indices: list[int]) -> dict:
         """The micro-batch of the pairs `indices` (their `pair_index` values)."""
+        if self.objective == "kto":
+            return pad_unpaired([self.pairs[i] for i in indices], indices, pad_id=self.pad_id,
+                                multiple=self.cfg.pad_to_multiple_of, max_length=self.max_length)
         return pad_pairs([self.pairs[i] for i in indices], indices, pad_id=self.pad_id,
                          multiple=self.cfg.pad_to_multiple_of, max_length=self.max_length,
                          labelled=self.objective == "dpo")
@@ -384,6 +450,12 @@ class PreferenceLoader:
         same = self.read_stats.get("skipped_identical", 0)
         note += f", {same} pairs with chosen == rejected skipped" if same else ""
         order = "shuffled each epoch" if self.shuffle else "in file order"
+        if self.objective == "kto":
+            desirable = sum(1 for _, _, label in self.pairs if label)
+            return (f"unpaired completions (kto): {len(self.pairs):,} examples ({desirable:,} desirable){note}; "
+                    f"{self.batch_size} examples (+ their KL sequences) per micro-batch, "
+                    f"{'shuffled each epoch' if self.shuffle else 'in file order'}, padded to multiples of "
+                    f"{self.cfg.pad_to_multiple_of}")
         return (f"preference pairs ({self.objective}): {len(self.pairs):,} pairs{note}; {self.batch_size} pairs "
                 f"({2 * self.batch_size} sequences) per micro-batch, {order}, padded to multiples of "
                 f"{self.cfg.pad_to_multiple_of}")

@@ -21,7 +21,7 @@ from neox_hf.parallel.layout import Layout, StepResult
 
 class Engine:
     name: str = ""  # its key in `neox_hf.engines.ENGINES`
-    objectives: tuple[str, ...] = ("lm", "dpo", "rm")
+    objectives: tuple[str, ...] = ("lm", "dpo", "rm", "kto")
 
     def __init__(self, recipe, accelerator, layout: Layout, *, model=None, optimizer=None):
         if recipe.train.objective not in self.objectives:

@@ -166,9 +166,10 @@ def labelled_tokens(batch: dict) -> torch.Tensor:
 
 
 def _samples(micro_batches: list[dict], objective, device) -> torch.Tensor:
-    """Samples of the step: sequences, or pairs for a pair objective (a micro-batch of P pairs has 2P rows)."""
+    """Samples of the step: sequences, pairs (a micro-batch of P pairs has 2P rows) or KTO examples (P examples and
+    their P KL sequences): the objective's `rows_per_sample`."""
     rows = sum(mb["input_ids"].shape[0] for mb in micro_batches)
-    return torch.tensor(rows // 2 if objective.unit == "pair" else rows, device=device)
+    return torch.tensor(rows // objective.rows_per_sample, device=device)
 
 
 def _clip_gradients(accelerator, model, clip_grad: float):

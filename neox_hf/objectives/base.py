@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from neox_hf.ops.linear_cross_entropy import head_loss
+from neox_hf.ops.loss import causal_lm_module, decoder_hidden_states
+
 
 @dataclass
 class ObjectiveLoss:
@@ -21,6 +24,7 @@ class Objective:
     name: str = ""
     unit: str = ""
     metric_names: tuple[str, ...] = ()
+    rows_per_sample: int = 1  # batch rows of one sample: 2 for a pair (chosen, rejected) or a KTO example (+ its KL row)
 
     def units(self, batch: dict) -> torch.Tensor:
         raise NotImplementedError
@@ -32,3 +36,13 @@ class Objective:
 
     def loss(self, model, batch: dict, *, fused: bool = True, z_loss: float = 0.0) -> ObjectiveLoss:
         raise NotImplementedError
+
+
+def sequence_logps(model, batch: dict, *, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities [rows], labelled tokens [rows]) of every row of `batch` under `model`: the sum of its
+    labelled tokens' log-probabilities. The decoder runs once over all rows; the head loss once per row."""
+    lm = causal_lm_module(model)
+    hidden = decoder_hidden_states(lm, batch)
+    head, labels = lm.get_output_embeddings(), batch["labels"]
+    sums, counts = zip(*(head_loss(head, hidden[i: i + 1], labels[i: i + 1], fused=fused) for i in range(len(labels))))
+    return -torch.stack(sums), torch.stack(counts)

@@ -21,22 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from neox_hf.errors import DataError
-from neox_hf.objectives.base import Objective, ObjectiveLoss
-from neox_hf.ops.linear_cross_entropy import head_loss
-from neox_hf.ops.loss import causal_lm_module, decoder_hidden_states
+from neox_hf.objectives.base import Objective, ObjectiveLoss, sequence_logps
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
-
-
-def sequence_logps(model, batch: dict, *, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probabilities [rows], labelled tokens [rows]) of every row of `batch` under `model`: the sum of its
-    labelled tokens' log-probabilities. The decoder runs once over all rows; the head loss once per row."""
-    lm = causal_lm_module(model)
-    hidden = decoder_hidden_states(lm, batch)
-    head, labels = lm.get_output_embeddings(), batch["labels"]
-    sums, counts = zip(*(head_loss(head, hidden[i: i + 1], labels[i: i + 1], fused=fused) for i in range(len(labels))))
-    return -torch.stack(sums), torch.stack(counts)
 
 
 def dpo_losses(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, *, beta: float,
@@ -53,6 +41,7 @@ def dpo_losses(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor,
 
 class DPOObjective(Objective):
     name, unit, metric_names = "dpo", "pair", METRICS
+    rows_per_sample = 2
 
     @classmethod
     def from_train(cls, train_config) -> "DPOObjective":

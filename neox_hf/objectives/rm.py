@@ -25,6 +25,7 @@ def sequence_rewards(model, batch: dict) -> torch.Tensor:
 
 class RewardObjective(Objective):
     name, unit, metric_names = "rm", "pair", METRICS
+    rows_per_sample = 2
 
     def units(self, batch: dict) -> torch.Tensor:
         return torch.tensor(batch["input_ids"].shape[0] // 2, device=batch["input_ids"].device)

@@ -48,10 +48,16 @@ def decoder_hidden_states(lm, batch: dict) -> torch.Tensor:
     a pad after it: the padding mask changes nothing a label reads, and SDPA runs causal with no mask at all. Packed
     documents kept apart (`position_ids` restarting at each document) get their block-diagonal causal mask built
     here on the device, as transformers would build it after reading the positions on the host. Other attention
-    implementations (eager, flash-attention) get the batch's own mask and positions, as before."""
-    if lm.config._attn_implementation != "sdpa":
-        return lm.base_model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}, use_cache=False).last_hidden_state
+    implementations get the batch's own mask and positions, as before, except flex attention, which is handed the
+    documents' `BlockMask` built here the same way (its masked blocks are skipped, not computed)."""
+    implementation = lm.config._attn_implementation
     position_ids = batch.get("position_ids")
+    if implementation == "flex_attention":
+        mask = document_block_mask(position_ids, *batch["input_ids"].shape, device=batch["input_ids"].device)
+        return lm.base_model(input_ids=batch["input_ids"], position_ids=position_ids, attention_mask=mask,
+                             use_cache=False).last_hidden_state
+    if implementation != "sdpa":
+        return lm.base_model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}, use_cache=False).last_hidden_state
     mask = None if position_ids is None else document_causal_mask(position_ids)
     with attention_implementation(lm.config, CAUSAL_SDPA):
         return lm.base_model(input_ids=batch["input_ids"], position_ids=position_ids, attention_mask=mask,
@@ -66,6 +72,22 @@ def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(position_ids.shape[-1], position_ids.shape[-1], dtype=torch.bool,
                         device=position_ids.device).tril()
     return (same & causal).unsqueeze(1)
+
+
+def document_block_mask(position_ids: torch.Tensor | None, batch: int, length: int, *, device):
+    """flex attention's `BlockMask` of `document_causal_mask` (plain causal without `position_ids`), built on the
+    device without reading a value on the host."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if position_ids is None:
+        def mask_mod(b, h, q, kv):
+            return kv <= q
+    else:
+        documents = torch.cumsum(position_ids.expand(batch, -1) == 0, dim=-1)
+
+        def mask_mod(b, h, q, kv):
+            return (documents[b, q] == documents[b, kv]) & (kv <= q)
+    return create_block_mask(mask_mod, batch, None, length, length, device=device)
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from neox_hf.hardware import deepspeed_runs_fp16
 from neox_hf.recipe.launcher import check_recipe_agrees_with_launcher, launcher_environment_reconciled
 from neox_hf.recipe import ParallelConfig, Recipe, TrainConfig, merge_dicts
 
-_MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+_MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}
 
 
 def launched_with_deepspeed() -> bool:
@@ -177,6 +177,11 @@ def build_accelerator(recipe: Recipe, *, log_with: str | None = None) -> Acceler
     if use_deepspeed and not _launched_distributed():
         _single_process_environment()
     kwargs_handlers = [process_group_kwargs(parallel, distributed=use_deepspeed or _launched_distributed())]
+    if train.precision == "fp8":
+        from accelerate.utils import TERecipeKwargs
+
+        check_fp8_supported()
+        kwargs_handlers.append(TERecipeKwargs(**fp8_recipe_arguments(train)))
     ds_config = deepspeed_config(parallel, train) if use_deepspeed else None
     if ds_config is not None:
         check_deepspeed_precision(ds_config)
@@ -191,6 +196,25 @@ def build_accelerator(recipe: Recipe, *, log_with: str | None = None) -> Acceler
             project_config=project,
             log_with=log_with,
         )
+
+
+def check_fp8_supported() -> None:
+    """Refuse `train.precision: fp8` by name where this machine cannot run it — never silently another precision."""
+    from neox_hf.hardware import fp8_unsupported_reason
+
+    why = fp8_unsupported_reason()
+    if why is not None:
+        raise RecipeError(f"`train.precision: fp8` cannot run here: {why}; use `train.precision: bf16` (or fp32)")
+
+
+def fp8_recipe_arguments(train: TrainConfig) -> dict:
+    """The arguments of accelerate's Transformer Engine FP8 recipe (`TERecipeKwargs`) from `train.fp8`, every field
+    given: TERecipeKwargs would otherwise read ACCELERATE_FP8_* environment variables, and settings come from the
+    recipe only. (TERecipeKwargs itself can be built only where Transformer Engine is installed.)"""
+    fp8 = train.fp8
+    return dict(use_autocast_during_eval=False, margin=fp8.margin, interval=1, fp8_format=fp8.format,
+                amax_history_len=fp8.amax_history_len, amax_compute_algo=fp8.amax_compute_algo,
+                override_linear_precision=(False, False, not fp8.wgrad), use_mxfp8_block_scaling=False)
 
 
 def process_group_kwargs(parallel: ParallelConfig, *, distributed: bool) -> InitProcessGroupKwargs:

@@ -97,6 +97,9 @@ class DataSource:
     prompt_key: str = "prompt"
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
+    # train.objective kto: TRL's unpaired preference format (a completion and whether it is desirable)
+    completion_key: str = "completion"
+    label_key: str = "label"
 
 
 @dataclass
@@ -176,6 +179,18 @@ class PushToHubConfig:
 
 
 @dataclass
+class Fp8Config:
+    """`train.precision: fp8`: the matmuls of the model's linear layers in FP8 through accelerate's Transformer Engine
+    recipe (TERecipeKwargs, delayed scaling), the other ops in bf16 autocast; GPT-NeoX's `te_fp8_*` keys."""
+
+    format: Literal["HYBRID", "E4M3"] = "HYBRID"  # te_fp8_format: HYBRID = E4M3 forward, E5M2 gradients
+    margin: int = 0  # te_fp8_margin: scaling factors back off by 2^margin
+    amax_history_len: int = 1024  # te_fp8_amax_history_len
+    amax_compute_algo: Literal["max", "most_recent"] = "most_recent"  # te_fp8_amax_compute_algo
+    wgrad: bool = True  # te_fp8_wgrad: weight gradients in FP8 too (false: in the higher precision)
+
+
+@dataclass
 class TrainConfig:
     """Optimisation (GPT-NeoX names where they exist)."""
 
@@ -191,14 +206,25 @@ class TrainConfig:
     lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
     lr_decay_iters: Optional[int] = None  # default train_iters
     weight_decay: float = 0.01
-    adam_beta1: float = 0.9
+    # GPT-NeoX `optimizer.type` (neox_hf/engines/optimizer.py): adamw (GPT-NeoX's Adam / cpu_adam: FusedAdam and
+    # DeepSpeedCPUAdam in AdamW mode), adam (cpu_torch_adam: torch's Adam, L2 decay), lion (DeepSpeed's Lion), sgd
+    # (torch's SGD), sm3 (pytorch-optimizer's SM3; no weight decay, as GPT-NeoX's), adam8bit (bitsandbytes' 8-bit
+    # Adam, GPT-NeoX use_bnb_optimizer; CUDA only)
+    optimizer: Literal["adamw", "adam", "lion", "sgd", "sm3", "adam8bit"] = "adamw"
+    adam_beta1: float = 0.9  # the optimizer's betas: Adam's moments, Lion's interpolation and momentum
     adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
+    adam_eps: float = 1e-8  # the optimizer's eps: adam / adamw / adam8bit / sm3
+    momentum: float = 0.0  # sgd, sm3
+    sm3_beta: float = 0.0  # sm3: the accumulators' moving-average coefficient (GPT-NeoX optimizer.params.beta)
+    nesterov: bool = False  # sgd
     clip_grad: float = 1.0
     # auto (the default): bf16 where it trains faster than fp32 (GPUs with bf16 tensor cores, AMX CPUs, AVX512-BF16
     # CPUs whose measured bf16 GEMMs beat fp32's), fp32 elsewhere (neox_hf.hardware.bf16_verdict); the recipe
     # saved with a run records what `auto` resolved to
-    precision: Literal["fp32", "bf16", "fp16", "auto"] = "auto"
+    # fp8: Transformer Engine FP8 matmuls where the GPU has FP8 tensor cores (compute capability ≥ 8.9), refused
+    # elsewhere; never `auto`'s choice
+    precision: Literal["fp32", "bf16", "fp16", "fp8", "auto"] = "auto"
+    fp8: Fp8Config = field(default_factory=Fp8Config)
     # fp16: overflow-skipped steps go on (LR held, as GPT-NeoX); more than this many in a row stop the run
     max_skipped_steps_in_a_row: int = 100
     seed: int = 1234
@@ -225,14 +251,18 @@ class TrainConfig:
     compile: Literal["auto", True, False] = "auto"
     tf32: bool = False  # fp32 matmuls on TF32 tensor cores (Ampere+ GPUs; transformers' `tf32` argument); no-op on CPU
     eval_tasks: list[str] = field(default_factory=list)  # lm-evaluation-harness tasks at each eval interval
-    # lm: next-token prediction; dpo: direct preference optimisation; rm: a reward model (GPT-NeoX `train_impl`)
-    objective: Literal["lm", "dpo", "rm"] = "lm"
+    # lm: next-token prediction; dpo: direct preference optimisation; rm: a reward model; kto: Kahneman-Tversky
+    # optimisation on unpaired completions (GPT-NeoX `train_impl`)
+    objective: Literal["lm", "dpo", "rm", "kto"] = "lm"
     dpo_beta: float = 0.1  # DPO's KL weight β (GPT-NeoX `dpo_beta`, TRL `beta`)
     dpo_loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
     # precompute: the reference model's log-probabilities in one pass over the pairs before training (the starting
     # model; no second model in memory); frozen: a frozen copy of the reference beside the trained model
     dpo_reference: Literal["precompute", "frozen"] = "precompute"
     dpo_reference_model: Optional[str] = None  # default: model.from_pretrained (the starting model)
+    kto_beta: float = 0.1  # KTO's β (GPT-NeoX `kto_beta`, TRL `beta`)
+    kto_desirable_weight: float = 1.0  # λ_D on desirable completions' losses (GPT-NeoX / TRL `desirable_weight`)
+    kto_undesirable_weight: float = 1.0  # λ_U on undesirable ones
 
 
 @dataclass
@@ -449,9 +479,32 @@ def _validate_objective(recipe: Recipe) -> None:
              f"`train.objective: {t.objective}` with `parallel.pipeline_parallel > 1` is refused: a pair's two "
              "sequences are compared on the last stage, which DeepSpeed's pipeline schedule does not give one "
              "scalar per sequence; use tensor parallelism and ZeRO instead")
+    if t.objective == "kto":
+        _require(t.kto_beta > 0, f"`train.kto_beta` must be > 0, got {t.kto_beta}")
+        for name in ("kto_desirable_weight", "kto_undesirable_weight"):
+            _require(getattr(t, name) > 0, f"`train.{name}` must be > 0, got {getattr(t, name)}")
+        _require(t.micro_batch_size > 1, "`train.objective: kto` estimates its KL term from the other completions of "
+                                         "a micro-batch (TRL's rule): set `train.micro_batch_size` ≥ 2")
+        _require(recipe.model.from_pretrained is not None,
+                 "`train.objective: kto` needs a reference model: set `model.from_pretrained` (a frozen copy of the "
+                 "starting model is the reference)")
     if t.objective == "dpo" and not (t.dpo_reference_model or recipe.model.from_pretrained):
         raise RecipeError("`train.objective: dpo` needs a reference model: set `model.from_pretrained` (the "
                           "reference defaults to the starting model) or `train.dpo_reference_model`")
+
+
+def _validate_fp8(recipe: Recipe) -> None:
+    """FP8 runs through accelerate's Transformer Engine recipe on one model replica per GPU; what has not been
+    verified with it is refused by name (the GPU itself is checked when the Accelerator is built)."""
+    t, p = recipe.train, recipe.parallel
+    _require(t.fp8.margin >= 0, f"`train.fp8.margin` must be ≥ 0, got {t.fp8.margin}")
+    _require(t.fp8.amax_history_len >= 1, f"`train.fp8.amax_history_len` must be ≥ 1, got {t.fp8.amax_history_len}")
+    for name, value, what in (("parallel.zero_stage", p.zero_stage, "DeepSpeed ZeRO"),
+                              ("parallel.tensor_parallel", p.tensor_parallel - 1, "tensor parallelism"),
+                              ("parallel.pipeline_parallel", p.pipeline_parallel - 1, "the pipeline engine")):
+        _require(not value, f"`train.precision: fp8` with {what} (`{name}`) is refused: accelerate's Transformer "
+                            f"Engine FP8 is wired here for data parallelism without DeepSpeed only; use "
+                            "`train.precision: bf16` with it")
 
 
 def validate(recipe: Recipe) -> None:
@@ -490,6 +543,12 @@ def validate(recipe: Recipe) -> None:
     for name in ("adam_beta1", "adam_beta2"):
         _require(0.0 <= getattr(t, name) < 1.0, f"`train.{name}` must be in [0, 1), got {getattr(t, name)}")
     _require(t.adam_eps > 0, f"`train.adam_eps` must be > 0, got {t.adam_eps}")
+    if t.precision == "fp8":
+        _validate_fp8(recipe)
+    _require(t.momentum >= 0, f"`train.momentum` must be ≥ 0, got {t.momentum}")
+    _require(0 <= t.sm3_beta < 1, f"`train.sm3_beta` must be in [0, 1), got {t.sm3_beta}")
+    _require(not t.nesterov or (t.optimizer == "sgd" and t.momentum > 0),
+             "`train.nesterov: true` is SGD's Nesterov momentum: it needs `train.optimizer: sgd` and `train.momentum` > 0")
     _require(t.weight_decay >= 0, f"`train.weight_decay` must be ≥ 0, got {t.weight_decay}")
     _require(0 <= t.min_lr <= t.lr, f"`train.min_lr` must be in [0, train.lr={t.lr}], got {t.min_lr}")
     _require(0.0 <= t.warmup < 1.0, f"`train.warmup` is a fraction of the decay steps in [0, 1), got {t.warmup}")

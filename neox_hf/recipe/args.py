@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neox_hf.errors import UsageError
-from neox_hf.neox_yaml import looks_like_neox_config, read_neox_files, translate_neox_args
+from neox_hf.neox_yaml import looks_like_neox_config, place_command_line_data, read_neox_files, translate_neox_args
 from neox_hf.recipe.launcher import reconcile_with_launcher
 from neox_hf.recipe import Recipe, load_yaml_file, merge_dicts, parse_overrides, recipe_from_dict
 
@@ -31,8 +31,10 @@ def parse_run_args(argv: list[str]) -> RunArgs:
         raise UsageError(f"no recipe given. Usage: {USAGE}")
     if resume and overwrite:
         raise UsageError("--resume continues the run in output.dir and --overwrite replaces it: give one of them")
-    raw, notices = _read_recipe_files(files)
-    raw = merge_dicts(raw, parse_overrides(rest))
+    raw, notices, data_defaults, ours = _read_recipe_files(files)
+    overrides = parse_overrides(rest)
+    # data named by our recipe files or the command line takes the GPT-NeoX config's order keys
+    raw = place_command_line_data(merge_dicts(raw, overrides), merge_dicts(ours, overrides), data_defaults)
     if resume:
         raw = merge_dicts(raw, {"train": {"resume": "auto"}})
     source = ", ".join(files) + (" with the command-line overrides" if rest else "")
@@ -67,17 +69,21 @@ def _closest_flag(name: str) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def _read_recipe_files(files: list[str]) -> tuple[dict, list[str]]:
-    """Our recipes merge in order; GPT-NeoX files are merged together (as its launcher does) and translated."""
+def _read_recipe_files(files: list[str]) -> tuple[dict, list[str], dict, dict]:
+    """Our recipes merge in order; GPT-NeoX files are merged together (as its launcher does) and translated: the
+    recipe dict, the notices, the GPT-NeoX data keys for data named elsewhere (NeoXTranslation.data_defaults), and
+    what our recipe files alone say."""
     ours, neox = [], []
     for path in files:
         raw = load_yaml_file(path)
         (neox if looks_like_neox_config(raw) else ours).append((path, raw))
     merged: dict = {}
     notices: list[str] = []
+    data_defaults: dict = {}
     if neox:
         translation = translate_neox_args(read_neox_files([Path(p) for p, _ in neox]))
-        merged, notices = translation.recipe, translation.notices
+        merged, notices, data_defaults = translation.recipe, translation.notices, translation.data_defaults
+    own: dict = {}
     for _, raw in ours:
-        merged = merge_dicts(merged, raw)
-    return merged, notices
+        own = merge_dicts(own, raw)
+    return merge_dicts(merged, own), notices, data_defaults, own

@@ -91,10 +91,10 @@ def _offload_param(raw: str) -> bool:
 
 
 def _precision(raw: str) -> str:
-    precision = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}.get(raw)
+    precision = {"no": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}.get(raw)
     if precision is None:
         raise RecipeError(f"the launch asks for `mixed_precision: {raw}`, which neox_hf does not train in; use no, "
-                          "bf16 or fp16 in the accelerate config (or leave it to `train.precision`)")
+                          "bf16, fp16 or fp8 in the accelerate config (or leave it to `train.precision`)")
     return precision
 
 

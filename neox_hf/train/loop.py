@@ -442,8 +442,11 @@ def evaluate(run: TrainingRun) -> float:
 
 def _layout_free_engine(engine, recipe):
     """The engine whose layout-free state a checkpoint holds; None under PEFT (its adapters' names are not the
-    model's: those checkpoints resume on their own layout only)."""
-    return engine if recipe.peft.method is None else None
+    model's) and for optimizers other than Adam's (the layout-free state holds Adam's two moments; Lion's one moment,
+    SGD's momentum and 8-bit states are not in it): those checkpoints resume on their own layout only."""
+    if recipe.peft.method is not None or recipe.train.optimizer not in ("adamw", "adam"):
+        return None
+    return engine
 
 
 def _save_checkpoint_and_push(run: TrainingRun, state: TrainState) -> None:
@@ -567,6 +570,10 @@ def _precision_in_effect(t, accelerator) -> str:
 
 
 def _mixed_precision_in_effect(t, accelerator) -> str:
+    if t.precision == "fp8":
+        return (f"FP8 matmuls in Transformer Engine's linear layers ({t.fp8.format}, delayed scaling over "
+                f"{t.fp8.amax_history_len} steps), bf16 autocast elsewhere, fp32 weights, gradients and optimizer "
+                "states")
     if accelerator.state.deepspeed_plugin is not None:
         return (f"{t.precision} weights, activations and gradients, fp32 master weights and optimizer states "
                 f"(DeepSpeed {t.precision})")

@@ -1,4 +1,5 @@
-"""What a preference objective needs around the training loop: its data, and DPO's reference log-probabilities.
+"""What a preference objective needs around the training loop: its data, DPO's reference log-probabilities, and the
+frozen reference DPO (`frozen`) and KTO keep beside the trained model.
 
 The reference of `train.dpo_reference: precompute` (the default) is the starting model itself: every pair's
 (chosen, rejected) log-probabilities are computed once, in eval mode, right after the model is parallelized and
@@ -38,13 +39,20 @@ def build_data(recipe, tokenizer, layout, data_args: dict):
 
 
 def frozen_reference(recipe, model, layout, device):
-    """DPO's frozen reference (`train.dpo_reference: frozen`): a copy of the starting model, before it is wrapped."""
-    if recipe.train.objective != "dpo" or recipe.train.dpo_reference != "frozen":
+    """The frozen reference of DPO (`train.dpo_reference: frozen`) and of KTO (always: its KL sequences pair examples
+    anew in every micro-batch, so no precomputed table holds them): a copy of the starting model, before it is
+    wrapped."""
+    kto = recipe.train.objective == "kto"
+    if not kto and (recipe.train.objective != "dpo" or recipe.train.dpo_reference != "frozen"):
         return None
     if layout.tp > 1 or layout.pp > 1 or recipe.parallel.zero_stage == 3:
+        if kto:
+            raise RecipeError("`train.objective: kto` keeps a frozen copy of the starting model on every rank as its "
+                              "reference, which tensor parallelism and ZeRO-3 do not shard; use ZeRO-1/2 or one "
+                              "process")
         raise RecipeError("`train.dpo_reference: frozen` keeps a whole copy of the model on every rank; with tensor "
                           "parallelism or ZeRO-3 use `train.dpo_reference: precompute` (the default)")
-    if recipe.train.dpo_reference_model:
+    if recipe.train.dpo_reference_model and not kto:
         raise RecipeError("`train.dpo_reference_model` is read by `train.dpo_reference: precompute`; a frozen "
                           "reference is the starting model (model.from_pretrained)")
     reference = copy.deepcopy(model).to(device).eval()
