@@ -598,6 +598,9 @@ class NeoXOrderLoader:
                 "micro_step": self.micro_step}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("order") != "gpt-neox" and isinstance(state.get("fingerprint"), dict):
+            # a streamed loader's position (its fingerprint has no `order`: data.order stream)
+            raise DataError(changed_data_setting(state["fingerprint"], self.fingerprint, skip=_LAYOUT_KEYS))
         if state.get("order") != "gpt-neox" or state.get("version") != STATE_VERSION:
             raise DataError("this checkpoint's data position was not saved in GPT-NeoX order (data.order); resume "
                             "with the data settings it was saved with, or start fresh")
