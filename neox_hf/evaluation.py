@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from neox_hf.data import build_eval_loader
-from neox_hf.errors import DataError, UsageError
+from neox_hf.errors import DataError, UsageError, print_to_stderr
 from neox_hf.inference import load_for_inference
 from neox_hf.io import atomic_write_text
 from neox_hf.recipe import DataConfig, DataSource
@@ -265,6 +265,7 @@ def evaluate_dpo(model_path, reference_path, source: DataSource, *, beta: float 
     model, tokenizer = load_for_inference(model_path, tokenizer_path, device=device)
     # the pairs are tokenised once, by the policy's tokenizer; the reference folder needs none of its own
     reference, _ = load_for_inference(reference_path, tokenizer_path or str(model_path), device=device)
+    check_reference(model, reference, tokenizer, reference_path)
     seq_length = seq_length or model.config.max_position_embeddings
     batches = [_on(b, model.device) for b in _pair_batches(source, tokenizer, "dpo", seq_length, batch_size,
                                                            max_batches)]
@@ -288,6 +289,7 @@ def evaluate_kto(model_path, reference_path, source: DataSource, *, beta: float 
 
     model, tokenizer = load_for_inference(model_path, tokenizer_path, device=device)
     reference, _ = load_for_inference(reference_path, tokenizer_path or str(model_path), device=device)
+    check_reference(model, reference, tokenizer, reference_path)
     seq_length = seq_length or model.config.max_position_embeddings
     batches = [_on(b, model.device) for b in _pair_batches(source, tokenizer, "kto", seq_length, batch_size,
                                                            max_batches)]
@@ -299,6 +301,38 @@ def evaluate_kto(model_path, reference_path, source: DataSource, *, beta: float 
             "rewards_chosen": sums["rewards/chosen"] / examples, "rewards_rejected": sums["rewards/rejected"] / examples,
             "rewards_margin": sums["rewards/margins"] / examples, "logps_chosen": sums["logps/chosen"] / examples,
             "logps_rejected": sums["logps/rejected"] / examples, "examples": examples}
+
+
+def check_reference(model, reference, tokenizer, reference_path) -> None:
+    """DPO and KTO score the same token ids under both models: a reference whose own tokenizer has another vocabulary than
+    the one the pairs were tokenised with is refused; a reference of another architecture (a Llama reference for a
+    GPTNeoX policy) is allowed, with a note, since the usual reference is the policy's own starting model."""
+    from neox_hf.inference import folder_tokenizer
+
+    own = folder_tokenizer(Path(reference_path))
+    if own is not None and own.get_vocab() != tokenizer.get_vocab():
+        ours, theirs = tokenizer.get_vocab(), own.get_vocab()
+        differ = (set(ours) ^ set(theirs)) or {t for t in ours if ours[t] != theirs[t]}
+        token = min(differ, key=lambda t: ours.get(t, theirs.get(t)))  # the lowest id that differs
+        raise UsageError(f"the reference {reference_path} has another vocabulary ({len(theirs):,} tokens) than the "
+                         f"policy's tokenizer ({len(ours):,}; {token!r} is {_token_id(theirs, token)} in the "
+                         f"reference's, {_token_id(ours, token)} in the policy's): DPO compares the log-probabilities "
+                         "of the same token ids under both; give the policy's starting model as --reference")
+    architectures = [_architecture(m) for m in (model, reference)]
+    if architectures[0] != architectures[1]:
+        print_to_stderr(f"note: the reference {reference_path} is a {architectures[1]}, the policy a "
+                        f"{architectures[0]}: DPO's rewards are then measured against another model than the policy's "
+                        "starting point (same vocabulary, so the scores are defined)")
+
+
+def _architecture(model) -> str:
+    config = getattr(model, "config", None)
+    names = getattr(config, "architectures", None) or [type(model).__name__]
+    return f"{names[0]} ({getattr(config, 'model_type', '?')})"
+
+
+def _token_id(vocab: dict, token: str) -> str:
+    return f"id {vocab[token]}" if token in vocab else "absent"
 
 
 def evaluate_reward_model(model_path, source: DataSource, *, tokenizer_path: str | None = None,

@@ -198,7 +198,7 @@ def _refuse(key: str, value: Any, supported: str) -> RecipeError:
 
 def _check_refusals(args: dict) -> None:
     for key, (allowed, supported) in _SUPPORTED_VALUES.items():
-        if key in args and args[key] is not None and args[key] not in allowed:
+        if key in args and args[key] is not None and (not isinstance(args[key], str) or args[key] not in allowed):
             raise _refuse(key, args[key], f"supported: {', '.join(sorted(allowed))}; {supported}")
     for key, reason in _MUST_BE_FALSY.items():
         if args.get(key) not in (None, False, 0, 1 if key == "moe_num_experts" else 0) and reason:
@@ -206,27 +206,66 @@ def _check_refusals(args: dict) -> None:
     for block in args.get("attention_config") or []:
         kinds = block[0] if isinstance(block, (list, tuple)) else [block]
         for kind in kinds:
-            if kind not in _GLOBAL_ATTENTION:
+            if not isinstance(kind, str) or kind not in _GLOBAL_ATTENTION:
                 raise _refuse("attention_config", kind, "only dense causal attention (global/flash) exists in GPTNeoX; sparse/local/linear attention types do not")
+    _check_attention_config_layers(args)
+
+
+def _check_attention_config_layers(args: dict) -> None:
+    """GPT-NeoX expands attention_config ([[kinds], count] blocks; count `all` in a lone block) to one kind per layer
+    and refuses a list that does not give every layer exactly one."""
+    config, layers = args.get("attention_config"), args.get("num_layers")
+    if not config or not isinstance(config, (list, tuple)) or all(isinstance(item, str) for item in config):
+        return  # already one kind per layer (or absent): the per-kind check above applies
+    covered = 0
+    for block in config:
+        if not (isinstance(block, (list, tuple)) and len(block) == 2 and isinstance(block[0], (list, tuple))):
+            raise RecipeError(f"GPT-NeoX option `attention_config: {config!r}`: each block is [[kinds], count]; "
+                              "write it as [[[\"flash\"], NUM_LAYERS]]")
+        count = block[1]
+        if count == "all" and len(config) == 1:
+            return
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise RecipeError(f"GPT-NeoX option `attention_config`: block {block!r} repeats its kinds {count!r} times; "
+                              "give a whole number ≥ 1 (or \"all\" in a lone block)")
+        covered += len(block[0]) * count
+    if isinstance(layers, int) and covered != layers:
+        raise RecipeError(f"GPT-NeoX option `attention_config` gives {covered} layers an attention kind but "
+                          f"num_layers is {layers}; GPT-NeoX refuses it: make the counts add up to {layers} (or write "
+                          "[[[\"flash\"], \"all\"]])")
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Translation
 # ----------------------------------------------------------------------------------------------------------------
 
+def _int(value: Any) -> int:
+    """An integer option: a whole number (or its text); `3.5` or `true` is refused, not truncated to 3 or 1."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"{value!r} is not a whole number")
+    return int(value)
+
+
+def _bool(value: Any) -> bool:
+    """A true/false option: `true`, `false` (or 1, 0); a string such as "no" is refused, not read as true."""
+    if isinstance(value, bool) or value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{value!r} is not true or false")
+
+
 # NeoX key → (recipe path, converter)
 _DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "num_layers": ("model.num_layers", int),
-    "hidden_size": ("model.hidden_size", int),
-    "num_attention_heads": ("model.num_attention_heads", int),
-    "intermediate_size": ("model.intermediate_size", int),
-    "seq_length": ("model.seq_length", int),
-    "max_position_embeddings": ("model.max_position_embeddings", int),
+    "num_layers": ("model.num_layers", _int),
+    "hidden_size": ("model.hidden_size", _int),
+    "num_attention_heads": ("model.num_attention_heads", _int),
+    "intermediate_size": ("model.intermediate_size", _int),
+    "seq_length": ("model.seq_length", _int),
+    "max_position_embeddings": ("model.max_position_embeddings", _int),
     "rotary_pct": ("model.rotary_pct", float),
     "rotary_emb_base": ("model.rotary_emb_base", float),
-    "gpt_j_residual": ("model.use_parallel_residual", bool),
-    "no_weight_tying": ("model.tie_word_embeddings", lambda v: not v),
-    "make_vocab_size_divisible_by": ("model.make_vocab_size_divisible_by", int),
+    "gpt_j_residual": ("model.use_parallel_residual", _bool),
+    "no_weight_tying": ("model.tie_word_embeddings", lambda v: not _bool(v)),
+    "make_vocab_size_divisible_by": ("model.make_vocab_size_divisible_by", _int),
     "layernorm_epsilon": ("model.layer_norm_eps", float),
     "hidden_dropout": ("model.hidden_dropout", float),
     "attention_dropout": ("model.attention_dropout", float),
@@ -234,23 +273,23 @@ _DIRECT: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "output_layer_init_method": ("model.output_layer_init_method", str),
     "init_method_std": ("model.init_method_std", float),
     "vocab_file": ("tokenizer.path", str),
-    "model_parallel_size": ("parallel.tensor_parallel", lambda v: max(int(v), 1)),
-    "checkpoint_activations": ("parallel.activation_checkpointing", bool),
-    "train_iters": ("train.train_iters", int),
-    "lr_decay_iters": ("train.lr_decay_iters", int),
+    "model_parallel_size": ("parallel.tensor_parallel", lambda v: max(_int(v), 1)),
+    "checkpoint_activations": ("parallel.activation_checkpointing", _bool),
+    "train_iters": ("train.train_iters", _int),
+    "lr_decay_iters": ("train.lr_decay_iters", _int),
     "lr_decay_style": ("train.lr_decay_style", str),
     "warmup": ("train.warmup", float),
     "min_lr": ("train.min_lr", float),
     "weight_decay": ("train.weight_decay", float),
     "gradient_clipping": ("train.clip_grad", float),
-    "seed": ("train.seed", int),
-    "log_interval": ("train.log_interval", int),
-    "eval_interval": ("train.eval_interval", int),
-    "eval_iters": ("train.eval_iters", int),
-    "checkpoint_factor": ("train.save_interval", int),
-    "save_interval": ("train.save_interval", int),
+    "seed": ("train.seed", _int),
+    "log_interval": ("train.log_interval", _int),
+    "eval_interval": ("train.eval_interval", _int),
+    "eval_iters": ("train.eval_iters", _int),
+    "checkpoint_factor": ("train.save_interval", _int),
+    "save_interval": ("train.save_interval", _int),
     "save": ("output.dir", str),
-    "dynamic_padding": ("data.mode", lambda v: "pad" if v else "pack"),
+    "dynamic_padding": ("data.mode", lambda v: "pad" if _bool(v) else "pack"),
 }
 
 # Keys that change nothing in what we compute: kernels, logging, launcher, GPT-NeoX-internal bookkeeping.
@@ -274,6 +313,7 @@ _KNOWN_KEYS = _GPT_NEOX_KEYS | set(_DIRECT) | _NO_EFFECT | set(_SUPPORTED_VALUES
 
 def translate_neox_args(args: dict) -> NeoXTranslation:
     """Recipe dict + notices from merged GPT-NeoX args (keys already `_`-normalised)."""
+    args = _normalised_integers(args)
     _check_refusals(args)
     recipe: dict = {}
     notices: list[str] = []
@@ -389,9 +429,9 @@ def _translate_family(args: dict, recipe: dict, notices: list[str]) -> set[str]:
     _put(recipe, "model.use_parallel_residual", False)
     _put(recipe, "model.hidden_act", "silu")
     if gqa:
-        _put(recipe, "model.num_kv_heads", _convert("num_kv_heads", kv, int))
+        _put(recipe, "model.num_kv_heads", _convert("num_kv_heads", kv, _int))
     if args.get("sliding_window_width"):
-        _put(recipe, "model.sliding_window", _convert("sliding_window_width", args["sliding_window_width"], int))
+        _put(recipe, "model.sliding_window", _convert("sliding_window_width", args["sliding_window_width"], _int))
         notices.append(f"sliding_window_width {args['sliding_window_width']} → MistralForCausalLM (Llama with a "
                        "sliding attention window)")
     # GPT-NeoX's RMSNorm default epsilon is 1e-8; layernorm_epsilon is not read for rmsnorm.
@@ -400,7 +440,7 @@ def _translate_family(args: dict, recipe: dict, notices: list[str]) -> set[str]:
                    "x / (sqrt(mean(x²)) + eps): equal to ~eps relative")
     biases = []
     for key, field in (("use_bias_in_attn_linear", "attention_bias"), ("use_bias_in_mlp", "mlp_bias")):
-        on = _convert(key, args.get(key, True), bool)  # GPT-NeoX's default is True
+        on = _convert(key, args.get(key, True), _bool)  # GPT-NeoX's default is True
         if on and args.get("sliding_window_width"):
             if key in args:
                 raise _refuse(key, args[key], "the sliding window builds MistralForCausalLM, whose linears have no "
@@ -423,7 +463,7 @@ def _translate_family(args: dict, recipe: dict, notices: list[str]) -> set[str]:
     elif not ffn:
         ffn = 4 * int(args.get("hidden_size") or 0)
         source = f"4 × hidden_size = {ffn} (no intermediate_size)"
-    multiple = _convert("mlp_multiple_of", args.get("mlp_multiple_of") or 1, int)
+    multiple = _convert("mlp_multiple_of", args.get("mlp_multiple_of") or 1, _int)
     if ffn:
         from neox_hf.model.llama import gated_mlp_widths
 
@@ -489,6 +529,21 @@ def _translate_objective(args: dict, recipe: dict, notices: list[str]) -> set[st
             *pairs, *rewards}
 
 
+# Integer options read outside _DIRECT's converters, converted once (and their sign checked) before translation.
+_INTEGER_OPTIONS = {"pipe_parallel_size": 0, "model_parallel_size": 0, "num_kv_heads": 1, "mlp_multiple_of": 1}
+
+
+def _normalised_integers(args: dict) -> dict:
+    converted = dict(args)
+    for key, least in _INTEGER_OPTIONS.items():
+        if converted.get(key) is None:
+            continue
+        converted[key] = _convert(key, converted[key], _int)
+        if converted[key] < least:
+            raise RecipeError(f"GPT-NeoX option `{key}: {converted[key]}` must be ≥ {least}")
+    return converted
+
+
 def _convert(key: str, value: Any, convert: Callable[[Any], Any]) -> Any:
     try:
         return convert(value)
@@ -546,7 +601,7 @@ def _batch_value(args: dict, key: str, absent: int | None = None) -> int | None:
         return absent
     if args[key] is None:
         return None
-    value = _convert(key, args[key], int)
+    value = _convert(key, args[key], _int)
     if value <= 0:
         raise RecipeError(f"GPT-NeoX option `{key}: {value}` must be > 0, as GPT-NeoX requires")
     return value
@@ -557,7 +612,7 @@ def _data_parallel_size(args: dict) -> int | None:
     then counts its hostfile's or the machine's GPUs)."""
     gpus = _batch_value(args, "global_num_gpus")
     if gpus is None and args.get("num_gpus") and args.get("num_nodes"):
-        per_node, nodes = _convert("num_gpus", args["num_gpus"], int), _convert("num_nodes", args["num_nodes"], int)
+        per_node, nodes = _convert("num_gpus", args["num_gpus"], _int), _convert("num_nodes", args["num_nodes"], _int)
         gpus = per_node * nodes if per_node > 0 and nodes > 0 else None  # num_nodes -1: every node of the hostfile
     if gpus is None:
         return None
@@ -790,7 +845,7 @@ def _translate_data(args: dict, recipe: dict, notices: list[str], defaults: dict
     if args.get("seed") is not None:
         # GPT-NeoX shuffles its index with the run's seed, also when the data path comes from the command line
         # (`neox_hf batches --data-path`, `--data.sources`), so the seed cannot wait for the config to name data.
-        _put(recipe, "data.seed", _convert("seed", args["seed"], int))
+        _put(recipe, "data.seed", _convert("seed", args["seed"], _int))
     valid = args.get("valid_data_paths") or []
     if valid and valid != paths:
         valid_weights = args.get("valid_data_weights") or [1.0] * len(valid)

@@ -729,8 +729,10 @@ def _plan_from_options(args, recipe_argv: list[str]) -> Plan:
 
     if args.gpus is not None and args.gpus < 1:
         raise UsageError(f"--gpus must be ≥ 1, got {args.gpus}")
-    if args.gpu_memory is not None and not args.gpu_memory > 0:
-        raise UsageError(f"--gpu-memory must be > 0 GiB, got {args.gpu_memory}")
+    if args.gpu_memory is not None and not 0 < args.gpu_memory < float("inf"):
+        raise UsageError(f"--gpu-memory must be a finite number of GiB > 0 (e.g. 80), got {args.gpu_memory}")
+    if args.top < 1:
+        raise UsageError(f"--top must be ≥ 1 (how many fitting layouts to list), got {args.top}")
     if not 0 < args.mfu <= 1:
         raise UsageError(f"--mfu must be in (0, 1], got {args.mfu}")
     recipe = parse_run_args(recipe_argv).recipe

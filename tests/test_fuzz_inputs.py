@@ -303,3 +303,189 @@ def test_bad_gpt_neox_config_or_merge_is_refused_in_one_line(args, needle, tmp_p
     args = [a.format(tmp=tmp_path, **files) for a in args]
     assert_one_line_error(*run_cli(args, capsys), needle)
     assert not (tmp_path / "o").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Issue 41's fuzz of the newer inputs: preference rows, GPT-NeoX Llama-family configs, `neox_hf plan` arguments and
+# the accelerate config keys `accelerate launch` puts in the environment. Each is refused before anything trains.
+
+GOOD_PAIR = {"prompt": "Question: is it? Answer:", "chosen": " yes it is", "rejected": " no"}
+
+# (id, the row written five times, needle); rows are refused by `neox_hf eval --objective rm` before any model loads,
+# through the reader training uses (`read_pairs`)
+PREFERENCE_ROWS = [
+    ("no-chosen", {"prompt": "p", "rejected": "r"}, "no row with string fields"),
+    ("no-rejected", {"prompt": "p", "chosen": "c"}, "no row with string fields"),
+    ("no-prompt", {"chosen": "c", "rejected": "r"}, "no row with string fields"),
+    ("chosen-a-number", {**GOOD_PAIR, "chosen": 3}, "no row with string fields"),
+    ("rejected-null", {**GOOD_PAIR, "rejected": None}, "no row with string fields"),
+    ("prompt-a-list", {**GOOD_PAIR, "prompt": ["p"]}, "no row with string fields"),
+    ("chosen-chat-messages", {**GOOD_PAIR, "chosen": [{"role": "assistant", "content": "x"}]}, "--chosen-key"),
+    ("fields-booleans", {"prompt": True, "chosen": False, "rejected": True}, "no row with string fields"),
+    ("row-a-list", ["p", "c", "r"], "no row with string fields"),
+    ("row-a-string", "p c r", "no row with string fields"),
+    ("row-a-number", 7, "no row with string fields"),
+    ("chosen-equals-rejected", {**GOOD_PAIR, "rejected": GOOD_PAIR["chosen"]}, "every one of its 5 pairs"),
+    ("all-empty-strings", {"prompt": "", "chosen": "", "rejected": ""}, "every one of its 5 pairs"),
+    # JSON's escape for half a UTF-16 pair decodes to a str the tokenizer raised a TypeError traceback on
+    ("lone-surrogate", '{"prompt": "p \\ud800", "chosen": "c", "rejected": "r"}', "no row with string fields"),
+    ("invalid-utf8", b'{"prompt": "\xff\xfe", "chosen": "c", "rejected": "r"}', "no row with string fields"),
+    ("whole-file-one-json-array", [GOOD_PAIR] * 2, "no row with string fields"),
+    ("empty-file", None, "no row with string fields"),
+]
+
+
+def _row_line(row) -> bytes:
+    if isinstance(row, bytes):
+        return row
+    return (row if isinstance(row, str) and row.startswith("{") else json.dumps(row)).encode("utf-8")
+
+
+@pytest.mark.parametrize("row,needle", [c[1:] for c in PREFERENCE_ROWS], ids=[c[0] for c in PREFERENCE_ROWS])
+def test_bad_preference_rows_are_refused_in_one_line(row, needle, tmp_path, capsys):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_bytes(b"" if row is None else (_row_line(row) + b"\n") * 5)
+    code, err = run_cli(["eval", str(tmp_path / "no-model"), "--objective", "rm", "--data", str(pairs)], capsys)
+    assert_one_line_error(code, err, needle)
+
+
+def test_a_lone_surrogate_row_among_good_ones_is_skipped_not_a_traceback(tmp_path):
+    from neox_hf.data.preference import read_pairs
+    from neox_hf.recipe import DataSource
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_bytes(_row_line(GOOD_PAIR) + b"\n" + b'{"prompt": "\\udfff", "chosen": "c", "rejected": "r"}\n')
+    stats: dict = {}
+    assert read_pairs([DataSource(path=str(pairs))], stats=stats) == [tuple(GOOD_PAIR.values())]
+    assert stats["skipped_undecodable"] == 1
+
+
+# (id, file under neox-llama-configs, text replaced, replacement, needle): `neox_hf train FILE --print-config`
+LLAMA_CONFIGS = [
+    ("hidden-size-word", "mistral/7B.yml", '"hidden_size": 4096', '"hidden_size": "big"', "hidden_size"),
+    ("hidden-size-negative", "mistral/7B.yml", '"hidden_size": 4096', '"hidden_size": -4096', "hidden_size"),
+    ("num-layers-fraction", "mistral/7B.yml", '"num_layers": 32', '"num_layers": 3.5', "3.5 is not a whole number"),
+    ("num-layers-zero", "mistral/7B.yml", '"num_layers": 32', '"num_layers": 0', "num_layers"),
+    ("heads-negative", "mistral/7B.yml", '"num_attention_heads": 32', '"num_attention_heads": -32',
+     "num_attention_heads"),
+    ("kv-heads-do-not-divide", "mistral/7B.yml", '"num_kv_heads": 8', '"num_kv_heads": 5', "must divide"),
+    ("kv-heads-zero", "mistral/7B.yml", '"num_kv_heads": 8', '"num_kv_heads": 0', "num_kv_heads: 0` must be ≥ 1"),
+    ("kv-heads-word", "mistral/7B.yml", '"num_kv_heads": 8', '"num_kv_heads": "eight"', "num_kv_heads"),
+    ("kv-heads-above-heads", "mistral/7B.yml", '"num_kv_heads": 8', '"num_kv_heads": 64', "must divide"),
+    ("activation-unknown", "mistral/7B.yml", '"activation": "swiglu"', '"activation": "swishglu"', "activation"),
+    ("activation-a-number", "mistral/7B.yml", '"activation": "swiglu"', '"activation": 3', "activation"),
+    ("norm-unknown", "mistral/7B.yml", '"norm": "rmsnorm"', '"norm": "batchnorm"', "norm"),
+    ("norm-a-list", "mistral/7B.yml", '"norm": "rmsnorm"', '"norm": ["rmsnorm"]', "norm"),
+    ("rms-eps-negative", "mistral/7B.yml", '"rms_norm_epsilon": 1.0e-5', '"rms_norm_epsilon": -1.0e-5',
+     "layer_norm_eps"),
+    ("rms-eps-word", "mistral/7B.yml", '"rms_norm_epsilon": 1.0e-5', '"rms_norm_epsilon": "tiny"', "rms_norm_epsilon"),
+    ("intermediate-negative", "mistral/7B.yml", '"intermediate_size": 14336', '"intermediate_size": -1',
+     "intermediate_size"),
+    ("window-negative", "mistral/7B.yml", '"sliding_window_width": 4096', '"sliding_window_width": -1',
+     "sliding_window"),
+    ("rotary-base-word", "mistral/7B.yml", '"rotary_emb_base": 10000', '"rotary_emb_base": "big"', "rotary_emb_base"),
+    ("seq-length-negative", "mistral/7B.yml", '"seq_length": 8192', '"seq_length": -8192', "seq_length"),
+    ("pos-emb-unknown", "mistral/7B.yml", '"pos_emb": "rotary"', '"pos_emb": "alibi2"', "pos_emb"),
+    ("rotary-pct-two", "mistral/7B.yml", '"rotary_pct": 1', '"rotary_pct": 2', "rotary_pct"),
+    ("no-weight-tying-word", "mistral/7B.yml", '"no_weight_tying": true', '"no_weight_tying": "yes"',
+     "'yes' is not true or false"),
+    ("attention-bias-word", "mistral/7B.yml", '"use_bias_in_attn_linear": false', '"use_bias_in_attn_linear": "no"',
+     "'no' is not true or false"),
+    ("positions-below-seq-length", "mistral/7B.yml", '"max_position_embeddings": 131072',
+     '"max_position_embeddings": 16', "max_position_embeddings"),
+    ("model-parallel-negative", "mistral/7B.yml", '"model_parallel_size": 1', '"model_parallel_size": -1',
+     "model_parallel_size: -1` must be ≥ 0"),
+    ("pipe-parallel-word", "mistral/7B.yml", '"pipe_parallel_size": 1', '"pipe_parallel_size": "one"',
+     "pipe_parallel_size"),
+    ("attention-config-short", "mistral/7B.yml", '"attention_config": [[["flash"], 32]]',
+     '"attention_config": [[["flash"], 31]]', "gives 31 layers an attention kind but num_layers is 32"),
+    ("mlp-bias-word", "llama/7B.yml", '"use_bias_in_mlp": False', '"use_bias_in_mlp": "False"',
+     "is not true or false"),
+    ("vocab-divisor-zero", "llama/7B.yml", '"make_vocab_size_divisible_by": 1', '"make_vocab_size_divisible_by": 0',
+     "make_vocab_size_divisible_by"),
+]
+
+
+@pytest.mark.parametrize("name,old,new,needle", [c[1:] for c in LLAMA_CONFIGS], ids=[c[0] for c in LLAMA_CONFIGS])
+def test_bad_gpt_neox_llama_config_value_is_refused_in_one_line(name, old, new, needle, tmp_path, capsys):
+    from tests.conftest import shared
+
+    text = shared(f"neox-llama-configs/{name}").read_text()
+    assert old in text, old
+    config = tmp_path / "config.yml"
+    config.write_text(text.replace(old, new))
+    assert_one_line_error(*run_cli(["train", str(config), "--print-config"], capsys), needle)
+
+
+PLAN_ARGS = [
+    ("gpus-negative", ["--gpus", "-1"], "--gpus"),
+    ("gpus-zero", ["--gpus", "0"], "--gpus"),
+    ("gpus-word", ["--gpus", "two"], "--gpus"),
+    ("gpus-fraction", ["--gpus", "2.5"], "--gpus"),
+    ("gpu-memory-negative", ["--gpu-memory", "-40"], "--gpu-memory"),
+    ("gpu-memory-zero", ["--gpu-memory", "0"], "--gpu-memory"),
+    ("gpu-memory-word", ["--gpu-memory", "lots"], "--gpu-memory"),
+    ("gpu-memory-nan", ["--gpu-memory", "nan"], "--gpu-memory"),
+    ("gpu-memory-infinite", ["--gpu-memory", "inf"], "--gpu-memory must be a finite number"),  # an OverflowError
+    ("mfu-negative", ["--mfu", "-0.5"], "--mfu"),
+    ("mfu-zero", ["--mfu", "0"], "--mfu"),
+    ("mfu-above-one", ["--mfu", "1.5"], "--mfu"),
+    ("mfu-nan", ["--mfu", "nan"], "--mfu"),
+    ("top-zero", ["--top", "0"], "--top must be ≥ 1"),  # listed nothing and exited 0
+    ("top-negative", ["--top", "-3"], "--top must be ≥ 1"),  # listed all but the last three
+    ("top-word", ["--top", "x"], "--top"),
+    ("gpu-unknown", ["--gpu", "h900"], "no datasheet peak known"),
+    ("gpu-empty", ["--gpu", ""], "no datasheet peak known"),
+    ("mfu-from-missing", ["--mfu-from", "{tmp}/none"], "--mfu-from"),
+]
+
+
+@pytest.mark.parametrize("args,needle", [c[1:] for c in PLAN_ARGS], ids=[c[0] for c in PLAN_ARGS])
+def test_bad_plan_argument_is_refused_in_one_line(args, needle, tmp_path, capsys):
+    args = [a.format(tmp=tmp_path) for a in args]
+    assert_one_line_error(*run_cli(["plan", TINY, *args], capsys), needle)
+
+
+# (id, what `accelerate launch` put in the environment, needle): `run_clm_neox.py tiny.yaml --print-config`
+ACCELERATE_ENV = [
+    ("zero-stage-word", {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "three"}, "`zero_stage: three`"),  # was a ValueError
+    ("zero-stage-7", {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "7"}, "zero_stage"),
+    ("zero-stage-negative", {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "-1"}, "zero_stage"),
+    ("accumulation-word", {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "many"}, "`gradient_accumulation_steps: many`"),
+    ("accumulation-fraction", {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "1.5"}, "not a whole number ≥ 1"),
+    ("accumulation-zero", {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "0"}, "not a whole number ≥ 1"),
+    ("accumulation-negative", {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "-2"}, "not a whole number ≥ 1"),
+    ("clipping-word", {"ACCELERATE_GRADIENT_CLIPPING": "high"}, "gradient_clipping: high"),
+    ("clipping-negative", {"ACCELERATE_GRADIENT_CLIPPING": "-1"}, "gradient_clipping"),
+    ("mixed-precision-fp4", {"ACCELERATE_MIXED_PRECISION": "fp4"}, "mixed_precision: fp4"),
+    ("mixed-precision-word", {"ACCELERATE_MIXED_PRECISION": "half"}, "mixed_precision: half"),
+    ("offload-optimizer-disk", {"ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "disk"},
+     "`offload_optimizer_device: disk`, which is not an offload device"),  # was silently no offload
+    ("offload-optimizer-nvme", {"ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "nvme"}, "nvme"),
+    ("offload-param-gpu", {"ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "gpu"},
+     "`offload_param_device: gpu`, which is not an offload device"),
+    ("dynamo-cudagraphs", {"ACCELERATE_DYNAMO_BACKEND": "cudagraphs"}, "dynamo_backend: CUDAGRAPHS"),
+    ("distributed-type-fsdp", {"ACCELERATE_USE_FSDP": "true"}, "`distributed_type: FSDP`"),
+    ("distributed-type-megatron", {"ACCELERATE_USE_MEGATRON_LM": "1"}, "`distributed_type: MEGATRON_LM`"),
+]
+
+
+@pytest.mark.parametrize("env,needle", [c[1:] for c in ACCELERATE_ENV], ids=[c[0] for c in ACCELERATE_ENV])
+def test_bad_accelerate_config_key_is_refused_in_one_line(env, needle, capsys, monkeypatch):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert_one_line_error(*run_train([TINY, "--print-config"], capsys), needle)
+
+
+def test_the_fuzz_of_the_newer_inputs_covers_at_least_forty():
+    cases = len(PREFERENCE_ROWS) + 1 + len(LLAMA_CONFIGS) + len(PLAN_ARGS) + len(ACCELERATE_ENV)
+    assert cases >= 40, cases
+
+
+def test_preprocess_of_a_lone_surrogate_document_names_its_line(tmp_path, capsys):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"text": "a good document"}\n{"text": "half a pair \\ud800 here"}\n')
+    code, err = run_cli(["preprocess", str(docs), "--tokenizer", str(BUNDLED_TOKENIZER), "--output-prefix",
+                         str(tmp_path / "c")], capsys)
+    assert_one_line_error(code, err, "docs.jsonl:2: `text` is not Unicode text")  # was the tokenizer's TypeError
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]  # nothing half-written

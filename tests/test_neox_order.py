@@ -151,8 +151,13 @@ def test_resume_at_step_k_continues_identically(corpus):
     resumed.load_state_dict(state)
     assert all(torch.equal(next(resumed)["labels"], b["labels"]) for b in batches[k * ACC:])
     other = train_loader(data_cfg(prefix, seed=99), 1)
-    with pytest.raises(DataError, match="same data settings"):
+    with pytest.raises(DataError, match="saved with `data.seed: 1234` and this run has `data.seed: 99`"):
         other.load_state_dict(state)
+    streamed = {"version": state["version"], "fingerprint": {"mode": "pack", "seq_length": SEQ, "seed": 1234},
+                "position": {}, "emitted": 0}  # what a `data.order: stream` run saves
+    with pytest.raises(DataError, match="saved with `data.order: stream` and this run has `data.order: gpt-neox`: "
+                                        "resume with `--data.order stream`"):
+        other.load_state_dict(streamed)
 
 
 def test_index_cache_has_gpt_neox_names_is_built_once_and_reused(tmp_path):

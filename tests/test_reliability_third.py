@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -244,3 +245,108 @@ def test_generate_keeps_to_the_model_context(runs, capsys):
                          "--device", "cpu"], capsys)
     assert code == 0, err
     assert "note: a prompt of 280 tokens keeps its last 120" in err and "context of 128 positions" in err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Issue 41's remaining poor cases: each answered in one line naming the setting, both values and the fix
+
+
+@pytest.mark.parametrize("change,needle", [
+    (["--model.seq_length", "16"], "saved with `model.seq_length: 32` and this run has `model.seq_length: 16`: resume "
+                                   "with `--model.seq_length 32`"),
+    (["--train.micro_batch_size", "4"], "saved with `train.micro_batch_size: 2` and this run has "
+                                        "`train.micro_batch_size: 4`: resume with `--train.micro_batch_size 2`"),
+])
+def test_resume_with_another_data_setting_names_it(lm_run, capsys, fresh_accelerate_state, change, needle):
+    code, err = run_train([str(lm_run), "--resume", "--train.train_iters", "4", *change], capsys)
+    assert_one_line_error(code, err, needle)  # was both loaders' fingerprints, 10 keys each, to compare by eye
+    assert "{" not in err
+
+
+def test_resume_under_another_objective_names_it_before_the_model_is_built(runs, tmp_path, capsys,
+                                                                          fresh_accelerate_state):
+    out = tmp_path / "rm"
+    shutil.copytree(runs / "rm", out)
+    recipe = _recipe(tmp_path / "dpo.yaml", runs / "lm", runs / "pairs.jsonl", out, "dpo", steps=4)
+    code, err = run_train([*recipe, "--resume"], capsys)
+    assert_one_line_error(code, err, "was trained with `train.objective: rm` and this run has `train.objective: dpo`: "
+                                     "resume with `--train.objective rm`")  # was the reward head's tensor, missing
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A 2-step LoRA run (rank 4) from scratch, with checkpoints at steps 1 and 2, and its recipe file."""
+    root = tmp_path_factory.mktemp("third_lora")
+    text = root / "small.txt"
+    text.write_text((Path(__file__).resolve().parents[1] / "examples/data/tinyshakespeare.txt").read_text()[:20000])
+    recipe = root / "lora.yaml"
+    recipe.write_text(json.dumps({
+        "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32},
+        "tokenizer": {"path": str(BUNDLED_TOKENIZER)},
+        "data": {"sources": [{"path": str(text)}], "mode": "pack"},
+        "train": {"train_iters": 2, "micro_batch_size": 2, "precision": "fp32", "log_interval": 1,
+                  "eval_interval": 100, "eval_iters": 0, "save_interval": 1, "lr": 1e-3, "min_lr": 1e-4},
+        "parallel": {"use_deepspeed": False},
+        "peft": {"method": "lora", "r": 4, "target_modules": ["query_key_value", "dense"]},
+        "output": {"dir": str(root / "out"), "tensorboard": False},
+    }))
+    train_in_this_process([str(recipe)])
+    return recipe
+
+
+def test_lora_checkpoint_resumed_without_peft_is_named_a_lora_checkpoint(lora_run, tmp_path, capsys,
+                                                                        fresh_accelerate_state):
+    out = tmp_path / "run"
+    shutil.copytree(lora_run.parent / "out", out)
+    code, err = run_train([str(lora_run), "--output.dir", str(out), "--peft.method", "null", "--resume",
+                           "--train.train_iters", "3"], capsys)
+    assert_one_line_error(code, err, "is a LoRA checkpoint (rank-4 adapters on dense, query_key_value) and the recipe "
+                                     "has no `peft` section: resume with the same `peft` settings")
+    assert "--peft.method lora --peft.r 4" in err  # was "the recipe's model has `gpt_neox.embed_in.weight`"
+
+
+@pytest.mark.parametrize("damaged_step,resume_from,advice", [
+    (1, 1, "no earlier checkpoint is intact: resume from `--train.resume {step2}`, or delete the damaged {step1}"),
+    (2, 2, "resume from the previous intact checkpoint with `--train.resume {step1}`, or delete the damaged {step2}"),
+])
+def test_a_damaged_checkpoint_is_never_answered_with_overwrite_while_another_is_intact(
+        lora_run, tmp_path, capsys, fresh_accelerate_state, damaged_step, resume_from, advice):
+    from neox_hf.checkpoint import checkpoint_name
+
+    out = tmp_path / "run"
+    shutil.copytree(lora_run.parent / "out", out)
+    steps = {f"step{s}": out / "checkpoints" / checkpoint_name(s) for s in (1, 2)}
+    weights = steps[f"step{damaged_step}"] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size - 64])  # a copy cut short
+    code, err = run_train([str(lora_run), "--output.dir", str(out), "--train.resume",
+                           str(steps[f"step{resume_from}"]), "--train.train_iters", "3"], capsys)
+    assert_one_line_error(code, err, advice.format(**steps))
+    assert "is truncated or corrupt" in err
+    assert "start the run again without --resume (and with --overwrite)" not in err  # deleted the intact one
+
+
+def test_dpo_eval_against_a_reference_of_another_architecture_says_so_and_another_vocabulary_is_refused(
+        runs, tmp_path, capfd):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from neox_hf.data.tokenizer import load_tokenizer
+
+    torch.manual_seed(0)
+    llama = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                 intermediate_size=64, vocab_size=50304, max_position_embeddings=128)).save_pretrained(llama)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(_pair(i)) + "\n" for i in range(4)))
+    code, err = run_cli(["eval", str(runs / "lm"), "--objective", "dpo", "--reference", str(llama), "--data",
+                         str(pairs)], capfd)
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if "note: the reference" in line]
+    assert len(notes) == 1 and "is a LlamaForCausalLM (llama), the policy a GPTNeoXForCausalLM (gpt_neox)" in notes[0]
+
+    other = load_tokenizer(str(BUNDLED_TOKENIZER))
+    other.add_special_tokens({"additional_special_tokens": ["<|reference-only|>"]})
+    other.save_pretrained(llama)
+    code, err = run_cli(["eval", str(runs / "lm"), "--objective", "dpo", "--reference", str(llama), "--data",
+                         str(pairs)], capfd)
+    assert_one_line_error(code, err, "has another vocabulary (50,278 tokens) than the policy's tokenizer (50,277; "
+                                     "'<|reference-only|>' is id 50277 in the reference's, absent in the policy's)")

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from neox_hf.errors import CheckpointError, print_to_stderr
 from neox_hf.checkpoint.layout_free import (has_layout_free_state, load_from_accelerate_files, load_layout_free,
-                                            save_layout_free)
+                                            save_layout_free, stored_model_shapes, truncated_file)
 from neox_hf.io import (TMP_PREFIX, atomic_torch_save, atomic_write_text, folder_refusal_message, give_umask_modes,
                         is_weights_only_refusal, load_torch_safely, weights_only_loads)
 
@@ -323,6 +323,56 @@ def load_checkpoint(accelerator, folder: Path, *, scheduler, data_loader, engine
     if trainer_state["data"] is not None and hasattr(data_loader, "load_state_dict"):
         data_loader.load_state_dict(trainer_state["data"])
     return TrainState(**trainer_state["train_state"])
+
+
+def resume_candidate(resume: str | None, output_dir) -> Path | None:
+    """The checkpoint a resume would read, found without repairing `latest` or printing (the resume itself does
+    that): for the checks made before the model is built. None where there is none."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        root = checkpoint_root(output_dir)
+        return checkpoint_to_read(root) if complete_checkpoints(root) else None
+    return find_resume_checkpoint(resume, output_dir, notify=lambda message: None)
+
+
+def checkpoint_lora(folder: Path) -> dict | None:
+    """The LoRA adapters a checkpoint's model holds, from its weights' names and shapes (the safetensors header or
+    the layout-free metadata; no tensor is read): {"r": rank, "target_modules": [...]}, or None without any (or
+    where neither index is there to list them)."""
+    import json
+    import struct
+
+    shapes: dict = {}
+    weights = folder / "model.safetensors"
+    try:
+        if weights.is_file():
+            with weights.open("rb") as handle:
+                header = json.loads(handle.read(struct.unpack("<Q", handle.read(8))[0]))
+            shapes = {k: v.get("shape") for k, v in header.items() if k != "__metadata__"}
+        elif has_layout_free_state(folder):
+            shapes = stored_model_shapes(folder)
+    except Exception:  # noqa: BLE001 — a damaged index: the load names the file and the fix
+        return None
+    lora = {name: shape for name, shape in shapes.items() if ".lora_A." in name}
+    if not lora:
+        return None
+    ranks = sorted({shape[0] for shape in lora.values() if shape})
+    targets = sorted({name.split(".lora_A.")[0].rsplit(".", 1)[-1] for name in lora})
+    return {"r": ranks[0] if len(ranks) == 1 else ranks, "target_modules": targets}
+
+
+def checkpoint_objective(folder: Path) -> str | None:
+    """The train.objective a checkpoint's data position was saved for (a streamed or GPT-NeoX-order loader: lm), or
+    None where it saved none or cannot be read (the load reports that)."""
+    try:
+        state = load_torch_safely(folder / "trainer_state_rank0.pt")
+    except Exception:  # noqa: BLE001
+        return None
+    data = state.get("data") if isinstance(state, dict) else None
+    if not isinstance(data, dict) or not isinstance(data.get("fingerprint"), dict):
+        return None
+    return data["fingerprint"].get("objective", "lm")
 
 
 def checkpoint_precision(folder: Path) -> str | None:
@@ -617,11 +667,30 @@ def _safetensors_intact(path: Path) -> bool:
         return False
 
 
+def _looks_intact(folder: Path) -> bool:
+    """No damage the cheap checks see: accelerate's and DeepSpeed's files, and the layout-free state's sizes."""
+    try:
+        return first_unreadable_file(folder) is None and (not has_layout_free_state(folder) or
+                                                          truncated_file(folder) is None)
+    except Exception:  # noqa: BLE001 — unreadable metadata: not a checkpoint to recommend
+        return False
+
+
 def _resume_hint(folder: Path) -> str:
-    previous = previous_checkpoint(folder)
-    if previous is None:
-        return "no earlier checkpoint is complete: start the run again without --resume (and with --overwrite)"
-    return f"resume from the previous checkpoint with `--train.resume {previous}`"
+    """What to do about a damaged checkpoint `folder`: never `--overwrite` while another checkpoint is intact (it
+    deletes the run's checkpoints, a later intact one included)."""
+    intact = [p for p in complete_checkpoints(folder.parent) if p != folder and _looks_intact(p)]
+    step = checkpoint_step(folder)
+    earlier = [p for p in intact if step is not None and checkpoint_step(p) < step]
+    delete = f"delete the damaged {folder}"
+    if earlier:
+        return (f"resume from the previous intact checkpoint with `--train.resume {earlier[-1]}`, or {delete} "
+                "(`--resume` then continues from the newest intact one)")
+    if intact:
+        return (f"no earlier checkpoint is intact: resume from `--train.resume {intact[-1]}`, or {delete} "
+                f"(`--resume` then continues from {intact[-1].name}); --overwrite would delete the intact ones too")
+    return (f"no other checkpoint is intact: {delete} and run again (`--resume` then starts at step 0), or replace the "
+            "run with --overwrite")
 
 
 def _first_line(err: BaseException) -> str:

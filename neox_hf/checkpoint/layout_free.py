@@ -90,6 +90,15 @@ def has_layout_free_state(folder: Path) -> bool:
     return (Path(folder) / FOLDER / ".metadata").is_file()
 
 
+def stored_model_shapes(folder: Path) -> dict[str, list[int]]:
+    """Every model tensor's name and shape in `folder/layout_free` (its metadata only; no tensor is read)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stored = _reader_class()(str(Path(folder) / FOLDER)).read_metadata().state_dict_metadata
+    return {key.removeprefix("model/"): list(meta.size) for key, meta in stored.items()
+            if key.startswith("model/") and isinstance(meta, TensorStorageMetadata)}
+
+
 def truncated_file(folder: Path) -> Path | None:
     """The first data file of `folder/layout_free` shorter than its metadata says (a write cut short), else None.
     DCP's own read of such a file fails without naming it."""

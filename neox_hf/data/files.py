@@ -65,3 +65,13 @@ class _ZstdFrames(io.RawIOBase):
             if self._frame.eof:  # the rest of the chunk starts the next frame
                 data, self._frame = self._frame.unused_data, None
         return b"".join(out)
+
+
+def is_unicode_text(text: str) -> bool:
+    """Whether `text` is Unicode the tokenizer can take: JSON's `\\ud800` escape (half a UTF-16 pair) decodes to a
+    lone surrogate, on which the tokenizer raised a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -20,7 +20,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from neox_hf.data.files import open_text_file
+from neox_hf.data.files import is_unicode_text, open_text_file
 from neox_hf.errors import DataError
 from neox_hf.io import atomic_path
 
@@ -238,6 +238,9 @@ def _texts_of_file(path, text_key: str, counts: dict) -> Iterator[str]:
                 text = row.get(text_key)
             except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
                 raise DataError(f"{path}:{line_no}: not a JSON object ({err}); fix or remove the line") from err
+            if isinstance(text, str) and not is_unicode_text(text):
+                raise DataError(f"{path}:{line_no}: `{text_key}` is not Unicode text (a lone surrogate, e.g. a JSON "
+                                "\\ud800 escape without its pair); fix or remove the line")
             if isinstance(text, str) and text:  # preprocess_data.py also drops empty documents
                 yield text
             elif not isinstance(text, str):

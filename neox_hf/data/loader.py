@@ -24,7 +24,7 @@ import numpy as np
 from neox_hf.data import packing, padding
 from neox_hf.data.packing import TokenStream
 from neox_hf.data.sources import check_sources, document_stream, resolve_files, source_format
-from neox_hf.data.state import STATE_VERSION, empty_stats
+from neox_hf.data.state import STATE_VERSION, changed_data_setting, empty_stats
 from neox_hf.errors import DataError
 from neox_hf.recipe import DataConfig
 
@@ -230,9 +230,9 @@ class DataLoader:
                             f"and this run has {self.dp_size}: give every old rank's state to `load_resized_states` "
                             f"(a resume from a checkpoint's layout-free state does), or resume with "
                             f"{saved.get('dp_size')} data-parallel rank(s)")
-        if saved != self._fingerprint():
-            raise DataError(f"data loader state was saved with {saved} but this run has "
-                            f"{self._fingerprint()}; resume with the same data settings (or start fresh)")
+        changed = changed_data_setting(saved, self._fingerprint())
+        if changed:
+            raise DataError(changed)
         self._position, self._emitted = copy.deepcopy(state["position"]), state["emitted"]
         self.stats = {**empty_stats(), **self._position["stats"]}
         self._batches = None

@@ -38,6 +38,7 @@ import numpy as np
 
 from neox_hf.data.indexed import IndexedDataset, indexed_paths
 from neox_hf.data.packing import gpt_neox_num_epochs
+from neox_hf.data.state import changed_data_setting
 from neox_hf.errors import DataError, print_to_stderr
 from neox_hf.io import atomic_path, atomic_write_text, load_npy_safely
 
@@ -597,13 +598,16 @@ class NeoXOrderLoader:
                 "micro_step": self.micro_step}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("order") != "gpt-neox" and isinstance(state.get("fingerprint"), dict):
+            # a streamed loader's position (its fingerprint has no `order`: data.order stream)
+            raise DataError(changed_data_setting(state["fingerprint"], self.fingerprint, skip=_LAYOUT_KEYS))
         if state.get("order") != "gpt-neox" or state.get("version") != STATE_VERSION:
             raise DataError("this checkpoint's data position was not saved in GPT-NeoX order (data.order); resume "
                             "with the data settings it was saved with, or start fresh")
         saved, ours = state["fingerprint"], self.fingerprint
-        if _without_layout(saved) != _without_layout(ours):
-            raise DataError(f"data loader state was saved with {saved} but this run has "
-                            f"{ours}; resume with the same data settings (or start fresh)")
+        changed = changed_data_setting(saved, ours, skip=_LAYOUT_KEYS)
+        if changed:
+            raise DataError(changed)
         self.micro_step = _micro_step_on_this_layout(int(state["micro_step"]), saved, ours)
 
     def describe_position(self) -> str:

@@ -51,7 +51,9 @@ import torch
 
 from neox_hf.data.loader import validation_sources
 from neox_hf.data.padding import IGNORE_INDEX, padded_length
+from neox_hf.data.files import is_unicode_text
 from neox_hf.data.sources import file_lines, is_held_out, resolve_files, source_format
+from neox_hf.data.state import changed_data_setting
 from neox_hf.errors import DataError
 from neox_hf.recipe import DataConfig, DataSource
 
@@ -97,11 +99,12 @@ def _raw_rows(source: DataSource) -> Iterator[Optional[dict]]:
 
 
 def pair_texts(source: DataSource, row) -> Optional[tuple[str, str, str]]:
-    """(prompt, chosen, rejected) of one row, or None when a field is missing or not a string."""
+    """(prompt, chosen, rejected) of one row, or None when a field is missing, not a string, or not Unicode text (a
+    JSON `\\ud800` escape decodes to a lone surrogate, which the tokenizer cannot take)."""
     if not isinstance(row, dict):
         return None
     texts = tuple(row.get(key) for key in (source.prompt_key, source.chosen_key, source.rejected_key))
-    return texts if all(isinstance(text, str) for text in texts) else None
+    return texts if all(isinstance(text, str) and is_unicode_text(text) for text in texts) else None
 
 
 def example_texts(source: DataSource, row) -> Optional[tuple[str, str, bool]]:
@@ -433,9 +436,9 @@ class PreferenceLoader:
         if state.get("version") != STATE_VERSION or "emitted" not in state:
             raise DataError(f"preference loader state version {state.get('version')} is not {STATE_VERSION}; this "
                             "checkpoint's data position cannot be resumed by this version of neox_hf")
-        if state["fingerprint"] != self._fingerprint():
-            raise DataError(f"data loader state was saved with {state['fingerprint']} but this run has "
-                            f"{self._fingerprint()}; resume with the same data settings (or start fresh)")
+        changed = changed_data_setting(state.get("fingerprint") or {}, self._fingerprint())
+        if changed:
+            raise DataError(changed)
         self._emitted = int(state["emitted"])
         self.stats = {**dict.fromkeys(STAT_KEYS, 0), **state.get("stats", {})}
 

@@ -30,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from neox_hf.data.state import STATE_VERSION, empty_stats
+from neox_hf.data.state import STATE_VERSION, changed_data_setting, empty_stats
 from neox_hf.data.packing import TokenStream
 from neox_hf.errors import DataError
 
@@ -88,9 +88,9 @@ def _check_states(loader, states: list[dict]) -> None:
             raise DataError(f"data-parallel rank {rank}'s data position is missing or of another version; this "
                             "checkpoint's data position cannot be resumed by this version of neox_hf")
         saved = state["fingerprint"]
-        if _data_settings(saved) != mine:
-            raise DataError(f"data loader state was saved with {_data_settings(saved)} but this run has {mine}; "
-                            "resume with the same data settings (or start fresh)")
+        changed = changed_data_setting(_data_settings(saved), mine)
+        if changed:
+            raise DataError(changed)
         if saved.get("dp_rank") != rank or saved.get("dp_size") != len(states):
             raise DataError(f"the data positions given are not those of data-parallel ranks 0..{len(states) - 1} in "
                             f"order (item {rank} was saved by rank {saved.get('dp_rank')} of {saved.get('dp_size')}); "

@@ -54,7 +54,28 @@ class _Key:
     neutral: tuple[str, ...] = ()
 
 
+def _whole(key: str, least: int) -> Callable[[str], int]:
+    """A converter for an integer key, refusing what `int()` would raise on (a word, `1.5`) in one line naming it."""
+    def convert(raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise RecipeError(f"the launch sets `{key}: {raw}`, which is not a whole number ≥ {least}; fix it in the "
+                              f"accelerate config (or the `accelerate launch` flag), or remove it")
+        return value
+    return convert
+
+
+def _offload_device(key: str, raw: str) -> None:
+    if raw not in ("none", "cpu", "nvme"):
+        raise RecipeError(f"the launch sets `{key}: {raw}`, which is not an offload device; use none or cpu in the "
+                          "accelerate config (or remove the key)")
+
+
 def _offload_optimizer(raw: str) -> bool:
+    _offload_device("offload_optimizer_device", raw)
     if raw == "nvme":
         raise RecipeError("the accelerate config sets `offload_optimizer_device: nvme`: neox_hf offloads optimizer "
                           "states to CPU memory only; set it to cpu (or none) in the accelerate config")
@@ -62,6 +83,7 @@ def _offload_optimizer(raw: str) -> bool:
 
 
 def _offload_param(raw: str) -> bool:
+    _offload_device("offload_param_device", raw)
     if raw == "nvme":
         raise RecipeError("the accelerate config sets `offload_param_device: nvme`: neox_hf offloads parameters to CPU "
                           "memory only; set it to cpu (or none) in the accelerate config")
@@ -105,13 +127,13 @@ def _dynamo(raw: str) -> bool:
 
 
 _KEYS = (
-    _Key("ACCELERATE_DEEPSPEED_ZERO_STAGE", "zero_stage", "parallel.zero_stage", int),
+    _Key("ACCELERATE_DEEPSPEED_ZERO_STAGE", "zero_stage", "parallel.zero_stage", _whole("zero_stage", 0)),
     _Key("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "offload_optimizer_device", "parallel.offload_optimizer",
          _offload_optimizer, neutral=("none",)),
     _Key("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "offload_param_device", "parallel.offload_params",
          _offload_param, neutral=("none",)),
     _Key("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "gradient_accumulation_steps", "train.gradient_accumulation_steps",
-         int, neutral=("1",)),
+         _whole("gradient_accumulation_steps", 1), neutral=("1",)),
     _Key("ACCELERATE_GRADIENT_CLIPPING", "gradient_clipping", "train.clip_grad", _clipping),
     _Key("ACCELERATE_MIXED_PRECISION", "mixed_precision", "train.precision", _precision, neutral=("no",)),
     _Key("ACCELERATE_DEEPSPEED_CONFIG_FILE", "deepspeed_config_file", "parallel.deepspeed_config", str,
@@ -123,9 +145,31 @@ _KEYS = (
 )
 
 
+# `distributed_type`s whose plugin Accelerate would build in place of ours (accelerate launch sets ACCELERATE_USE_…):
+# each ended in a RuntimeError from inside Accelerate once the model was built.
+_FOREIGN_DISTRIBUTED_TYPES = (
+    ("ACCELERATE_USE_FSDP", "FSDP", "shard parameters, gradients and optimizer states with `parallel.zero_stage: 3`"),
+    ("ACCELERATE_USE_MEGATRON_LM", "MEGATRON_LM",
+     "split layers with `parallel.tensor_parallel` / `parallel.pipeline_parallel`"),
+)
+
+
+def check_distributed_type(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a launch whose accelerate config asks for a distributed type neox_hf's engines do not run on."""
+    environ = os.environ if environ is None else environ
+    for env, name, instead in _FOREIGN_DISTRIBUTED_TYPES:
+        if environ.get(env, "").strip().lower() in ("1", "true", "yes", "y", "on"):
+            raise RecipeError(f"the launch sets `distributed_type: {name}` ({env}), which neox_hf does not train "
+                              f"with (its engines come from the recipe's `parallel` section, on DeepSpeed): launch "
+                              f"with a DeepSpeed accelerate config (`distributed_type: DEEPSPEED`, e.g. "
+                              f"examples/launch/cpu_2proc_deepspeed.yaml) or plain `accelerate launch "
+                              f"--use_deepspeed`, and {instead}")
+
+
 def launcher_settings(environ: Mapping[str, str] | None = None) -> list[LauncherSetting]:
     """What the launch asked for, in recipe terms (nothing when the run was not started by `accelerate launch`)."""
     environ = os.environ if environ is None else environ
+    check_distributed_type(environ)
     from_file = set(environ.get(CONFIG_FIELDS, "").split(","))
     settings = []
     for key in _KEYS:

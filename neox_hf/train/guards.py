@@ -155,6 +155,7 @@ def check_before_build(recipe: Recipe) -> None:
     """Everything checkable without the model: precision on this machine, the pretrained folder, data sources."""
     check_precision(recipe)
     check_from_pretrained(recipe.model.from_pretrained)
+    check_resume_matches_recipe(recipe)  # before the data: a resume under another objective names that, not the data
     check_data_sources(recipe)
     check_hub_token(recipe)
     check_resume_path(recipe)
@@ -190,6 +191,32 @@ def check_resume_path(recipe: Recipe) -> None:
 
     if recipe.train.resume not in (None, "auto"):
         find_resume_checkpoint(recipe.train.resume, recipe.output.dir, notify=lambda message: None)
+
+
+def check_resume_matches_recipe(recipe: Recipe) -> None:
+    """A checkpoint resumed under a recipe that builds another kind of model is refused saying which setting: a
+    LoRA checkpoint without the `peft` section (its weights are the adapter-wrapped model's, so the load named a
+    missing `gpt_neox.embed_in.weight`), or another `train.objective` (the data position and the model's head are
+    that objective's)."""
+    from neox_hf.checkpoint import checkpoint_lora, checkpoint_objective, resume_candidate
+
+    folder = resume_candidate(recipe.train.resume, recipe.output.dir)
+    if folder is None:
+        return
+    restart = "or start a new run in another output.dir"
+    lora = checkpoint_lora(folder)
+    if lora is not None and recipe.peft.method is None:
+        targets = ", ".join(lora["target_modules"])
+        raise RecipeError(f"{folder} is a LoRA checkpoint (rank-{lora['r']} adapters on {targets}) and the recipe has "
+                          f"no `peft` section: resume with the same `peft` settings it was trained with (`--peft.method "
+                          f"lora --peft.r {lora['r']} --peft.target_modules [{targets}]`, its alpha and dropout too; "
+                          f"{Path(recipe.output.dir) / 'recipe.yaml'} holds them if the run finished), {restart}")
+    objective = checkpoint_objective(folder)
+    if objective is not None and objective != recipe.train.objective:
+        raise RecipeError(f"{folder} was trained with `train.objective: {objective}` and this run has "
+                          f"`train.objective: {recipe.train.objective}`: resume with `--train.objective {objective}` "
+                          f"(and the data it was trained on), {restart} (export this checkpoint with `neox_hf export` "
+                          "and start from it with `model.from_pretrained`)")
 
 
 def check_hub_token(recipe: Recipe) -> None:
