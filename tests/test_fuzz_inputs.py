@@ -465,7 +465,7 @@ ACCELERATE_ENV = [
     ("offload-param-gpu", {"ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "gpu"},
      "`offload_param_device: gpu`, which is not an offload device"),
     ("dynamo-cudagraphs", {"ACCELERATE_DYNAMO_BACKEND": "cudagraphs"}, "dynamo_backend: CUDAGRAPHS"),
-    ("distributed-type-fsdp", {"ACCELERATE_USE_FSDP": "true"}, "`distributed_type: FSDP`"),
+    ("fsdp-version-1", {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "`fsdp_version: 1`"),
     ("distributed-type-megatron", {"ACCELERATE_USE_MEGATRON_LM": "1"}, "`distributed_type: MEGATRON_LM`"),
 ]
 

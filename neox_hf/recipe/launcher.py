@@ -146,9 +146,9 @@ _KEYS = (
 
 
 # `distributed_type`s whose plugin Accelerate would build in place of ours (accelerate launch sets ACCELERATE_USE_…):
-# each ended in a RuntimeError from inside Accelerate once the model was built.
+# each ended in a RuntimeError from inside Accelerate once the model was built. (FSDP is ours: `parallel.backend:
+# fsdp2`, filled in from the config above.)
 _FOREIGN_DISTRIBUTED_TYPES = (
-    ("ACCELERATE_USE_FSDP", "FSDP", "shard parameters, gradients and optimizer states with `parallel.zero_stage: 3`"),
     ("ACCELERATE_USE_MEGATRON_LM", "MEGATRON_LM",
      "split layers with `parallel.tensor_parallel` / `parallel.pipeline_parallel`"),
 )
@@ -160,8 +160,8 @@ def check_distributed_type(environ: Mapping[str, str] | None = None) -> None:
     for env, name, instead in _FOREIGN_DISTRIBUTED_TYPES:
         if environ.get(env, "").strip().lower() in ("1", "true", "yes", "y", "on"):
             raise RecipeError(f"the launch sets `distributed_type: {name}` ({env}), which neox_hf does not train "
-                              f"with (its engines come from the recipe's `parallel` section, on DeepSpeed): launch "
-                              f"with a DeepSpeed accelerate config (`distributed_type: DEEPSPEED`, e.g. "
+                              f"with (its engines come from the recipe's `parallel` section: DeepSpeed or FSDP2): "
+                              f"launch with a DeepSpeed accelerate config (`distributed_type: DEEPSPEED`, e.g. "
                               f"examples/launch/cpu_2proc_deepspeed.yaml) or plain `accelerate launch "
                               f"--use_deepspeed`, and {instead}")
 
