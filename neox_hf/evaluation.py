@@ -255,6 +255,19 @@ def _sums(objective, model, batches: list[dict]) -> tuple[float, dict, int]:
     return loss_sum, metric_sums, pairs
 
 
+def _policy_reference_and_batches(model_path, reference_path, source: DataSource, objective: str, tokenizer_path,
+                                  seq_length, batch_size: int, max_batches, device: str):
+    """(policy, reference, batches on the policy's device) of a preference evaluation. The data is tokenised once, by
+    the policy's tokenizer; the reference folder needs none of its own (`check_reference` compares them)."""
+    model, tokenizer = load_for_inference(model_path, tokenizer_path, device=device)
+    reference, _ = load_for_inference(reference_path, tokenizer_path or str(model_path), device=device)
+    check_reference(model, reference, tokenizer, reference_path)
+    seq_length = seq_length or model.config.max_position_embeddings
+    batches = [_on(b, model.device) for b in _pair_batches(source, tokenizer, objective, seq_length, batch_size,
+                                                           max_batches)]
+    return model, reference, batches
+
+
 def evaluate_dpo(model_path, reference_path, source: DataSource, *, beta: float = 0.1, tokenizer_path: str | None = None,
                  seq_length: int | None = None, batch_size: int = 8, max_batches: int | None = None,
                  device: str = "auto") -> dict:
@@ -262,13 +275,8 @@ def evaluate_dpo(model_path, reference_path, source: DataSource, *, beta: float 
     "logps_rejected", "pairs"}: means over the pairs of TRL's sigmoid DPO loss and metrics."""
     from neox_hf.objectives.dpo import DPOObjective, attach_reference_logps, reference_logps
 
-    model, tokenizer = load_for_inference(model_path, tokenizer_path, device=device)
-    # the pairs are tokenised once, by the policy's tokenizer; the reference folder needs none of its own
-    reference, _ = load_for_inference(reference_path, tokenizer_path or str(model_path), device=device)
-    check_reference(model, reference, tokenizer, reference_path)
-    seq_length = seq_length or model.config.max_position_embeddings
-    batches = [_on(b, model.device) for b in _pair_batches(source, tokenizer, "dpo", seq_length, batch_size,
-                                                           max_batches)]
+    model, reference, batches = _policy_reference_and_batches(model_path, reference_path, source, "dpo", tokenizer_path,
+                                                              seq_length, batch_size, max_batches, device)
     table = reference_logps(reference, batches, num_pairs=1 + max(int(b["pair_index"].max()) for b in batches))
     del reference
     loss_sum, sums, pairs = _sums(DPOObjective(beta=beta), model,
@@ -287,12 +295,8 @@ def evaluate_kto(model_path, reference_path, source: DataSource, *, beta: float 
     "examples"}: means over the examples of TRL's KTO loss and metrics (`neox_hf.objectives.kto`)."""
     from neox_hf.objectives.kto import KTOObjective
 
-    model, tokenizer = load_for_inference(model_path, tokenizer_path, device=device)
-    reference, _ = load_for_inference(reference_path, tokenizer_path or str(model_path), device=device)
-    check_reference(model, reference, tokenizer, reference_path)
-    seq_length = seq_length or model.config.max_position_embeddings
-    batches = [_on(b, model.device) for b in _pair_batches(source, tokenizer, "kto", seq_length, batch_size,
-                                                           max_batches)]
+    model, reference, batches = _policy_reference_and_batches(model_path, reference_path, source, "kto", tokenizer_path,
+                                                              seq_length, batch_size, max_batches, device)
     objective = KTOObjective(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
                              reference_model=reference)
     loss_sum, sums, examples = _sums(objective, model, batches)

@@ -68,26 +68,22 @@ def _whole(key: str, least: int) -> Callable[[str], int]:
     return convert
 
 
-def _offload_device(key: str, raw: str) -> None:
-    if raw not in ("none", "cpu", "nvme"):
-        raise RecipeError(f"the launch sets `{key}: {raw}`, which is not an offload device; use none or cpu in the "
-                          "accelerate config (or remove the key)")
+def _offload(key: str, what: str):
+    """The converter of an accelerate offload device (`key`) into whether `what` goes to CPU memory."""
+    def offloads(raw: str) -> bool:
+        if raw not in ("none", "cpu", "nvme"):
+            raise RecipeError(f"the launch sets `{key}: {raw}`, which is not an offload device; use none or cpu in the "
+                              "accelerate config (or remove the key)")
+        if raw == "nvme":
+            raise RecipeError(f"the accelerate config sets `{key}: nvme`: neox_hf offloads {what} to CPU memory only; "
+                              "set it to cpu (or none) in the accelerate config")
+        return raw == "cpu"
+
+    return offloads
 
 
-def _offload_optimizer(raw: str) -> bool:
-    _offload_device("offload_optimizer_device", raw)
-    if raw == "nvme":
-        raise RecipeError("the accelerate config sets `offload_optimizer_device: nvme`: neox_hf offloads optimizer "
-                          "states to CPU memory only; set it to cpu (or none) in the accelerate config")
-    return raw == "cpu"
-
-
-def _offload_param(raw: str) -> bool:
-    _offload_device("offload_param_device", raw)
-    if raw == "nvme":
-        raise RecipeError("the accelerate config sets `offload_param_device: nvme`: neox_hf offloads parameters to CPU "
-                          "memory only; set it to cpu (or none) in the accelerate config")
-    return raw == "cpu"
+_offload_optimizer = _offload("offload_optimizer_device", "optimizer states")
+_offload_param = _offload("offload_param_device", "parameters")
 
 
 def _precision(raw: str) -> str:
