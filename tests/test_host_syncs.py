@@ -1,7 +1,7 @@
 """A training step reads nothing from the device outside log, eval and checkpoint steps (issue 40): every op that
 copies a device value to the host (on a GPU, a wait for every queued kernel) is counted through a dispatch mode
 around real runs of the entry point, and a longer run of the same recipe pays exactly as many as a shorter one.
-The multi-process layouts (TP2, ZeRO-2) are counted in test_host_syncs_layouts.py's launch."""
+The multi-process layouts (TP2, ZeRO-2) are counted the same way in one launch of tests/workers/host_reads.py."""
 
 from __future__ import annotations
 
@@ -45,3 +45,28 @@ def test_steps_between_log_steps_read_nothing_from_the_device(tmp_path, small_te
     short = host_reads(tmp_path, small_text, 2, *data_mode, *unfused)
     long = host_reads(tmp_path, small_text, 6, *data_mode, *unfused)
     assert long == short, f"4 more steps (8 micro-batches) added host reads: {short} → {long}"
+
+
+@pytest.mark.distributed
+def test_tp2_and_zero2_steps_read_nothing_more_from_the_device(tmp_path, small_text):
+    """The same audit on every rank of a TP2 run and a DeepSpeed ZeRO-2 data-parallel run (one 2-process launch).
+    DeepSpeed's ZeRO-1/2 optimizer reads its gradient norm on the host at every step (`is_invalid_grad_norm` in
+    `stage_1_and_2.step`, DeepSpeed 0.19.8): those reads are its own, counted apart, and asserted to be all it adds."""
+    import json
+    import subprocess
+
+    from tests.conftest import accelerate_launch_command, launch_env
+
+    common = [str(REPO / "recipes" / "tiny.yaml"), *TINY, "--data.sources", f"[{{path: {small_text}}}]",
+              "--train.fused_cross_entropy", "false", "--parallel.use_deepspeed", "true"]
+    layouts = {"tp2": "--parallel.tensor_parallel 2 --train.gradient_accumulation_steps 2",
+               "zero2": "--parallel.zero_stage 2 --train.gradient_accumulation_steps 1"}
+    launch = subprocess.run(accelerate_launch_command(REPO / "tests/workers/host_reads.py", tmp_path,
+                                                      *(f"{k}={v}" for k, v in layouts.items()), "--", *common),
+                            cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=900)
+    assert launch.returncode == 0, (launch.stdout + launch.stderr)[-5000:]
+    for name in layouts:
+        for rank in (0, 1):
+            counts = json.loads((tmp_path / f"{name}.rank{rank}.json").read_text())
+            ours = [{op: n for op, n in counts[steps].items() if not op.startswith("deepspeed:")} for steps in "26"]
+            assert ours[1] == ours[0], f"{name} rank {rank}: 4 more steps added host reads: {counts}"
