@@ -121,6 +121,15 @@ def end_process_group() -> None:
         dist.destroy_process_group()
 
 
+def layout_runs_argv(argv: list[str]) -> tuple[Path, list[tuple[str, str]], list[str]]:
+    """`OUT_DIR NAME=OVERRIDES ... -- RUN_ARGS...` (tests/workers/init_layouts.py, host_reads.py): the output folder
+    (created), each layout's (name, overrides as one shell string), the arguments every run shares."""
+    split = argv.index("--")
+    out_dir = Path(argv[0])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir, [tuple(layout.partition("=")[::2]) for layout in argv[1:split]], argv[split + 1:]
+
+
 @contextlib.contextmanager
 def runs_sharing_one_process_group():
     """For workers that train several runs one after the other in one launch (its start-up, ~10 s of imports per

@@ -166,24 +166,30 @@ def test_reward_model_checkpoint_exports_to_a_stock_sequence_classifier(runs, tm
 # Poor cases: one clear line where there was a vague one
 
 
-@pytest.fixture(scope="module")
-def lm_run(tmp_path_factory):
-    """A 2-step causal-LM run from scratch (hidden 32, 2 layers) with a checkpoint at step 2, and its recipe file."""
-    root = tmp_path_factory.mktemp("third_lm")
+def tiny_run(root: Path, *, save_interval: int, **sections) -> Path:
+    """A 2-step run from scratch (hidden 32, 2 layers) in ROOT/out, checkpointed every `save_interval` steps, with
+    `sections` added to its recipe; the recipe file."""
     text = root / "small.txt"
     text.write_text((Path(__file__).resolve().parents[1] / "examples/data/tinyshakespeare.txt").read_text()[:20000])
-    recipe = root / "lm.yaml"
+    recipe = root / "run.yaml"
     recipe.write_text(json.dumps({
         "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32},
         "tokenizer": {"path": str(BUNDLED_TOKENIZER)},
         "data": {"sources": [{"path": str(text)}], "mode": "pack"},
         "train": {"train_iters": 2, "micro_batch_size": 2, "precision": "fp32", "log_interval": 1,
-                  "eval_interval": 100, "eval_iters": 0, "save_interval": 2, "lr": 1e-3, "min_lr": 1e-4},
+                  "eval_interval": 100, "eval_iters": 0, "save_interval": save_interval, "lr": 1e-3, "min_lr": 1e-4},
         "parallel": {"use_deepspeed": False},
         "output": {"dir": str(root / "out"), "tensorboard": False},
+        **sections,
     }))
     train_in_this_process([str(recipe)])
     return recipe
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory):
+    """A 2-step causal-LM run with a checkpoint at step 2, and its recipe file."""
+    return tiny_run(tmp_path_factory.mktemp("third_lm"), save_interval=2)
 
 
 @pytest.mark.parametrize("change,needle", [
@@ -275,23 +281,9 @@ def test_resume_under_another_objective_names_it_before_the_model_is_built(runs,
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
-    """A 2-step LoRA run (rank 4) from scratch, with checkpoints at steps 1 and 2, and its recipe file."""
-    root = tmp_path_factory.mktemp("third_lora")
-    text = root / "small.txt"
-    text.write_text((Path(__file__).resolve().parents[1] / "examples/data/tinyshakespeare.txt").read_text()[:20000])
-    recipe = root / "lora.yaml"
-    recipe.write_text(json.dumps({
-        "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32},
-        "tokenizer": {"path": str(BUNDLED_TOKENIZER)},
-        "data": {"sources": [{"path": str(text)}], "mode": "pack"},
-        "train": {"train_iters": 2, "micro_batch_size": 2, "precision": "fp32", "log_interval": 1,
-                  "eval_interval": 100, "eval_iters": 0, "save_interval": 1, "lr": 1e-3, "min_lr": 1e-4},
-        "parallel": {"use_deepspeed": False},
-        "peft": {"method": "lora", "r": 4, "target_modules": ["query_key_value", "dense"]},
-        "output": {"dir": str(root / "out"), "tensorboard": False},
-    }))
-    train_in_this_process([str(recipe)])
-    return recipe
+    """A 2-step LoRA run (rank 4) with checkpoints at steps 1 and 2, and its recipe file."""
+    return tiny_run(tmp_path_factory.mktemp("third_lora"), save_interval=1,
+                    peft={"method": "lora", "r": 4, "target_modules": ["query_key_value", "dense"]})
 
 
 def test_lora_checkpoint_resumed_without_peft_is_named_a_lora_checkpoint(lora_run, tmp_path, capsys,

@@ -15,19 +15,17 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the suite-wide conftest helpers
-from conftest import HostReads, end_process_group, reset_accelerate_state, runs_sharing_one_process_group  # noqa: E402
+from conftest import (HostReads, end_process_group, layout_runs_argv, reset_accelerate_state,  # noqa: E402
+                      runs_sharing_one_process_group)
 
 
 def main(argv: list[str]) -> int:
     from neox_hf.cli import train_main
 
-    split = argv.index("--")
-    out_dir, layouts, common = Path(argv[0]), argv[1:split], argv[split + 1:]
+    out_dir, layouts, common = layout_runs_argv(argv)
     rank = int(os.environ.get("RANK", "0"))
-    out_dir.mkdir(parents=True, exist_ok=True)
     with runs_sharing_one_process_group():
-        for layout in layouts:
-            name, _, overrides = layout.partition("=")
+        for name, overrides in layouts:
             counts = {}
             for steps in (2, 6):
                 mode = HostReads()

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the suite-wide conftest helpers
-from conftest import reset_accelerate_state, runs_sharing_one_process_group  # noqa: E402
+from conftest import layout_runs_argv, reset_accelerate_state, runs_sharing_one_process_group  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -26,13 +26,10 @@ def main(argv: list[str]) -> int:
 
     keep_going = argv[:1] == ["--keep-going"]
     argv = argv[1:] if keep_going else argv
-    split = argv.index("--")
-    out_dir, layouts, common = Path(argv[0]), argv[1:split], argv[split + 1:]
+    out_dir, layouts, common = layout_runs_argv(argv)
     rank = int(os.environ.get("RANK", "0"))
-    out_dir.mkdir(parents=True, exist_ok=True)
     with runs_sharing_one_process_group():
-        for layout in layouts:
-            name, _, overrides = layout.partition("=")
+        for name, overrides in layouts:
             written = {kind: out_dir / f"{name}.{kind}" if rank == 0 else Path(os.devnull) for kind in ("stdout", "stderr")}
             with written["stdout"].open("w") as stdout, written["stderr"].open("w") as stderr, \
                     contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
