@@ -208,18 +208,24 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def fp8_unsupported_reason() -> str | None:
-    """Why `train.precision: fp8` cannot run on this machine (no CUDA GPU, a GPU without FP8 tensor cores, no
-    Transformer Engine), or None where it can. FP8 matmuls need compute capability 8.9 (Ada) or 9.0+ (Hopper)."""
-    if not torch.cuda.is_available():
+def fp8_unsupported_reason(gpu: tuple[str, tuple[int, int]] | None = None,
+                           transformer_engine: bool | None = None) -> str | None:
+    """Why `train.precision: fp8` cannot run (no CUDA GPU, a GPU without FP8 tensor cores, no Transformer Engine), or
+    None where it can. FP8 matmuls need compute capability 8.9 (Ada) or 9.0+ (Hopper). `gpu` (name, capability) and
+    `transformer_engine` default to this machine's; given, the question is about that machine."""
+    if gpu is None and torch.cuda.is_available():
+        gpu = (torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+    if gpu is None:
         return "there is no CUDA GPU here (FP8 matmuls need an Ada or Hopper GPU, compute capability ≥ 8.9)"
-    major, minor = torch.cuda.get_device_capability()
+    name, (major, minor) = gpu
     if (major, minor) < (8, 9):
-        return (f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has no FP8 tensor cores "
+        return (f"{name} (compute capability {major}.{minor}) has no FP8 tensor cores "
                 "(they need ≥ 8.9: Ada, Hopper or later)")
-    from accelerate.utils import is_transformer_engine_available
+    if transformer_engine is None:
+        from accelerate.utils import is_transformer_engine_available
 
-    if not is_transformer_engine_available():
+        transformer_engine = is_transformer_engine_available()
+    if not transformer_engine:
         return "Transformer Engine is not installed (`pip install transformer-engine[pytorch]`)"
     return None
 

@@ -69,3 +69,18 @@ def test_fp8_on_a_machine_without_fp8_is_refused_by_name_never_bf16(tmp_path, ca
     code, err = run_train([TINY, "--train.precision", "fp8", "--output.dir", str(tmp_path / "o")], capsys)
     assert_one_line_error(code, err, "`train.precision: fp8` cannot run here")
     assert "train.precision: bf16" in err
+
+
+@pytest.mark.parametrize("gpu,transformer_engine,reason", [
+    (None, True, "there is no CUDA GPU here"),
+    (("NVIDIA A100-SXM4-80GB", (8, 0)), True, "compute capability 8.0) has no FP8 tensor cores"),
+    (("NVIDIA H100 80GB HBM3", (9, 0)), False, "Transformer Engine is not installed"),
+    (("NVIDIA L40S", (8, 9)), True, None),
+    (("NVIDIA H100 80GB HBM3", (9, 0)), True, None),
+])
+def test_the_fp8_verdict_for_each_kind_of_machine(gpu, transformer_engine, reason):
+    """The decision the GPU-gated tests rely on, asked about other machines on any machine (as the bf16 verdict)."""
+    from neox_hf.hardware import fp8_unsupported_reason
+
+    got = fp8_unsupported_reason(gpu, transformer_engine)
+    assert got is None if reason is None else reason in got, got
