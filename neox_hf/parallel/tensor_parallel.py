@@ -49,7 +49,6 @@ from neox_hf.parallel.tp_checkpoint import (
     gather_full_state_dict,
     load_tp_shard_state_dict,
     pad_vocab,
-    padded_vocab_size,
 )
 from neox_hf.parallel.tp_groups import (
     DeepSpeedMPU,
@@ -78,7 +77,6 @@ __all__ = [
     "gather_full_state_dict",
     "load_tp_shard_state_dict",
     "pad_vocab",
-    "padded_vocab_size",
     "TP_PLAN",
 ]
 

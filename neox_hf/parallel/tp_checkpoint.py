@@ -18,7 +18,6 @@ from neox_hf.errors import CheckpointError, NeoXHFError
 from neox_hf.parallel.mappings import gather_along_dim
 from neox_hf.parallel.tp_groups import ParallelGroups
 from neox_hf.parallel.tp_plan import partition_dim
-from neox_hf.model.vocab import padded_vocab_size  # one rule for the whole package (GPT-NeoX's)
 
 # transformers saves lm_head.weight under the original GPT-NeoX name and renames it on load.
 _STORED_ALIASES = {"lm_head.weight": ("lm_head.weight", "embed_out.weight")}

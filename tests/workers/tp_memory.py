@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import GPTNeoXConfig
 
-from neox_hf.parallel.tensor_parallel import load_tp_shard_state_dict, pad_vocab, padded_vocab_size
+from neox_hf.model.vocab import padded_vocab_size
+from neox_hf.parallel.tensor_parallel import load_tp_shard_state_dict, pad_vocab
 from neox_hf.parallel.tp_checkpoint import _expected_keys
 from neox_hf.parallel.tp_plan import partition_dim
 
