@@ -17,7 +17,8 @@ from transformers import GPTNeoXForCausalLM
 
 from neox_hf.errors import CheckpointError, NeoXHFError
 from neox_hf.model.vocab import padded_vocab_size
-from neox_hf.parallel.tensor_parallel import apply_tensor_parallel, check_tp_divisibility, load_tp_shard_state_dict, pad_vocab
+from neox_hf.parallel.tensor_parallel import (apply_tensor_parallel, check_tp_divisibility, load_tp_shard_state_dict,
+                                              pad_vocab)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "workers")
