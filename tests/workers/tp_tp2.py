@@ -15,6 +15,7 @@ from tp_common import tp_causal_lm_loss, tp_logits, batch, gathered_grads, init_
 from transformers import GPTNeoXForCausalLM
 
 from neox_hf.errors import NeoXHFError
+from neox_hf.model.vocab import padded_vocab_size
 from neox_hf.parallel.mappings import gather_along_dim
 from neox_hf.parallel.tensor_parallel import (
     apply_tensor_parallel,
@@ -23,7 +24,6 @@ from neox_hf.parallel.tensor_parallel import (
     gather_full_state_dict,
     load_tp_shard_state_dict,
     pad_vocab,
-    padded_vocab_size,
     vocab_parallel_cross_entropy,
 )
 
