@@ -169,6 +169,9 @@ class ParallelConfig:
     zero_stage: int = 0  # 0 = no DeepSpeed ZeRO partitioning; 1, 2, 3
     use_deepspeed: Optional[bool] = None  # default: when launched with accelerate's DeepSpeed plugin or zero_stage > 0
     sequence_parallel: bool = False  # Megatron/GPT-NeoX sequence parallelism of norms/dropout/residuals (needs TP > 1)
+    # Context (sequence) parallelism, issue 43: every sequence split into this many contiguous chunks over as many
+    # ranks; attention exchanges heads for sequence by all-to-all (DeepSpeed's Ulysses). Ranks = pp × tp × cp × dp.
+    context_parallel: int = 1
     offload_optimizer: bool = False  # ZeRO ≥ 1: optimizer states and the fp32 master copy in CPU memory
     offload_params: bool = False  # ZeRO-3: parameters in CPU memory between uses (DeepSpeed offload_param)
     activation_checkpointing: bool = False
@@ -587,6 +590,8 @@ def validate(recipe: Recipe) -> None:
     _require(d.pad_to_multiple_of >= 1, f"`data.pad_to_multiple_of` must be ≥ 1, got {d.pad_to_multiple_of}")
     if p.sequence_parallel:
         _validate_sequence_parallel(recipe)
+    _require(p.context_parallel == 1, f"`parallel.context_parallel: {p.context_parallel}` is not available yet "
+             "(issue 43): use context_parallel: 1, with activation checkpointing or tensor parallelism for long sequences")
     _require(0.0 <= d.max_skipped_fraction <= 1.0,
              f"`data.max_skipped_fraction` must be in [0, 1], got {d.max_skipped_fraction}")
     _require(d.buffer_size >= 1, f"`data.buffer_size` must be ≥ 1, got {d.buffer_size}")
