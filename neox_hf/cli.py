@@ -3,6 +3,7 @@
     neox_hf train RECIPE [overrides]                 same as run_clm_neox.py
     neox_hf convert-neox CKPT --config YML OUT       GPT-NeoX checkpoint → HF folder
     neox_hf export-neox HF_FOLDER OUT [--tp N]       HF folder → GPT-NeoX sequential checkpoint
+    neox_hf continue-neox CKPT --config YML --out RUN  GPT-NeoX training checkpoint → a run folder to --resume
     neox_hf export CHECKPOINT OUT                    resumable training checkpoint → HF folder
     neox_hf preprocess JSONL... --tokenizer T OUT    jsonl → GPT-NeoX .bin/.idx
     neox_hf push OUT REPO_ID [--revision R]          upload a folder to the Hub
@@ -26,6 +27,8 @@ from neox_hf.errors import NeoXHFError, print_to_stderr
 # subcommand → (module, add-arguments function, run function, help)
 _COMMANDS = {
     "convert-neox": ("neox_hf.cli", "_add_convert_neox", "_run_convert_neox", "import a GPT-NeoX-native checkpoint"),
+    "continue-neox": ("neox_hf.cli", "_add_continue_neox", "_run_continue_neox",
+                      "continue a GPT-NeoX run: its training checkpoint (weights, Adam, LR, data position) → a run folder"),
     "export-neox": ("neox_hf.cli", "_add_export_neox", "_run_export_neox", "write an HF folder as a GPT-NeoX checkpoint"),
     "export": ("neox_hf.cli", "_add_export", "_run_export", "consolidate a training checkpoint into an HF folder"),
     "preprocess": ("neox_hf.cli", "_add_preprocess", "_run_preprocess", "tokenize jsonl into GPT-NeoX .bin/.idx"),
@@ -60,6 +63,37 @@ def _run_convert_neox(args) -> int:
     for notice in notices:
         print(f"note: {notice}")
     print(f"converted {args.checkpoint} → {out}")
+    return 0
+
+
+def _add_continue_neox(parser):
+    parser.description = (
+        "Turn a GPT-NeoX training checkpoint (DeepSpeed ZeRO-1/2: global_stepN/ with its zero_pp_rank_*_optim_states.pt; "
+        "sequential or pipeline layout, any tensor-parallel size) into a neox_hf run folder whose one checkpoint holds "
+        "the fp32 weights, Adam's moments and step, the LR schedule at step = iteration and GPT-NeoX's data position "
+        "(iteration × global batch). Continue it on any layout with `run_clm_neox.py CONFIG --output.dir RUN --resume`.")
+    parser.add_argument("checkpoint", help="GPT-NeoX checkpoint: global_stepN/ or the folder with `latest`")
+    parser.add_argument("--config", action="append", required=True,
+                        help="a GPT-NeoX YAML file the run was trained with (repeat for several, merged as GPT-NeoX does); "
+                             "it must name the run's data")
+    parser.add_argument("--out", required=True, help="the run folder to write (new or empty)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizers JSON / HF folder (default: the config's vocab_file)")
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="allow full unpickling for checkpoint files you trust (default: tensors and plain data only)")
+
+
+def _run_continue_neox(args) -> int:
+    from neox_hf.interop.continue_neox import continue_neox_checkpoint
+
+    notices: list[str] = []
+    folder = continue_neox_checkpoint(args.checkpoint, args.config, args.out, tokenizer_path=args.tokenizer,
+                                      trust_pickle=args.trust_pickle, notices=notices)
+    for notice in notices:
+        print(f"note: {notice}")
+    configs = " ".join(args.config)
+    print(f"wrote {folder}: continue with `accelerate launch run_clm_neox.py {configs} --output.dir {args.out} "
+          "--resume` (any layout: another tensor-parallel size needs --model.vocab_size as padded here, "
+          "see config.json there)")
     return 0
 
 
