@@ -80,7 +80,7 @@ def continue_neox_checkpoint(checkpoint_dir, neox_config_paths: list[str], out_d
     writer = {"backend": "gpt-neox", "deepspeed": True, "zero_stage": _zero_stage(partitions), "processes": dp * files.tp_size * pp,
               "data_parallel": dp, "tensor_parallel": files.tp_size, "pipeline_parallel": pp}
     trainer_state = {
-        "layout_free": {"adam_step": _adam_step(partitions, files.step_dir), "loss_scaler": None},
+        "layout_free": {"adam_step": _adam_step(partitions, files.step_dir), "loss_scaler": _loss_scaler(partitions)},
         "train_state": {"step": iteration, "consumed_samples": iteration * global_batch,
                         "consumed_tokens": iteration * global_batch * recipe.model.seq_length,
                         "skipped_steps": int(model_states.get("skipped_steps") or 0)},
@@ -241,7 +241,18 @@ def _adam_step(partitions: list[list[dict]], step_dir: Path) -> float:
 
 
 def _zero_stage(partitions: list[list[dict]]) -> int:
-    return int(getattr(partitions[0][0].get("zero_stage"), "value", partitions[0][0].get("zero_stage") or 1))
+    stage = partitions[0][0].get("zero_stage")  # DeepSpeed's ZeroStageEnum (an int enum), absent in old versions
+    return int(stage) if stage is not None else 1
+
+
+def _loss_scaler(partitions: list[list[dict]]) -> dict | None:
+    """fp16's dynamic loss scale where the run had one, in the form the layout-free state carries DeepSpeed's
+    (neox_hf.engines.zero_state): a resumed fp16 run starts from GPT-NeoX's scale, not the initial one."""
+    scaler = partitions[0][0].get("loss_scaler")
+    if scaler is None or not partitions[0][0].get("dynamic_loss_scale"):
+        return None
+    fields = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+    return {"deepspeed": {key: getattr(scaler, key) for key in fields if hasattr(scaler, key)}}
 
 
 def _iteration(model_states: dict, files) -> int:
