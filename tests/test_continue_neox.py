@@ -2,7 +2,9 @@
 checkpoints (ZeRO-1, 2 data-parallel ranks, tensor parallel 1 and 2, GPT-NeoX's parameter names and sequential-layout
 files; tests/workers/neox_ds_checkpoint.py, one 4-process launch) and takes the next step; continue-neox turns the
 checkpoint into a run folder and neox_hf takes that step on one process: the same loss and weights within 1e-5
-(fp32). Bad input is one line and exit 2, with nothing written; no pickle in the checkpoint runs."""
+(fp32). Bad input is one line and exit 2, with nothing written; no pickle in the checkpoint runs. The same launch
+also checks KTO's KL estimate over data-parallel ranks against TRL's rule (tests/workers/kto_ranks.py): a launch's
+start-up costs far more than either check."""
 
 from __future__ import annotations
 
@@ -66,19 +68,32 @@ def gpt_neox_batches(config: Path, out: Path) -> Path:
     return out
 
 
+def write_unpaired(path: Path) -> Path:
+    """KTO examples in TRL's unpaired format, each micro-batch of 4 with desirable and undesirable ones."""
+    words = "apple river stone cloud maple ember violet harbor quartz meadow lantern copper".split()
+    with path.open("w") as f:
+        for i in range(8):
+            prompt = f"Question {i}: name the {words[i % 12]} after {words[(i * 5) % 12]}.\nAnswer: "
+            completion = " ".join(words[(i * 7 + k) % 12] for k in range(1 + i % 3))
+            f.write(json.dumps({"prompt": prompt, "completion": completion, "label": i % 3 != 1}) + "\n")
+    return path
+
+
 @pytest.fixture(scope="module")
 def neox_runs(tmp_path_factory):
-    """{tp: (GPT-NeoX config, the folder DeepSpeed saved global_step2 and global_step3 into)}."""
+    """{tp: (GPT-NeoX config, the folder DeepSpeed saved global_step2 and global_step3 into)}; "out": the launch's
+    folder, where tests/workers/kto_ranks.py's results are too."""
     folder = tmp_path_factory.mktemp("neox_runs")
     prefix = write_corpus(folder)
     configs = {tp: write_neox_config(folder, prefix, tp=tp, parallel_residual=TP_RESIDUAL[tp]) for tp in (1, 2)}
     batches = gpt_neox_batches(configs[1], folder / "batches.pt")  # the batches do not depend on the model
+    unpaired = write_unpaired(folder / "unpaired.jsonl")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                str(REPO / "tests/workers/neox_ds_checkpoint.py"), str(folder / "out"), str(batches),
-               *(f"tp{tp}={configs[tp]}:{tp}" for tp in (1, 2))]
+               *(f"tp{tp}={configs[tp]}:{tp}" for tp in (1, 2)), f"kto={unpaired}"]
     done = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
-    return {tp: (configs[tp], folder / "out" / f"tp{tp}") for tp in (1, 2)}
+    return {**{tp: (configs[tp], folder / "out" / f"tp{tp}") for tp in (1, 2)}, "out": folder / "out"}
 
 
 def continue_neox(*args) -> int:
@@ -143,6 +158,25 @@ def test_a_config_that_disagrees_or_a_missing_partition_is_one_line_and_nothing_
     error = capsys.readouterr().err.strip()
     assert "zero_pp_rank_1_mp_rank_01_optim_states.pt is missing" in error and error.count("\n") == 0
     assert not (tmp_path / "run").exists()
+
+
+def test_kto_averages_its_kl_estimate_over_data_parallel_ranks_as_trl(neox_runs):
+    """TRL's KTOTrainer: `kl = gather_for_metrics(kl).mean().clamp(min=0)` over its processes, so every process of a
+    step uses the mean of their estimates, clamped after averaging. Each rank's training loss equals TRL's formula
+    with that z (β 0.5, λ_D 1.3, λ_U 0.7; TRL's formula itself, one process, is tests/test_objectives.py's); evaluation
+    keeps the rank's own estimate."""
+    ranks = [torch.load(neox_runs["out"] / f"kto_rank{r}.pt", weights_only=True) for r in range(4)]
+    for pair in (ranks[:2], ranks[2:]):
+        z = torch.stack([rank["raw_kl"] for rank in pair]).mean().clamp(min=0)
+        own = [rank["raw_kl"].clamp(min=0) for rank in pair]
+        assert max(abs(float(z - estimate)) for estimate in own) > 1e-2  # averaging before the clamp is visible
+        for rank, estimate in zip(pair, own):
+            r, desirable = rank["logratios"], rank["label"]
+            trl = torch.where(desirable, 1.3 * (1 - torch.sigmoid(0.5 * (r - z))),
+                              0.7 * (1 - torch.sigmoid(0.5 * (z - r)))).sum()
+            torch.testing.assert_close(rank["loss_sum"], trl, rtol=0, atol=1e-5)
+            torch.testing.assert_close(rank["kl"], z, rtol=0, atol=1e-6)
+            torch.testing.assert_close(rank["eval_kl"], estimate, rtol=0, atol=1e-6)
 
 
 # ---------------------------------------------------------------- fast tier: no launch

@@ -126,8 +126,11 @@ def test_objective_on_a_layout_equals_one_process(one_process, layout_runs, layo
     if objective == "kto":
         assert abs(expected[1]["loss"] - 0.5) <= 1e-6  # reference = starting model: r = z = 0, 1 − σ(0)
     for step in expected:
-        assert abs(got[step]["loss"] - expected[step]["loss"]) <= LOSS_TOL, (step, got[step], expected[step])
         assert got[step]["consumed_samples"] == expected[step]["consumed_samples"] == 4 * step  # pairs / examples
+        if objective == "kto" and step > 1:
+            continue  # TRL averages KTO's KL estimate over its processes (tests/test_continue_neox.py checks that
+            # rule): past the first step (z = 0 everywhere) 2 ranks take TRL's 2-process step, not one process's
+        assert abs(got[step]["loss"] - expected[step]["loss"]) <= LOSS_TOL, (step, got[step], expected[step])
         for name in ("rewards/margins", "logps/chosen", "accuracy", "margin"):
             if name in expected[step]:
                 assert abs(got[step][name] - expected[step][name]) <= 1e-4 * max(1.0, abs(expected[step][name]))

@@ -54,6 +54,7 @@ class Engine:
     def objective(self):
         if self._objective is None:
             self._objective = build_objective(self.recipe.train)
+            self._objective.data_parallel_group = self.layout.dp_group if self.layout.dp > 1 else None
         return self._objective
 
     @classmethod

@@ -25,6 +25,9 @@ class Objective:
     unit: str = ""
     metric_names: tuple[str, ...] = ()
     rows_per_sample: int = 1  # batch rows of one sample: 2 for a pair (chosen, rejected) or a KTO example (+ its KL row)
+    # The run's data-parallel process group (None: one replica), set by the engine: what TRL's processes are, for an
+    # estimate TRL gathers over them (KTO's KL)
+    data_parallel_group = None
 
     def units(self, batch: dict) -> torch.Tensor:
         raise NotImplementedError

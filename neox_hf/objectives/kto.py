@@ -5,7 +5,8 @@ Unpaired data: each example is a prompt, one completion and whether it is desira
 P examples as 2P rows: the examples, then their KL sequences — prompt i with completion i − 1 of the same
 micro-batch). A sequence's log-probability is the sum over its completion tokens, by the one head loss of neox_hf
 (`neox_hf.ops.head_loss`) one row at a time, as DPO's. With π / ref the policy / reference log-probs:
-  z    = max(0, mean over the micro-batch's KL sequences of (π − ref)), detached   (TRL's KL estimate)
+  z    = max(0, mean over the data-parallel ranks of each one's mean over its micro-batch's KL sequences of (π − ref)),
+         detached   (TRL's KL estimate: `gather_for_metrics(kl).mean().clamp(min=0)` over its processes)
   r    = π − ref of the example
   loss = λ_D (1 − σ(β (r − z)))   desirable
          λ_U (1 − σ(β (z − r)))   undesirable
@@ -18,10 +19,16 @@ TRL's value for one micro-batch and the example-weighted mean of them for severa
 full). A micro-batch without desirable (undesirable) examples adds 0 to rewards/chosen (rejected), where TRL logs no
 value. TRL's logits/* and entropy need the whole [tokens, vocab] logits, which the fused head never builds: not logged.
 
-Differences from TRL on purpose: the KL estimate is the rank's micro-batch (TRL averages it over the data-parallel
-ranks before clamping); the reference is a frozen copy of the starting model, forwarded with no grad (TRL's default,
-`precompute_ref_log_probs=False`): the KL sequences pair examples anew in every micro-batch, so no table of
-precomputed reference log-probabilities can hold them.
+The KL estimate of a training micro-batch is averaged over the data-parallel group (`data_parallel_group`, which the
+engine sets; tensor-parallel ranks of a group hold the same value) before the clamp, as TRL averages it over its
+processes: a run on D data-parallel ranks takes TRL's step on D processes, and so differs from one process
+accumulating the same micro-batches (where TRL, and here, each micro-batch has its own estimate). Every rank of the
+group runs the same number of micro-batches per step, so the all-reduce pairs up.
+
+Differences from TRL on purpose: evaluation (no gradient) keeps each rank's own estimate: a rank's eval batches may
+outnumber another's, and a collective there would wait forever; the reference is a frozen copy of the starting model,
+forwarded with no grad (TRL's default, `precompute_ref_log_probs=False`): the KL sequences pair examples anew in every
+micro-batch, so no table of precomputed reference log-probabilities can hold them.
 """
 
 from __future__ import annotations
@@ -70,7 +77,7 @@ class KTOObjective(Objective):
         n = batch["label"].shape[0]
         desirable = batch["label"].to(device=logps.device, dtype=torch.bool)
         ratio = logps[:n] - ref[:n]
-        kl = (logps[n:] - ref[n:]).mean().detach().clamp(min=0)
+        kl = self._mean_over_ranks((logps[n:] - ref[n:]).mean().detach()).clamp(min=0)
         losses = kto_losses(ratio, kl, desirable, beta=self.beta, desirable_weight=self.desirable_weight,
                             undesirable_weight=self.undesirable_weight)
         with torch.no_grad():
@@ -83,6 +90,17 @@ class KTOObjective(Objective):
             means["rewards/margins"] = torch.where(both, means["rewards/chosen"] - means["rewards/rejected"], 0.0)
         return ObjectiveLoss(loss_sum=losses.sum(), units=self.units(batch),
                              metric_sums={k: (v * n).detach() for k, v in means.items()})
+
+    def _mean_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """`value`'s mean over the data-parallel group in a training step (see the module docstring), else itself."""
+        group = self.data_parallel_group
+        if group is None or not torch.is_grad_enabled():
+            return value
+        import torch.distributed as dist
+
+        total = value.clone()
+        dist.all_reduce(total, group=group)
+        return total / dist.get_world_size(group)
 
     def _reference(self, batch: dict, fused: bool) -> torch.Tensor:
         if "ref_logps" in batch:  # [2P]: the examples', then their KL sequences' (neox_hf eval may give them)

@@ -1,6 +1,6 @@
 """GPT-NeoX's own training checkpoints, written by DeepSpeed itself, and the step GPT-NeoX takes after them: the
 reference of tests/test_continue_neox.py. Usage (4 processes):
-    torchrun --nproc_per_node 4 tests/workers/neox_ds_checkpoint.py OUT_DIR BATCHES NAME=CONFIG:TP ...
+    torchrun --nproc_per_node 4 tests/workers/neox_ds_checkpoint.py OUT_DIR BATCHES NAME=CONFIG:TP ... [kto=JSONL]
 
 For each NAME (one after the other, in the same 4 ranks), a module whose parameters carry GPT-NeoX's names and
 layer indices (`sequential.{idx}.{param}`, what GPT-NeoX's sequential layout saves as `mp_rank_XX_model_states.pt`)
@@ -10,7 +10,8 @@ GPT-NeoX's parameter groups (weight decay on matrices), the LR of GPT-NeoX's sch
 BATCHES (`{step: [dp rank 0's batch, dp rank 1's]}`, GPT-NeoX's order). It saves `global_step{K}` after K steps as
 GPT-NeoX does (client state `iteration`), takes step K + 1 and saves `global_step{K+1}`; OUT_DIR/NAME/losses.json
 holds every step's loss. With TP 1 the four ranks are two replicas of the same data-parallel pair (ranks 2-3 save
-into OUT_DIR/NAME-replica), so every rank takes part in DeepSpeed's collectives.
+into OUT_DIR/NAME-replica), so every rank takes part in DeepSpeed's collectives. `kto=JSONL` runs
+tests/workers/kto_ranks.py's check of KTO's KL estimate across ranks in the same ranks.
 
 The forward is tests/neox_reference.py's (GPT-NeoX's equations rank by rank, not transformers'): every rank holds
 its own shards and sees the other TP ranks' values as constants, so a sharded tensor's gradient is this rank's part
@@ -173,11 +174,17 @@ def main() -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     out_dir, batches = Path(sys.argv[1]), torch.load(sys.argv[2], weights_only=True)
+    from tests.conftest import BUNDLED_TOKENIZER, end_process_group
+
     for spec in sys.argv[3:]:
         name, _, rest = spec.partition("=")
+        if name == "kto":  # tests/workers/kto_ranks.py, in these ranks
+            from kto_ranks import kto_check
+
+            kto_check(out_dir, rest, str(BUNDLED_TOKENIZER))
+            continue
         config_path, _, tp = rest.rpartition(":")
         train(name, config_path, int(tp), out_dir, batches)
-    from tests.conftest import end_process_group
 
     end_process_group()
 
