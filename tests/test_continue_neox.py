@@ -81,8 +81,9 @@ def write_unpaired(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def neox_runs(tmp_path_factory):
-    """{tp: (GPT-NeoX config, the folder DeepSpeed saved global_step2 and global_step3 into)}; "out": the launch's
-    folder, where tests/workers/kto_ranks.py's results are too."""
+    """{tp: (GPT-NeoX config, the folder DeepSpeed saved global_step2 and global_step3 into)}; "pipeline": the TP 2
+    run again in GPT-NeoX's pipeline layout (one stage); "out": the launch's folder, where
+    tests/workers/kto_ranks.py's results are too."""
     folder = tmp_path_factory.mktemp("neox_runs")
     prefix = write_corpus(folder)
     configs = {tp: write_neox_config(folder, prefix, tp=tp, parallel_residual=TP_RESIDUAL[tp]) for tp in (1, 2)}
@@ -90,10 +91,11 @@ def neox_runs(tmp_path_factory):
     unpaired = write_unpaired(folder / "unpaired.jsonl")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                str(REPO / "tests/workers/neox_ds_checkpoint.py"), str(folder / "out"), str(batches),
-               *(f"tp{tp}={configs[tp]}:{tp}" for tp in (1, 2)), f"kto={unpaired}"]
+               *(f"tp{tp}={configs[tp]}:{tp}" for tp in (1, 2)), f"pipe2={configs[2]}:2:pipeline", f"kto={unpaired}"]
     done = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
-    return {**{tp: (configs[tp], folder / "out" / f"tp{tp}") for tp in (1, 2)}, "out": folder / "out"}
+    return {**{tp: (configs[tp], folder / "out" / f"tp{tp}") for tp in (1, 2)}, "out": folder / "out",
+            "pipeline": (configs[2], folder / "out" / "pipe2")}
 
 
 def continue_neox(*args) -> int:
@@ -138,6 +140,27 @@ def test_the_next_step_after_continue_neox_is_gpt_neoxs(neox_runs, tp, tmp_path,
         torch.testing.assert_close(ours[name], value, rtol=0, atol=1e-5, msg=name)
     moved = max((reference[k] - before[k]).abs().max().item() for k in reference)
     assert moved > 1e-4  # the step is visible at this tolerance
+
+
+def test_the_pipeline_layout_continues_as_the_sequential_layout(neox_runs, tmp_path):
+    """The TP 2 run written in GPT-NeoX's pipeline layout (layer_XX-model_YY files, DeepSpeed's PipelineModule
+    parameter names) becomes the same step folder, tensor for tensor, as in the sequential layout (whose next step
+    is GPT-NeoX's, above)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    states = []
+    for name, (config, saved) in (("sequential", neox_runs[2]), ("pipeline", neox_runs["pipeline"])):
+        assert continue_neox(saved / "global_step2", "--config", config, "--out", tmp_path / name) == 0
+        step = tmp_path / name / "checkpoints" / "step_00000002"
+        dcp_to_torch_save(step / "layout_free", tmp_path / f"{name}.pt")
+        states.append((torch.load(tmp_path / f"{name}.pt", weights_only=True),
+                       torch.load(step / "trainer_state_rank0.pt", weights_only=True)))
+    assert any(p.name.startswith("layer_02-model_01") for p in (neox_runs["pipeline"][1] / "global_step2").iterdir())
+    (sequential, sequential_state), (pipeline, pipeline_state) = states
+    assert sequential.keys() == pipeline.keys() and len(sequential) == 3 * 28  # masters and moments of 28 tensors
+    for key, value in sequential.items():
+        torch.testing.assert_close(pipeline[key], value, rtol=0, atol=0, msg=key)
+    assert pipeline_state == sequential_state
 
 
 def test_a_config_that_disagrees_or_a_missing_partition_is_one_line_and_nothing_is_written(neox_runs, tmp_path,
