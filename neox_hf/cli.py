@@ -28,7 +28,8 @@ from neox_hf.errors import NeoXHFError, print_to_stderr
 _COMMANDS = {
     "convert-neox": ("neox_hf.cli", "_add_convert_neox", "_run_convert_neox", "import a GPT-NeoX-native checkpoint"),
     "continue-neox": ("neox_hf.cli", "_add_continue_neox", "_run_continue_neox",
-                      "continue a GPT-NeoX run: its training checkpoint (weights, Adam, LR, data position) → a run folder"),
+                      "continue a GPT-NeoX run: its training checkpoint (weights, Adam, LR, data position) → a run "
+                      "folder"),
     "export-neox": ("neox_hf.cli", "_add_export_neox", "_run_export_neox", "write an HF folder as a GPT-NeoX checkpoint"),
     "export": ("neox_hf.cli", "_add_export", "_run_export", "consolidate a training checkpoint into an HF folder"),
     "preprocess": ("neox_hf.cli", "_add_preprocess", "_run_preprocess", "tokenize jsonl into GPT-NeoX .bin/.idx"),
@@ -68,18 +69,21 @@ def _run_convert_neox(args) -> int:
 
 def _add_continue_neox(parser):
     parser.description = (
-        "Turn a GPT-NeoX training checkpoint (DeepSpeed ZeRO-1/2: global_stepN/ with its zero_pp_rank_*_optim_states.pt; "
-        "sequential or pipeline layout, any tensor-parallel size) into a neox_hf run folder whose one checkpoint holds "
-        "the fp32 weights, Adam's moments and step, the LR schedule at step = iteration and GPT-NeoX's data position "
-        "(iteration × global batch). Continue it on any layout with `run_clm_neox.py CONFIG --output.dir RUN --resume`.")
+        "Turn a GPT-NeoX training checkpoint (DeepSpeed ZeRO-1/2: global_stepN/ with its "
+        "zero_pp_rank_*_optim_states.pt; sequential or pipeline layout, any tensor-parallel size) into a neox_hf run "
+        "folder whose one checkpoint holds the fp32 weights, Adam's moments and step, the LR schedule at step = "
+        "iteration and GPT-NeoX's data position (iteration × global batch). Continue it on any layout with "
+        "`run_clm_neox.py CONFIG --output.dir RUN --resume` (docs/recipes-and-neox-configs.md).")
     parser.add_argument("checkpoint", help="GPT-NeoX checkpoint: global_stepN/ or the folder with `latest`")
     parser.add_argument("--config", action="append", required=True,
-                        help="a GPT-NeoX YAML file the run was trained with (repeat for several, merged as GPT-NeoX does); "
-                             "it must name the run's data")
+                        help="a GPT-NeoX YAML file the run was trained with (repeat for several, merged as GPT-NeoX "
+                             "does); it must name the run's data")
     parser.add_argument("--out", required=True, help="the run folder to write (new or empty)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizers JSON / HF folder (default: the config's vocab_file)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizers JSON / HF folder (default: the config's vocab_file)")
     parser.add_argument("--trust-pickle", action="store_true",
-                        help="allow full unpickling for checkpoint files you trust (default: tensors and plain data only)")
+                        help="allow full unpickling for checkpoint files you trust (default: tensors and plain data "
+                             "only)")
 
 
 def _run_continue_neox(args) -> int:

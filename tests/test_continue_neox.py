@@ -186,8 +186,8 @@ def test_a_config_that_disagrees_or_a_missing_partition_is_one_line_and_nothing_
 def test_kto_averages_its_kl_estimate_over_data_parallel_ranks_as_trl(neox_runs):
     """TRL's KTOTrainer: `kl = gather_for_metrics(kl).mean().clamp(min=0)` over its processes, so every process of a
     step uses the mean of their estimates, clamped after averaging. Each rank's training loss equals TRL's formula
-    with that z (β 0.5, λ_D 1.3, λ_U 0.7; TRL's formula itself, one process, is tests/test_objectives.py's); evaluation
-    keeps the rank's own estimate."""
+    with that z (β 0.5, λ_D 1.3, λ_U 0.7; TRL's formula itself, one process, is tests/test_objectives.py's);
+    evaluation keeps the rank's own estimate."""
     ranks = [torch.load(neox_runs["out"] / f"kto_rank{r}.pt", weights_only=True) for r in range(4)]
     for pair in (ranks[:2], ranks[2:]):
         z = torch.stack([rank["raw_kl"] for rank in pair]).mean().clamp(min=0)
@@ -246,7 +246,8 @@ def test_bad_input_is_one_line_exit_2_and_no_pickle_runs(weights_only_checkpoint
     assert continue_neox(step_dir, "--config", config, "--out", busy) == 2
     assert "is not an empty folder" in capsys.readouterr().err
     marker = tmp_path / "ran"
-    torch.save({"optimizer_state_dict": {"payload": _Touch(marker)}}, step_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    torch.save({"optimizer_state_dict": {"payload": _Touch(marker)}},
+               step_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     assert continue_neox(step_dir, "--config", config, "--out", out) == 2
     error = capsys.readouterr().err.strip()
     assert "refused" in error and "--trust-pickle" in error and error.count("\n") == 0, error

@@ -62,23 +62,23 @@ def continue_neox_checkpoint(checkpoint_dir, neox_config_paths: list[str], out_d
                               f"model_parallel_size {recipe.parallel.tensor_parallel}: pass the config the run was "
                               "trained with (it decides the vocabulary padding)")
     model_states = _model_states(files, trust_pickle)
+    iteration = _iteration(model_states, files)
     partitions = optimizer_partitions(files.step_dir, files.tp_size, trust_pickle=trust_pickle)
-    dp = len(partitions[0])
-    pp = len(partitions) // files.tp_size
+    dp, pp = len(partitions[0]), len(partitions) // files.tp_size
+    global_batch = _check_global_batch(recipe, model_states, dp, files)
+    data = _data_position(recipe, tokenizer, dp, iteration, files)  # before the tensors: it checks the data is here
     config = neox_hf_config(recipe, tokenizer, vocab_size=None if tokenizer else _embedding_rows(files, trust_pickle))
     per_rank = [_join_partitions(parts, _param_shapes(files, mp_rank, trust_pickle), files.step_dir, mp_rank)
                 for mp_rank, parts in enumerate(partitions)]
     tensors = hf_layout_free_tensors(_by_tp_rank(per_rank, files.tp_size), config, where=str(files.step_dir))
-    iteration = _iteration(model_states, files)
-    global_batch = _check_global_batch(recipe, model_states, dp, files)
     if config.use_parallel_residual and files.tp_size > 1:
         notices.append(f"the checkpoint has tensor parallelism {files.tp_size} and parallel residuals: GPT-NeoX steps "
                        "each rank's copy of the row-parallel biases (attention.dense.bias, mlp.linear2.bias, summed in "
                        "its forward), so they moved TP times Adam's step there; here they are one bias each, stepped "
                        "once (every other tensor continues exactly)")
-    data = _data_position(recipe, tokenizer, dp, iteration, files)
-    writer = {"backend": "gpt-neox", "deepspeed": True, "zero_stage": _zero_stage(partitions), "processes": dp * files.tp_size * pp,
-              "data_parallel": dp, "tensor_parallel": files.tp_size, "pipeline_parallel": pp}
+    writer = {"backend": "gpt-neox", "deepspeed": True, "zero_stage": _zero_stage(partitions),
+              "processes": dp * files.tp_size * pp, "data_parallel": dp, "tensor_parallel": files.tp_size,
+              "pipeline_parallel": pp}
     trainer_state = {
         "layout_free": {"adam_step": _adam_step(partitions, files.step_dir), "loss_scaler": _loss_scaler(partitions)},
         "train_state": {"step": iteration, "consumed_samples": iteration * global_batch,
@@ -116,12 +116,15 @@ def load_optimizer_file(path: Path, *, trust_pickle: bool = False) -> dict:
 
     from neox_hf.io import allowed_globals, is_weights_only_refusal, refusal_message
 
+    import zipfile
+
+    mmap = zipfile.is_zipfile(path)  # the partitions stay on disk until joined (a truncated zip fails below)
     try:
         if trust_pickle:
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            state = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
         else:
             with torch.serialization.safe_globals(allowed_globals(deepspeed=True)):
-                state = torch.load(path, map_location="cpu", weights_only=True)
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         if is_weights_only_refusal(err):
             raise CheckpointError(refusal_message(path, err) + ". If you trust this file, pass --trust-pickle to "
@@ -147,9 +150,9 @@ def optimizer_partitions(step_dir: Path, tp_size: int, *, trust_pickle: bool = F
         if match:
             found.setdefault(int(match.group(2)), {})[int(match.group(1))] = path
     if not found:
-        raise CheckpointError(f"{step_dir}: no zero_pp_rank_*_mp_rank_*_optim_states.pt files: continue-neox needs the "
-                              "ZeRO optimizer partitions (GPT-NeoX saves them unless no_save_optim: true); to import the "
-                              "weights alone use `neox_hf convert-neox`")
+        raise CheckpointError(f"{step_dir}: no zero_pp_rank_*_mp_rank_*_optim_states.pt files: continue-neox needs "
+                              "the ZeRO optimizer partitions (GPT-NeoX saves them unless no_save_optim: true); to "
+                              "import the weights alone use `neox_hf convert-neox`")
     mp_ranks = sorted(found)
     dp_ranks = sorted(found[mp_ranks[0]])
     if mp_ranks != list(range(len(mp_ranks))) or len(mp_ranks) % tp_size:
@@ -175,7 +178,8 @@ def _param_shapes(files, mp_rank: int, trust_pickle: bool) -> dict[str, torch.Si
     return {name: torch.Size(shape) for group in groups for name, shape in group.items()}
 
 
-def _join_partitions(parts: list[dict], shapes: dict, step_dir: Path, mp_rank: int) -> dict[str, dict[str, torch.Tensor]]:
+def _join_partitions(parts: list[dict], shapes: dict, step_dir: Path,
+                     mp_rank: int) -> dict[str, dict[str, torch.Tensor]]:
     """`{DeepSpeed parameter name: {"model"|"exp_avg"|"exp_avg_sq": full tensor}}` of one model-parallel rank, its
     data-parallel partitions joined in rank order."""
     pieces: dict[str, dict[str, list]] = {}
@@ -190,8 +194,9 @@ def _join_partitions(parts: list[dict], shapes: dict, step_dir: Path, mp_rank: i
     joined = {}
     for name, kinds in pieces.items():
         if name not in shapes:
-            raise CheckpointError(f"{step_dir}: the optimizer partitions of model-parallel rank {mp_rank} hold {name}, "
-                                  "which its model states' param_shapes do not list; the files come from different runs")
+            raise CheckpointError(f"{step_dir}: the optimizer partitions of model-parallel rank {mp_rank} hold "
+                                  f"{name}, which its model states' param_shapes do not list; the files come from "
+                                  "different runs")
         shape = shapes[name]
         joined[name] = {}
         for kind, chunks in kinds.items():

@@ -5,8 +5,8 @@ Unpaired data: each example is a prompt, one completion and whether it is desira
 P examples as 2P rows: the examples, then their KL sequences — prompt i with completion i − 1 of the same
 micro-batch). A sequence's log-probability is the sum over its completion tokens, by the one head loss of neox_hf
 (`neox_hf.ops.head_loss`) one row at a time, as DPO's. With π / ref the policy / reference log-probs:
-  z    = max(0, mean over the data-parallel ranks of each one's mean over its micro-batch's KL sequences of (π − ref)),
-         detached   (TRL's KL estimate: `gather_for_metrics(kl).mean().clamp(min=0)` over its processes)
+  z    = max(0, mean over the data-parallel ranks of each one's mean over its micro-batch's KL sequences of
+         (π − ref)), detached   (TRL's KL estimate: `gather_for_metrics(kl).mean().clamp(min=0)` over its processes)
   r    = π − ref of the example
   loss = λ_D (1 − σ(β (r − z)))   desirable
          λ_U (1 − σ(β (z − r)))   undesirable

@@ -11,7 +11,8 @@ GPT-NeoX's parameter groups (weight decay on matrices), the LR of GPT-NeoX's sch
 BATCHES (`{step: [dp rank 0's batch, dp rank 1's]}`, GPT-NeoX's order). It saves `global_step{K}` after K steps as
 GPT-NeoX does (client state `iteration`), takes step K + 1 and saves `global_step{K+1}`; OUT_DIR/NAME/losses.json
 holds every step's loss. `:pipeline` writes GPT-NeoX's pipeline layout instead (DeepSpeed's PipelineModule, one
-stage, the layers at GPT-NeoX's indices: `layer_XX-model_YY-model_states.pt`; TP 2 only). With TP 1 the four ranks are two replicas of the same data-parallel pair (ranks 2-3 save
+stage, the layers at GPT-NeoX's indices: `layer_XX-model_YY-model_states.pt`; TP 2 only).
+With TP 1 the four ranks are two replicas of the same data-parallel pair (ranks 2-3 save
 into OUT_DIR/NAME-replica), so every rank takes part in DeepSpeed's collectives. `kto=JSONL` runs
 tests/workers/kto_ranks.py's check of KTO's KL estimate across ranks in the same ranks.
 
@@ -22,7 +23,6 @@ Megatron's copy/reduce mappings give them.
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
