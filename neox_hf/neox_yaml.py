@@ -870,7 +870,8 @@ def _translate_data(args: dict, recipe: dict, notices: list[str], defaults: dict
     if args.get("test_data_paths"):
         notices.append("test_data_paths are not used during training (evaluate afterwards with `neox_hf eval`)")
     if args.get("load"):
-        notices.append(f"load: {args['load']} → resume from it with `--train.resume PATH`, or import a GPT-NeoX checkpoint with `neox_hf convert-neox`")
+        notices.append(f"load: {args['load']} → continue that GPT-NeoX run (Adam, LR and data position) with `neox_hf "
+                       "continue-neox`, or import its weights with `neox_hf convert-neox`")
     return {"train_data_paths", "train_data_weights", "data_path", "valid_data_paths", "valid_data_weights",
             "test_data_paths", "test_data_weights", "split", "load", "label_data_paths", "train_label_data_paths",
             "pack_impl", "allow_chopped", "eod_mask_loss", "weight_by_num_documents", "weighted_sampler_alpha",

@@ -547,6 +547,8 @@ def describe_run(run: dict) -> str:
     if not run.get("deepspeed"):
         return f"{processes} without DeepSpeed"
     stage = f"DeepSpeed ZeRO-{run['zero_stage']}" if run.get("zero_stage") is not None else "DeepSpeed"
+    if run.get("backend") == "gpt-neox":  # a GPT-NeoX run's state, imported by `neox_hf continue-neox`
+        stage = f"GPT-NeoX ({stage})"
     tp, pp = run.get("tensor_parallel") or 1, run.get("pipeline_parallel") or 1
     if tp == 1 and pp == 1:
         return f"{stage} on {processes}"
@@ -560,6 +562,8 @@ def launch_command(run: dict) -> str:
     if run.get("backend") == "fsdp2":
         return (f"`torchrun --standalone --nproc_per_node {run.get('processes') or 'N'} run_clm_neox.py RECIPE "
                 "--parallel.backend fsdp2 --resume`")
+    if run.get("backend") == "gpt-neox":
+        return "GPT-NeoX's own launcher on the checkpoint continue-neox read (`deepy.py train.py CONFIG`)"
     if not run.get("deepspeed"):
         return "`python run_clm_neox.py RECIPE --parallel.zero_stage 0 --resume`"
     options = "".join(f" --parallel.{key} {run[key]}" for key in ("zero_stage", "tensor_parallel", "pipeline_parallel")
