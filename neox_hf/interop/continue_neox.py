@@ -113,10 +113,9 @@ def load_optimizer_file(path: Path, *, trust_pickle: bool = False) -> dict:
     """One `zero_pp_rank_*_optim_states.pt`'s `optimizer_state_dict`, unpickled as tensors and plain data plus
     DeepSpeed's bookkeeping classes (loss scaler, ZeRO stage, fragment addresses) unless `trust_pickle`."""
     import pickle
+    import zipfile
 
     from neox_hf.io import allowed_globals, is_weights_only_refusal, refusal_message
-
-    import zipfile
 
     mmap = zipfile.is_zipfile(path)  # the partitions stay on disk until joined (a truncated zip fails below)
     try:
@@ -154,16 +153,16 @@ def optimizer_partitions(step_dir: Path, tp_size: int, *, trust_pickle: bool = F
                               "the ZeRO optimizer partitions (GPT-NeoX saves them unless no_save_optim: true); to "
                               "import the weights alone use `neox_hf convert-neox`")
     mp_ranks = sorted(found)
-    dp_ranks = sorted(found[mp_ranks[0]])
     if mp_ranks != list(range(len(mp_ranks))) or len(mp_ranks) % tp_size:
         raise CheckpointError(f"{step_dir}: optimizer files for model-parallel ranks {mp_ranks} do not cover "
                               f"{tp_size} tensor-parallel rank(s) per stage; copy every zero_pp_rank_* file")
+    dp_ranks = list(range(max(max(ranks) for ranks in found.values()) + 1))
     for mp_rank in mp_ranks:
-        if sorted(found[mp_rank]) != list(range(len(dp_ranks))) or sorted(found[mp_rank]) != dp_ranks:
-            missing = sorted(set(range(max(max(dp_ranks), max(found[mp_rank])) + 1)) - set(found[mp_rank]))
-            raise CheckpointError(f"{step_dir}: zero_pp_rank_{missing[0] if missing else '?'}_mp_rank_{mp_rank:02d}"
-                                  "_optim_states.pt is missing: every data-parallel rank's optimizer partition is "
-                                  "needed; copy the whole global_stepN folder")
+        missing = sorted(set(dp_ranks) - set(found[mp_rank]))
+        if missing:
+            raise CheckpointError(f"{step_dir}: zero_pp_rank_{missing[0]}_mp_rank_{mp_rank:02d}_optim_states.pt is "
+                                  "missing: every data-parallel rank's optimizer partition is needed; copy the whole "
+                                  "global_stepN folder")
     return [[load_optimizer_file(found[m][d], trust_pickle=trust_pickle) for d in dp_ranks] for m in mp_ranks]
 
 
