@@ -245,6 +245,13 @@ def test_bad_input_is_one_line_exit_2_and_no_pickle_runs(weights_only_checkpoint
     (busy / "keep.txt").write_text("x")
     assert continue_neox(step_dir, "--config", config, "--out", busy) == 2
     assert "is not an empty folder" in capsys.readouterr().err
+    from neox_hf.checkpoint import find_resume_checkpoint
+    from neox_hf.errors import CheckpointError
+
+    for given in (step_dir, step_dir.parent):  # `--train.resume` of a GPT-NeoX folder names the command that reads it
+        with pytest.raises(CheckpointError, match="is a GPT-NeoX .* checkpoint.*neox_hf continue-neox"):
+            find_resume_checkpoint(str(given), tmp_path / "unused")
+    assert (step_dir.parent / "latest").read_text() == step_dir.name  # GPT-NeoX's pointer left as it was
     marker = tmp_path / "ran"
     torch.save({"optimizer_state_dict": {"payload": _Touch(marker)}},
                step_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt")

@@ -223,6 +223,10 @@ def find_resume_checkpoint(resume: str | None, output_dir, notify=None) -> Path 
     folder = Path(resume)
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint to resume from not found: {folder}. Use `train.resume: auto` or a step_* folder")
+    if _is_gpt_neox_checkpoint(folder):  # before `latest` is read: its pointer names a global_stepN, never repaired
+        raise CheckpointError(f"{folder} is a GPT-NeoX (DeepSpeed) checkpoint, not a neox_hf one: continue that run "
+                              f"with `neox_hf continue-neox {folder} --config CONFIG.yml --out RUN`, then "
+                              "`--output.dir RUN --resume`")
     if checkpoint_step(folder) is None and ((folder / LATEST).exists() or complete_checkpoints(folder)):
         found = _latest_or_newest(folder, notify)  # a checkpoints/ root was given
         if found is not None:
@@ -231,6 +235,13 @@ def find_resume_checkpoint(resume: str | None, output_dir, notify=None) -> Path 
         raise CheckpointError(f"{folder} is not a complete neox_hf checkpoint (no trainer_state_rank0.pt or model "
                               "weights); give a checkpoints/step_* folder or the checkpoints/ folder")
     return folder
+
+
+def _is_gpt_neox_checkpoint(folder: Path) -> bool:
+    """A GPT-NeoX `global_stepN/` (DeepSpeed's *model_states.pt files) or the folder whose `latest` names one."""
+    named = _pointer_name(folder)
+    return any(folder.glob("*model_states.pt")) or bool(named and named.startswith("global_step")
+                                                        and (folder / named).is_dir())
 
 
 def checkpoint_to_read(folder: Path) -> Path:
