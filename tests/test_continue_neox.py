@@ -180,6 +180,11 @@ def test_a_config_that_disagrees_or_a_missing_partition_is_one_line_and_nothing_
     assert continue_neox(partial, "--config", config, "--out", tmp_path / "run") == 2
     error = capsys.readouterr().err.strip()
     assert "zero_pp_rank_1_mp_rank_01_optim_states.pt is missing" in error and error.count("\n") == 0
+    for later in (saved / "global_step3").glob("zero_pp_rank_*"):  # the next step's partitions beside these weights
+        shutil.copy(later, partial / later.name)
+    assert continue_neox(partial, "--config", config, "--out", tmp_path / "run") == 2
+    error = capsys.readouterr().err.strip()
+    assert "come from another step or run" in error and error.count("\n") == 0, error
     assert not (tmp_path / "run").exists()
 
 

@@ -32,7 +32,8 @@ import torch
 
 from neox_hf.errors import CheckpointError
 from neox_hf.interop.convert import neox_hf_config, neox_recipe_and_tokenizer
-from neox_hf.interop.neox_checkpoint import LEGACY_LAYER_NAMES, check_hf_state_dict, merge_tp_shards, neox_param_tables
+from neox_hf.interop.neox_checkpoint import (LEGACY_LAYER_NAMES, check_hf_state_dict, load_neox_state_dict,
+                                             merge_tp_shards, neox_param_tables)
 from neox_hf.interop.neox_files import detect_checkpoint_files, load_torch_file
 from neox_hf.parallel.tp_plan import REPLICATED, ROW_BIAS
 
@@ -71,6 +72,8 @@ def continue_neox_checkpoint(checkpoint_dir, neox_config_paths: list[str], out_d
     per_rank = [_join_partitions(parts, _param_shapes(files, mp_rank, trust_pickle), files.step_dir, mp_rank)
                 for mp_rank, parts in enumerate(partitions)]
     tensors = hf_layout_free_tensors(_by_tp_rank(per_rank, files.tp_size), config, where=str(files.step_dir))
+    check_masters_are_the_weights(tensors, load_neox_state_dict(files.step_dir, config, trust_pickle=trust_pickle),
+                                  files.step_dir)
     if config.use_parallel_residual and files.tp_size > 1:
         notices.append(f"the checkpoint has tensor parallelism {files.tp_size} and parallel residuals: GPT-NeoX steps "
                        "each rank's copy of the row-parallel biases (attention.dense.bias, mlp.linear2.bias, summed in "
@@ -305,6 +308,21 @@ def _data_position(recipe, tokenizer, dp: int, iteration: int, files) -> dict:
                                 gradient_accumulation_steps=t.gradient_accumulation_steps, train_iters=t.train_iters,
                                 eval_interval=t.eval_interval, eval_iters=t.eval_iters, start_step=iteration)
     return loader.state_dict()
+
+
+def check_masters_are_the_weights(tensors: dict, weights: dict, step_dir: Path) -> None:
+    """Refuse optimizer partitions whose fp32 masters are not the module files' weights (rounded to their dtype, as
+    DeepSpeed copies them after each step): partitions copied in from another step or run."""
+    for key, weight in weights.items():
+        master = tensors.get(f"model/{key}")
+        if master is None:  # a tied lm_head: the embedding's
+            continue
+        rounded = master.to(weight.dtype)
+        if not torch.equal(rounded, weight):
+            difference = (rounded.float() - weight.float()).abs().max().item()
+            raise CheckpointError(f"{step_dir}: the optimizer partitions' fp32 master of {key} is not the weight its "
+                                  f"module files hold (largest difference {difference:.3g}): the zero_pp_rank_* files "
+                                  "come from another step or run; copy the global_stepN folder whole")
 
 
 # ---------------------------------------------------------------- GPT-NeoX names → transformers names
