@@ -123,7 +123,7 @@ def test_the_next_step_after_continue_neox_is_gpt_neoxs(neox_runs, tp, tmp_path,
     printed = train_in_this_process([str(config), "--output.dir", str(run), "--resume", "--parallel.zero_stage", "0",
                                      "--parallel.tensor_parallel", "1", "--model.vocab_size", str(vocab),
                                      "--train.gradient_accumulation_steps", "2"])
-    assert f"resuming step 2 written by GPT-NeoX (DeepSpeed ZeRO-1) on {2 * tp} processes" in printed
+    assert f"resuming step 2 written by GPT-NeoX (DeepSpeed ZeRO-1 on {2 * tp} processes" in printed
     assert "data position: sample 8 of GPT-NeoX's order" in printed  # iteration 2 × global batch 4
     log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
     reference_losses = json.loads((saved / "losses.json").read_text())

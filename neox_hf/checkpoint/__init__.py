@@ -555,11 +555,11 @@ def describe_run(run: dict) -> str:
     processes = f"{count} process{'es' if count != 1 else ''}" if count else "an unknown number of processes"
     if run.get("backend") == "fsdp2":
         return f"FSDP2 on {processes}"
+    if run.get("backend") == "gpt-neox":  # a GPT-NeoX run's state, imported by `neox_hf continue-neox`
+        return f"GPT-NeoX ({describe_run({**run, 'backend': 'deepspeed'})})"
     if not run.get("deepspeed"):
         return f"{processes} without DeepSpeed"
     stage = f"DeepSpeed ZeRO-{run['zero_stage']}" if run.get("zero_stage") is not None else "DeepSpeed"
-    if run.get("backend") == "gpt-neox":  # a GPT-NeoX run's state, imported by `neox_hf continue-neox`
-        stage = f"GPT-NeoX ({stage})"
     tp, pp = run.get("tensor_parallel") or 1, run.get("pipeline_parallel") or 1
     if tp == 1 and pp == 1:
         return f"{stage} on {processes}"
