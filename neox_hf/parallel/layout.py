@@ -47,6 +47,9 @@ class Layout:
     cp_rank: int = 0
     cp_group: object = None  # None when cp == 1
     dp_cp_group: object = None  # the dp × cp ranks holding the same parameters (gradients, ZeRO); None when 1 rank
+    # The tensor-parallel group even when tp == 1 (this rank alone), for DeepSpeed's mpu: DeepSpeed's fp32 ZeRO-0
+    # clipping all-reduces the squared norm over `get_model_parallel_group()`, where None means every rank
+    tp_self_group: object = None
 
     @property
     def world_size(self) -> int:
@@ -258,7 +261,7 @@ def build_layout(parallel) -> Layout:
     dp_cp_group = _group_containing(rank, dp_cp_group_ranks(pp, dp, tp, cp)) if cp > 1 else dp_group
     return Layout(pp=pp, tp=tp, dp=dp, pp_rank=pp_rank, tp_rank=tp_rank, dp_rank=dp_rank,
                   tp_group=tp_group if tp > 1 else None, dp_group=dp_group, pp_group=pp_group if pp > 1 else None,
-                  cp=cp, cp_rank=cp_rank, cp_group=cp_group, dp_cp_group=dp_cp_group)
+                  cp=cp, cp_rank=cp_rank, cp_group=cp_group, dp_cp_group=dp_cp_group, tp_self_group=tp_group)
 
 
 def _group_containing(rank: int, all_ranks: list[list[int]]):

@@ -56,6 +56,11 @@ class DeepSpeedMPU:
         return self.groups.tp_size
 
     def get_model_parallel_group(self):
+        # never None: DeepSpeed's ZeRO-0 fp32 clipping (runtime/utils.clip_grad_norm_) sums the squared gradient norm
+        # over this group, and None is the whole world — every data- and context-parallel replica counted again
+        # (the norm × √replicas, clipping steps one process would not clip)
+        if self.groups.tp == 1 and self.groups.tp_self_group is not None:
+            return self.groups.tp_self_group
         return self.groups.tp_group
 
     get_tensor_model_parallel_rank = get_model_parallel_rank
