@@ -4,6 +4,8 @@
 
     python benchmarks/parallel_memory.py --layouts "pipeline 2,pipeline 2 × TP2"   (the 1-process baseline always runs)
 
+    python benchmarks/parallel_memory.py --context-parallel [--seq 8192]   (CP1, CP2, CP4 rows; CP1 the baseline)
+
 Runs our training step (neox_hf.parallel: build_model → parallelize; neox_hf.ops.loss: causal_lm_loss) under
 `accelerate launch` for: 1 process (no DeepSpeed), DP2 ZeRO-1/2/3, TP2 (ZeRO-1), TP2 with sequence parallelism,
 TP2×DP2 (ZeRO-1, 4 processes); under torchrun the FSDP2 rows (`parallel.backend: fsdp2`: DP2, TP2 × FSDP2 DP2, HSDP
@@ -38,6 +40,15 @@ stages differ):
   the step's time without the optimizer), next to the 1F1B bubble (p−1)/(m+p−1). On shared CPU cores the stages
   also wait for each other's compute, so this is an upper bound of what a GPU per stage would see.
 Ratios are against the 1-process run of the same invocation.
+
+`--context-parallel` prints instead the rows of context parallelism (`parallel.context_parallel`, DeepSpeed's Ulysses
+attention) at a long sequence (`--seq`, default 8192) on a tiny model (2 layers × hidden 64, 8 heads, a 100-word
+vocabulary padded to 128, so the loss's vocabulary-sized buffers do not hide the activations; micro batch 1): CP1 (one
+process, the in-run baseline), CP2 and CP4 (2 and 4 processes, ZeRO-0), each the largest rank's
+- activations peak: the peak bytes of tensors allocated by one forward and backward of the whole model on the rank's
+  chunk of the sequence (embedding → layers, with their all-to-alls → final norm → fused head loss), every weight
+  gradient computed but left out (a model state); fp32, tracked by the same TorchDispatchMode;
+- step time of a whole training step (the engine's `train_step`), 2 shared cores: not a speed claim.
 
 `--device cpu` (the default) hides any GPU from the ranks (CUDA_VISIBLE_DEVICES=""), so the table is the CPU/gloo
 one on every machine. `--device cuda` runs one rank per GPU (NCCL): only the layouts with at most as many processes as
@@ -79,6 +90,7 @@ LAYOUTS = [  # name, processes, zero stage, tensor parallel, sequence parallel, 
     ("pp2×TP2 no ZeRO", 4, 0, 2, False, 2, "deepspeed", 1),
 ]
 MICRO_BATCH, SEQ = 2, 256
+CP_SEQ, CP_LAYOUTS = 8192, (1, 2, 4)
 PIPE_MICRO_BATCHES = 4
 
 
@@ -195,6 +207,106 @@ def loss_computation_peak(module, batch: dict) -> int:
         loss_sum, _ = head_loss(module.get_output_embeddings(), hidden, batch["labels"])
         grads = torch.autograd.grad(loss_sum, [hidden, *weights])
         return tracker.peak(excluding=grads[1:])
+
+
+def activations_peak(model, batch: dict) -> int:
+    """Peak bytes allocated by one forward and backward of the whole model on `batch` (a context-parallel rank's
+    chunk: its all-to-alls included), weight gradients computed as in training but left out (model states)."""
+    from neox_hf.ops.loss import causal_lm_loss
+
+    weights = _trainable(getattr(model, "module", model))
+    with PeakTensorBytes() as tracker:
+        loss_sum, _ = causal_lm_loss(model, batch)
+        grads = torch.autograd.grad(loss_sum, weights, allow_unused=True)
+        return tracker.peak(excluding=grads)
+
+
+def word_tokenizer(folder: Path) -> Path:
+    """A 100-word word-level tokenizer with GPT-NeoX's special tokens at ids 0 and 1 (vocabulary padded to 128)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0, "<|padding|>": 1, **{f"w{i}": i for i in range(2, 100)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = folder / "words.json"
+    tokenizer.save(str(path))
+    return path
+
+
+def context_parallel_recipe(cp: int, seq: int) -> dict:
+    return {
+        "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8, "seq_length": seq},
+        "tokenizer": {"path": str(word_tokenizer(Path(tempfile.mkdtemp())))},
+        "parallel": {"zero_stage": 0, "use_deepspeed": cp > 1, "context_parallel": cp},
+        "train": {"micro_batch_size": 1, "precision": "fp32"},
+        "output": {"dir": tempfile.mkdtemp(), "tensorboard": False},
+    }
+
+
+def context_parallel_worker(args) -> None:
+    """One CP row: the activations peak of this rank's chunk and the step time, the largest over ranks."""
+    import torch.distributed as dist
+
+    from neox_hf.data.tokenizer import load_tokenizer
+    from neox_hf.engines import build_engine
+    from neox_hf.parallel.accelerator import build_accelerator
+    from neox_hf.parallel.layout import build_layout
+    from neox_hf.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict(context_parallel_recipe(args.cp, args.seq))
+    accelerator = build_accelerator(recipe)
+    layout = build_layout(recipe.parallel)
+    engine = build_engine(recipe, accelerator, layout)
+    model, _ = engine.parallelize(engine.build_model(load_tokenizer(recipe.tokenizer.path)))
+    ids = torch.randint(2, 100, (1, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    peaks, timings = [], []
+    for step in range(args.steps + 1):
+        start = time.perf_counter()
+        engine.train_step([batch])
+        if step > 0:  # the first step allocates optimizer states
+            timings.append(time.perf_counter() - start)
+        peaks.append(activations_peak(model, engine.local_chunks([batch])[0]))
+    mine = {"activations_peak": max(peaks), "step_s": sum(timings) / len(timings),
+            "tokens_per_rank": engine.local_chunks([batch])[0]["input_ids"].shape[1]}
+    ranks = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+    if accelerator.is_main_process:
+        Path(args.out).write_text(json.dumps({key: max(r[key] for r in ranks) for key in mine}))
+    accelerator.wait_for_everyone()
+
+
+def run_context_parallel(cp: int, args) -> dict:
+    out = Path(tempfile.mkdtemp()) / "result.json"
+    worker_args = ["--worker", "--cp", str(cp), "--seq", str(args.seq), "--steps", str(args.steps), "--out", str(out)]
+    command = [sys.executable, __file__, *worker_args] if cp == 1 else [
+        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(cp), "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", "0",
+        "--main_process_port", str(free_port()), __file__, *worker_args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"context parallel {cp} failed:\n{done.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def print_context_parallel_table(results: dict, seq: int) -> None:
+    base, mib = results[1], 2**20
+    print(f"GPTNeoX 2 layers × hidden 64, 8 heads, vocab 128, micro batch 1 × {seq} tokens, fp32, CPU/gloo; "
+          "the largest rank, MiB (ratio vs CP1)")
+    header = f"| {'layout':8} | {'tokens/rank':>11} | {'activations peak':>22} | {'step s':>6} |"
+    print(header)
+    print("|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|")
+    for cp, r in results.items():
+        ratio = r["activations_peak"] / base["activations_peak"]
+        cell = f"{r['activations_peak'] / mib:12.1f} ({ratio:5.2f})"
+        print(f"| {'CP' + str(cp):8} | {r['tokens_per_rank']:>11} | {cell:>22} | {r['step_s']:6.2f} |")
+    for cp, target in ((2, 0.6), (4, 0.35)):
+        if cp in results:
+            ratio = results[cp]["activations_peak"] / base["activations_peak"]
+            print(f"CP{cp} activations per rank ≤ {target}× CP1: {ratio:.2f} — {'met' if ratio <= target else 'NOT met'}")
 
 
 def _trainable(module) -> list:
@@ -437,11 +549,20 @@ def main() -> None:
     parser.add_argument("--backend", default="deepspeed", help=argparse.SUPPRESS)
     parser.add_argument("--dp-replicate", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--layouts", default="", help="comma-separated layout names to run (default: all)")
+    parser.add_argument("--cp", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--context-parallel", action="store_true",
+                        help=f"the CP1 / CP2 / CP4 rows at --seq (default {CP_SEQ}) instead of the layouts")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cpu: every rank on CPU/gloo, GPUs hidden; cuda: one GPU per rank (layouts that fit)")
     args = parser.parse_args()
+    if args.worker and args.cp:
+        return context_parallel_worker(args)
     if args.worker:
         return worker(args)
+    if args.context_parallel:
+        seq = args.seq if args.seq != SEQ else CP_SEQ
+        args.seq = seq
+        return print_context_parallel_table({cp: run_context_parallel(cp, args) for cp in CP_LAYOUTS}, seq)
     chosen = {n.strip() for n in args.layouts.split(",") if n.strip()}
     unknown = chosen - {layout[0] for layout in LAYOUTS}
     if unknown:

@@ -399,7 +399,7 @@ def checkpoint_precision(folder: Path) -> str | None:
 # What wrote a checkpoint. DeepSpeed's files hold each rank's ZeRO partitions and TP / pipeline slices under names of
 # that layout, accelerate's plain files the whole model of one process: only a run of the same description reads them.
 _LAYOUT_KEYS = ("backend", "deepspeed", "zero_stage", "processes", "data_parallel", "tensor_parallel",
-                "pipeline_parallel")
+                "pipeline_parallel", "context_parallel")
 
 
 def _layout_free_only(engine) -> bool:
@@ -411,23 +411,26 @@ def run_description(accelerator, engine=None) -> dict:
     data / tensor / pipeline sizes of a prepared run (what `save_checkpoint` records as the trainer state's
     `writer`); None where unknown."""
     backend = {"backend": engine.backend} if engine is not None else {}
-    return {**backend, **_launch_description(accelerator)}
+    context_parallel = getattr(getattr(engine, "layout", None), "cp", 1)
+    return {**backend, **_launch_description(accelerator, context_parallel)}
 
 
-def _launch_description(accelerator) -> dict:
+def _launch_description(accelerator, context_parallel: int = 1) -> dict:
     processes = accelerator.num_processes
     if not _uses_deepspeed(accelerator):  # plain Accelerate: one process (several always run through DeepSpeed)
         return {"deepspeed": False, "zero_stage": None, "processes": processes, "data_parallel": processes,
-                "tensor_parallel": 1, "pipeline_parallel": 1}
+                "tensor_parallel": 1, "pipeline_parallel": 1, "context_parallel": 1}
     wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
     engine = getattr(wrapped, "engine", None)
     if engine is None:  # not prepared yet: what the plugin says
         return {"deepspeed": True, "zero_stage": accelerator.state.deepspeed_plugin.zero_stage, "processes": processes,
-                "data_parallel": None, "tensor_parallel": None, "pipeline_parallel": None}
-    # DeepSpeed's "model parallel" size counts pipeline stages too; processes = data × tensor × pipeline.
-    dp, pp = int(engine.dp_world_size), int(getattr(engine, "num_stages", 1))  # only a PipelineEngine has stages
+                "data_parallel": None, "tensor_parallel": None, "pipeline_parallel": None, "context_parallel": None}
+    # DeepSpeed's "model parallel" size counts pipeline stages too, and its data-parallel group holds the
+    # context-parallel ranks too; processes = data × context × tensor × pipeline.
+    dp_cp, pp = int(engine.dp_world_size), int(getattr(engine, "num_stages", 1))  # only a PipelineEngine has stages
     return {"deepspeed": True, "zero_stage": int(engine.zero_optimization_stage()), "processes": processes,
-            "data_parallel": dp, "tensor_parallel": processes // (dp * pp), "pipeline_parallel": pp}
+            "data_parallel": dp_cp // context_parallel, "tensor_parallel": processes // (dp_cp * pp),
+            "pipeline_parallel": pp, "context_parallel": context_parallel}
 
 
 def checkpoint_writer(folder: Path) -> dict | None:
@@ -506,8 +509,8 @@ def _resizes_data_position(writer: dict, dp_size: int, data_loader) -> bool:
 def _writer_data_states(folder: Path, writer: dict):
     """Every writer data-parallel rank's data position, index = its data-parallel rank (read from its first stage's
     first TP rank: rank = dp_rank × tp), or None when the writer saved none."""
-    tp = writer.get("tensor_parallel") or 1
-    states = [_read_torch_file(folder / f"trainer_state_rank{dp_rank * tp}.pt", folder)["data"]
+    tp, cp = writer.get("tensor_parallel") or 1, writer.get("context_parallel") or 1
+    states = [_read_torch_file(folder / f"trainer_state_rank{dp_rank * cp * tp}.pt", folder)["data"]
               for dp_rank in range(writer["data_parallel"])]
     return None if any(state is None for state in states) else states
 
@@ -516,8 +519,8 @@ def _writer_rank_data_state(folder: Path, writer: dict, dp_rank: int):
     """The data position a rank of data-parallel rank `dp_rank` continues from: that of the writer's rank with the
     same data-parallel rank (first stage, first TP rank), or rank 0's when the writer had fewer (the loader then
     decides whether the position maps onto this layout)."""
-    tp, dp = writer.get("tensor_parallel") or 1, writer.get("data_parallel") or 1
-    rank = dp_rank * tp if dp_rank < dp else 0
+    tp, dp, cp = writer.get("tensor_parallel") or 1, writer.get("data_parallel") or 1, writer.get("context_parallel") or 1
+    rank = dp_rank * cp * tp if dp_rank < dp else 0
     return _read_torch_file(folder / f"trainer_state_rank{rank}.pt", folder)["data"]
 
 
@@ -560,11 +563,11 @@ def describe_run(run: dict) -> str:
     if not run.get("deepspeed"):
         return f"{processes} without DeepSpeed"
     stage = f"DeepSpeed ZeRO-{run['zero_stage']}" if run.get("zero_stage") is not None else "DeepSpeed"
-    tp, pp = run.get("tensor_parallel") or 1, run.get("pipeline_parallel") or 1
-    if tp == 1 and pp == 1:
+    tp, pp, cp = run.get("tensor_parallel") or 1, run.get("pipeline_parallel") or 1, run.get("context_parallel") or 1
+    if tp == 1 and pp == 1 and cp == 1:
         return f"{stage} on {processes}"
-    sizes = [f"{run.get('data_parallel')} data-parallel"] + ([f"tensor parallel {tp}"] if tp > 1 else []) + (
-        [f"{pp} pipeline stages"] if pp > 1 else [])
+    sizes = [f"{run.get('data_parallel')} data-parallel"] + ([f"context parallel {cp}"] if cp > 1 else []) + (
+        [f"tensor parallel {tp}"] if tp > 1 else []) + ([f"{pp} pipeline stages"] if pp > 1 else [])
     return f"{stage} on {processes} ({' × '.join(sizes)})"
 
 
@@ -577,7 +580,8 @@ def launch_command(run: dict) -> str:
         return "GPT-NeoX's own launcher on the checkpoint continue-neox read (`deepy.py train.py CONFIG`)"
     if not run.get("deepspeed"):
         return "`python run_clm_neox.py RECIPE --parallel.zero_stage 0 --resume`"
-    options = "".join(f" --parallel.{key} {run[key]}" for key in ("zero_stage", "tensor_parallel", "pipeline_parallel")
+    options = "".join(f" --parallel.{key} {run[key]}" for key in ("zero_stage", "tensor_parallel", "pipeline_parallel",
+                                                                  "context_parallel")
                       if run.get(key) is not None and (key == "zero_stage" or run[key] > 1))
     count = run.get("processes")
     if count == 1:

@@ -1,6 +1,7 @@
 """The plain engine: one model replica per data-parallel rank, under Accelerate alone or with DeepSpeed ZeRO 0–3,
-with our tensor (+ sequence) parallelism inside the replica. Its step, for any objective, is the replicas' shared one
-(`neox_hf.engines.replica`).
+with our tensor (+ sequence) parallelism inside the replica and context parallelism (DeepSpeed's Ulysses attention,
+`neox_hf.ops.context_parallel`) across replicas of one data-parallel rank. Its step, for any objective, is the
+replicas' shared one (`neox_hf.engines.replica`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,18 @@ class PlainEngine(ReplicaEngine):
         return "one model replica per data-parallel rank (tensor parallelism inside it)"
 
     def startup_lines(self) -> list[str]:
+        return self._context_parallel_lines() + self._compile_lines()
+
+    def _context_parallel_lines(self) -> list[str]:
+        layout, m = self.layout, self.recipe.model
+        if layout.cp == 1:
+            return []
+        heads = m.num_attention_heads // layout.tp
+        return [f"context parallel {layout.cp}: every sequence of {m.seq_length} tokens split into {layout.cp} chunks, "
+                f"{m.seq_length // layout.cp} tokens per rank; attention exchanges them for heads by all-to-all "
+                f"(DeepSpeed Ulysses: the whole sequence for {heads // layout.cp} of {heads} heads per rank)"]
+
+    def _compile_lines(self) -> list[str]:
         setting = self.recipe.train.compile
         if compiles(self.recipe.train, self.accelerator.device):
             return [f"compile: each decoder layer with torch.compile (`train.compile: {str(setting).lower()}`); masks, "
@@ -47,6 +60,11 @@ class PlainEngine(ReplicaEngine):
         distributed = layout.world_size > 1
         with deepspeed_initialize_with_mpu(DeepSpeedMPU(layout)) if distributed else contextlib.nullcontext():
             self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        if layout.cp > 1:
+            from neox_hf.ops.context_parallel import register_context_parallel_attention
+
+            self.context_parallel_attention = register_context_parallel_attention(model.config, layout.cp_group,
+                                                                                  tensor_parallel=layout.tp)
         return self.model, self.optimizer
 
     def full_state_dict(self) -> dict | None:

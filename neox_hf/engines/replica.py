@@ -9,6 +9,11 @@ each micro-batch backpropagates its loss *sum* weighted by `neox_hf.ops.weightin
 weighs the same; micro_batch: GPT-NeoX's mean of micro-batch means). The objective's metrics are summed the same way
 and divided by the step's units (TRL's per-batch means).
 
+Context parallelism: each rank of a context-parallel group reads the same micro-batches and trains its chunk of every
+sequence (`neox_hf.ops.context_parallel.sequence_chunk`); units, loss sums and metrics are summed over the data- and
+context-parallel ranks (`shard_sum`), and gradients averaged over them (DeepSpeed's data-parallel group is dp × cp),
+so the weighting counts dp × cp ranks where it counted dp. With cp = 1 all of this is the data-parallel step.
+
 Nothing here calls `.item()`: the step's loss, counts and metrics stay on the device until a log interval reads them.
 """
 
@@ -22,11 +27,23 @@ from neox_hf.engines.scaler import loss_scale, step_was_skipped
 from neox_hf.objectives.rm import build_reward_model
 from neox_hf.ops.weighting import backward_scale, step_loss
 from neox_hf.parallel.accelerator import uses_deepspeed
-from neox_hf.parallel.layout import StepResult, deepspeed_grad_norm, dp_sum
+from neox_hf.parallel.layout import StepResult, deepspeed_grad_norm, shard_sum
 
 
 class ReplicaEngine(Engine):
     """The shared step; subclasses give `parallelize`, the state and `clip_gradients` where Accelerate's differs."""
+
+    context_parallel_attention: str | None = None  # the attention a context-parallel chunk runs with (plain engine)
+
+    def local_chunks(self, batches: list[dict]) -> list[dict]:
+        """This rank's chunk of every sequence of `batches` under context parallelism; the batches otherwise."""
+        layout = self.layout
+        if layout.cp == 1:
+            return batches
+        from neox_hf.ops.context_parallel import sequence_chunk
+
+        return [sequence_chunk(batch, ranks=layout.cp, rank=layout.cp_rank, attention=self.context_parallel_attention)
+                for batch in batches]
 
     def build_model(self, tokenizer):
         if self.recipe.train.objective == "rm":  # a scalar head on the decoder (GPTNeoXForSequenceClassification)
@@ -42,10 +59,12 @@ class ReplicaEngine(Engine):
         over the data-parallel group)."""
         accelerator, model, optimizer, layout = self.accelerator, self.model, self.optimizer, self.layout
         t, objective = self.recipe.train, self.objective
+        samples = _samples(micro_batches, objective, accelerator.device) * (layout.cp_rank == 0)  # once per sequence
+        micro_batches = self.local_chunks(micro_batches)
         units = [objective.units(mb) for mb in micro_batches]
         device = accelerator.device
-        counts = torch.stack([sum(units), _samples(micro_batches, objective, device), _tokens(micro_batches, objective, device)])
-        totals = dp_sum(layout, counts.double())
+        counts = torch.stack([sum(units), samples, _tokens(micro_batches, objective, device)])
+        totals = shard_sum(layout, counts.double())
         weighted = torch.zeros((), dtype=torch.float64, device=device)
         metric_sums = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=device)
         grad_norm = None
@@ -55,7 +74,7 @@ class ReplicaEngine(Engine):
                 with accelerator.autocast():
                     out = objective.loss(model, batch, fused=self.head_loss_fused, z_loss=t.z_loss)
                 scale = backward_scale(t.loss_normalization, count.double(), totals[0], gas=len(micro_batches),
-                                       dp=layout.dp)
+                                       dp=layout.dp_cp)
                 weighted += out.loss_sum.detach().double() * scale
                 metric_sums += _metric_vector(out, objective.metric_names, device)
                 accelerator.backward(out.loss_sum * scale.to(out.loss_sum.dtype))
@@ -63,11 +82,11 @@ class ReplicaEngine(Engine):
                     grad_norm = self.clip_gradients()
                 optimizer.step()
                 optimizer.zero_grad()
-        reduced = dp_sum(layout, torch.cat([weighted.reshape(1), metric_sums]))
+        reduced = shard_sum(layout, torch.cat([weighted.reshape(1), metric_sums]))
         if uses_deepspeed(accelerator):
             grad_norm = deepspeed_grad_norm(model)
         metrics = dict(zip(objective.metric_names, reduced[1:] / totals[0].clamp(min=1)))
-        return StepResult(loss=step_loss(reduced[0], gas=len(micro_batches), dp=layout.dp), tokens=totals[2],
+        return StepResult(loss=step_loss(reduced[0], gas=len(micro_batches), dp=layout.dp_cp), tokens=totals[2],
                           samples=totals[1], grad_norm=grad_norm, skipped=step_was_skipped(accelerator, model, scale_before),
                           metrics=metrics)
 
@@ -78,12 +97,12 @@ class ReplicaEngine(Engine):
         device."""
         objective, device = self.objective, self.accelerator.device
         total = torch.zeros(2 + len(objective.metric_names), dtype=torch.float64, device=device)
-        for batch in batches:
+        for batch in self.local_chunks(batches):
             with self.accelerator.autocast():
                 out = objective.loss(self.model, batch, fused=self.head_loss_fused)
             total += torch.cat([torch.stack([out.loss_sum.double(), out.units.double()]),
                                 _metric_vector(out, objective.metric_names, device)])
-        return dp_sum(self.layout, total)
+        return shard_sum(self.layout, total)
 
 
 def _metric_vector(out, names: tuple[str, ...], device) -> torch.Tensor:

@@ -117,7 +117,8 @@ class _ShardViews:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             from torch.distributed.device_mesh import DeviceMesh
 
-            ranks = torch.arange(layout.world_size).reshape(layout.pp, layout.dp, layout.tp).permute(0, 2, 1)
+            # the "dp" axis is every rank holding the same parameters: data × context parallel (ZeRO's group)
+            ranks = torch.arange(layout.world_size).reshape(layout.pp, layout.dp_cp, layout.tp).permute(0, 2, 1)
             full = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "tp", "dp"))
             self.mesh = full["tp", "dp"]
 
@@ -132,7 +133,8 @@ class _ShardViews:
 
         tp = Shard(tp_dim) if tp_dim is not None else Replicate()
         local_rows = full_shape[0] // (self.layout.tp if tp_dim == 0 else 1) if len(full_shape) else 0
-        dp_split = split_dp and self.layout.dp > 1 and local_rows >= self.layout.dp and local_rows % self.layout.dp == 0
+        replicas = self.layout.dp_cp
+        dp_split = split_dp and replicas > 1 and local_rows >= replicas and local_rows % replicas == 0
         return [tp, Shard(0) if dp_split else Replicate()]
 
     def for_save(self, shard: torch.Tensor, tp_dim):
@@ -148,7 +150,7 @@ class _ShardViews:
         local = shard
         if isinstance(placements[1], Shard):
             # a copy: a view would keep the whole gathered shard alive until the save ends
-            local = shard.chunk(self.layout.dp, dim=0)[self.layout.dp_rank].clone()
+            local = shard.chunk(self.layout.dp_cp, dim=0)[self.layout.dp_cp_rank].clone()
         return DTensor.from_local(local.contiguous(), self.mesh, placements, run_check=False, shape=full,
                                   stride=torch.empty(full, device="meta").stride())
 

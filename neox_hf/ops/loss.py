@@ -33,6 +33,9 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 CAUSAL_SDPA = "neox_hf_causal_sdpa"
 AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
 
+# The key of a context-parallel chunk's `SequenceChunk` in its batch (`neox_hf.ops.context_parallel.sequence_chunk`).
+SEQUENCE_CHUNK = "sequence_chunk"
+
 
 def causal_lm_loss(model, batch: dict, *, fused: bool = True, z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ token cross-entropies, labelled-token count) of one batch; both 0-dim tensors on the batch's device."""
@@ -49,7 +52,13 @@ def decoder_hidden_states(lm, batch: dict) -> torch.Tensor:
     documents kept apart (`position_ids` restarting at each document) get their block-diagonal causal mask built
     here on the device, as transformers would build it after reading the positions on the host. Other attention
     implementations get the batch's own mask and positions, as before, except flex attention, which is handed the
-    documents' `BlockMask` built here the same way (its masked blocks are skipped, not computed)."""
+    documents' `BlockMask` built here the same way (its masked blocks are skipped, not computed). A context-parallel
+    chunk (`neox_hf.ops.context_parallel`) runs with the attention it names, which masks the whole sequence."""
+    chunk = batch.get(SEQUENCE_CHUNK)
+    if chunk is not None:  # this rank's chunk of context-parallel sequences: its attention builds the mask
+        with attention_implementation(lm.config, chunk.attention):
+            return lm.base_model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None,
+                                 use_cache=False, isolate_documents=chunk.isolate_documents).last_hidden_state
     implementation = lm.config._attn_implementation
     position_ids = batch.get("position_ids")
     if implementation == "flex_attention":

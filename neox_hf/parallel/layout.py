@@ -1,14 +1,18 @@
-"""The layout of a run: sizes, ranks and process groups of pipeline × data × tensor parallelism.
+"""The layout of a run: sizes, ranks and process groups of pipeline × data × context × tensor parallelism.
 
 One object, always present (all sizes 1 in a single process), built once from the recipe and the launch — the role
 of torchtitan's `ParallelDims`. Everything else asks it instead of computing "world = tp × dp" or testing
 `groups is None`: which data-parallel slice of the batches this rank reads, which ranks hold the loss, which group a
 reduction runs over. A new parallel dimension is a new field here.
 
-Rank order is Megatron's and DeepSpeed's `PipeModelDataParallelTopology` (axes pipe, data, model; model fastest):
-    rank = pp_rank × (dp × tp) + dp_rank × tp + tp_rank
+Rank order is Megatron's and DeepSpeed's `PipeModelDataParallelTopology` (axes pipe, data, model; model fastest),
+with Megatron's context-parallel axis between data and model:
+    rank = pp_rank × (dp × cp × tp) + dp_rank × (cp × tp) + cp_rank × tp + tp_rank
 so the ranks of a tensor-parallel group are consecutive (they exchange activations every layer and should share a
-node), and with pp = 1 this is the layout the TP code has always used.
+node), then those of a context-parallel group (an all-to-all per layer), and with pp = cp = 1 this is the layout the
+TP code has always used. The ranks of one data-parallel rank's context-parallel group read the same batches and each
+trains one chunk of every sequence; they hold the same parameters, so gradients are reduced (and ZeRO shards) over
+the dp × cp ranks of a model shard (`dp_cp_group`), while the data is dealt over the dp ranks only.
 
 `check_launch(recipe)` runs before any Accelerator or process group exists, so a launch that cannot give the layout
 is refused with the exact command to use, not with a process-group traceback.
@@ -39,14 +43,31 @@ class Layout:
     tp_group: object = None  # None when tp == 1: no communication
     dp_group: object = None  # None when dp == 1
     pp_group: object = None  # None when pp == 1
+    cp: int = 1  # context parallelism: every sequence split into cp contiguous chunks, one per rank
+    cp_rank: int = 0
+    cp_group: object = None  # None when cp == 1
+    dp_cp_group: object = None  # the dp × cp ranks holding the same parameters (gradients, ZeRO); None when 1 rank
+    # The tensor-parallel group even when tp == 1 (this rank alone), for DeepSpeed's mpu: DeepSpeed's fp32 ZeRO-0
+    # clipping all-reduces the squared norm over `get_model_parallel_group()`, where None means every rank
+    tp_self_group: object = None
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.tp * self.dp
+        return self.pp * self.tp * self.cp * self.dp
 
     @property
     def rank(self) -> int:
-        return global_rank(self.pp_rank, self.dp_rank, self.tp_rank, dp=self.dp, tp=self.tp)
+        return global_rank(self.pp_rank, self.dp_rank, self.tp_rank, dp=self.dp, tp=self.tp, cp=self.cp,
+                           cp_rank=self.cp_rank)
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold the same parameters and average their gradients: data × context parallel."""
+        return self.dp * self.cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.dp_rank * self.cp + self.cp_rank
 
     @property
     def is_first_stage(self) -> bool:
@@ -68,6 +89,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"{self.dp} data-parallel"]
+        if self.cp > 1:
+            parts.append(f"context parallel {self.cp}")
         if self.tp > 1:
             parts.append(f"tensor parallel {self.tp}")
         if self.pp > 1:
@@ -97,27 +120,61 @@ def deepspeed_grad_norm(engine) -> torch.Tensor | None:
 
 
 def dp_sum(layout: Layout, tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over the data-parallel group (tensor-parallel ranks of one group hold the same values: counted once)."""
+    """Sum over the data-parallel group: one value per batch a rank read (tensor- and context-parallel ranks of one
+    group read the same batches: counted once)."""
     if layout.dp > 1:
         tensor = tensor.clone()
         dist.all_reduce(tensor, group=layout.dp_group)
     return tensor
 
 
-def global_rank(pp_rank: int, dp_rank: int, tp_rank: int, *, dp: int, tp: int) -> int:
-    return pp_rank * dp * tp + dp_rank * tp + tp_rank
+def shard_sum(layout: Layout, tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over the data- and context-parallel ranks: one value per sequence chunk a rank trained (a loss sum, a
+    token count; each context-parallel rank holds its own chunk's), never scaled by the number of chunks."""
+    if layout.cp == 1:
+        return dp_sum(layout, tensor)
+    tensor = tensor.clone()
+    dist.all_reduce(tensor, group=layout.dp_cp_group)
+    return tensor
 
 
-def tp_group_ranks(pp: int, dp: int, tp: int) -> list[list[int]]:
-    return [[global_rank(p, d, t, dp=dp, tp=tp) for t in range(tp)] for p in range(pp) for d in range(dp)]
+def global_rank(pp_rank: int, dp_rank: int, tp_rank: int, *, dp: int, tp: int, cp: int = 1, cp_rank: int = 0) -> int:
+    return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 
-def dp_group_ranks(pp: int, dp: int, tp: int) -> list[list[int]]:
-    return [[global_rank(p, d, t, dp=dp, tp=tp) for d in range(dp)] for p in range(pp) for t in range(tp)]
+def _ranks(pp: int, dp: int, tp: int, cp: int):
+    """Every (pp_rank, dp_rank, cp_rank, tp_rank) with its global rank."""
+    return [((p, d, c, t), global_rank(p, d, t, dp=dp, tp=tp, cp=cp, cp_rank=c))
+            for p in range(pp) for d in range(dp) for c in range(cp) for t in range(tp)]
 
 
-def pp_group_ranks(pp: int, dp: int, tp: int) -> list[list[int]]:
-    return [[global_rank(p, d, t, dp=dp, tp=tp) for p in range(pp)] for d in range(dp) for t in range(tp)]
+def _groups(pp: int, dp: int, tp: int, cp: int, varying: tuple[int, ...]) -> list[list[int]]:
+    """The groups of ranks that differ only along the axes `varying` (0 pp, 1 dp, 2 cp, 3 tp), in rank order."""
+    groups: dict[tuple, list[int]] = {}
+    for coords, rank in _ranks(pp, dp, tp, cp):
+        key = tuple(c for axis, c in enumerate(coords) if axis not in varying)
+        groups.setdefault(key, []).append(rank)
+    return list(groups.values())
+
+
+def tp_group_ranks(pp: int, dp: int, tp: int, cp: int = 1) -> list[list[int]]:
+    return _groups(pp, dp, tp, cp, (3,))
+
+
+def dp_group_ranks(pp: int, dp: int, tp: int, cp: int = 1) -> list[list[int]]:
+    return _groups(pp, dp, tp, cp, (1,))
+
+
+def cp_group_ranks(pp: int, dp: int, tp: int, cp: int = 1) -> list[list[int]]:
+    return _groups(pp, dp, tp, cp, (2,))
+
+
+def dp_cp_group_ranks(pp: int, dp: int, tp: int, cp: int = 1) -> list[list[int]]:
+    return _groups(pp, dp, tp, cp, (1, 2))
+
+
+def pp_group_ranks(pp: int, dp: int, tp: int, cp: int = 1) -> list[list[int]]:
+    return _groups(pp, dp, tp, cp, (0,))
 
 
 def launch_world_size() -> int:
@@ -126,8 +183,8 @@ def launch_world_size() -> int:
 
 
 def required_model_parallel(parallel) -> int:
-    """Processes one model replica needs: pipeline stages × tensor-parallel ranks."""
-    return parallel.pipeline_parallel * parallel.tensor_parallel
+    """Processes one data-parallel rank needs: pipeline stages × tensor-parallel × context-parallel ranks."""
+    return parallel.pipeline_parallel * parallel.tensor_parallel * getattr(parallel, "context_parallel", 1)
 
 
 def check_launch(recipe, recipe_path: str | None = None) -> None:
@@ -144,7 +201,8 @@ def check_launch(recipe, recipe_path: str | None = None) -> None:
     if world % need == 0:
         _check_train_batch(recipe, world // need, need, recipe_path)
         return
-    what = " × ".join(f"{name} {size}" for name, size in (("pipeline", p.pipeline_parallel), ("tensor parallel", p.tensor_parallel)) if size > 1)
+    what = " × ".join(f"{name} {size}" for name, size in (("pipeline", p.pipeline_parallel), ("tensor parallel", p.tensor_parallel),
+                                                          ("context parallel", p.context_parallel)) if size > 1)
     if world == 1:
         raise LaunchError(
             f"the recipe's layout ({what}) needs {need} processes (or a multiple), but this is a single process; "
@@ -181,23 +239,29 @@ def launch_command(num_processes: int, recipe_path: str | None = None, *, backen
 def build_layout(parallel) -> Layout:
     """This rank's layout; collective when distributed (every rank creates every group, in the same order)."""
     pp, tp = parallel.pipeline_parallel, parallel.tensor_parallel
+    cp = getattr(parallel, "context_parallel", 1)
+    need = pp * tp * cp
+    sizes = f"pipeline {pp} × tensor parallel {tp}" + (f" × context parallel {cp}" if cp > 1 else "")
     if not dist.is_initialized():
-        if pp * tp > 1:
-            raise LaunchError(f"pipeline {pp} × tensor parallel {tp} needs a process group; "
-                              f"launch with: {launch_command(pp * tp)}")
+        if need > 1:
+            raise LaunchError(f"{sizes} needs a process group; launch with: {launch_command(need)}")
         return Layout()
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % (pp * tp):
-        raise LaunchError(f"{world} processes are not a multiple of pipeline {pp} × tensor parallel {tp}; "
-                          f"launch with: {launch_command(pp * tp)}")
-    dp = world // (pp * tp)
-    pp_rank, rest = divmod(rank, dp * tp)
-    dp_rank, tp_rank = divmod(rest, tp)
-    tp_group = _group_containing(rank, tp_group_ranks(pp, dp, tp))
-    dp_group = _group_containing(rank, dp_group_ranks(pp, dp, tp))
-    pp_group = _group_containing(rank, pp_group_ranks(pp, dp, tp))
+    if world % need:
+        raise LaunchError(f"{world} processes are not a multiple of {sizes}; launch with: {launch_command(need)}")
+    dp = world // need
+    pp_rank, rest = divmod(rank, dp * cp * tp)
+    dp_rank, rest = divmod(rest, cp * tp)
+    cp_rank, tp_rank = divmod(rest, tp)
+    tp_group = _group_containing(rank, tp_group_ranks(pp, dp, tp, cp))
+    dp_group = _group_containing(rank, dp_group_ranks(pp, dp, tp, cp))
+    pp_group = _group_containing(rank, pp_group_ranks(pp, dp, tp, cp))
+    # Only with context parallelism: the groups of a layout without it stay exactly as they were.
+    cp_group = _group_containing(rank, cp_group_ranks(pp, dp, tp, cp)) if cp > 1 else None
+    dp_cp_group = _group_containing(rank, dp_cp_group_ranks(pp, dp, tp, cp)) if cp > 1 else dp_group
     return Layout(pp=pp, tp=tp, dp=dp, pp_rank=pp_rank, tp_rank=tp_rank, dp_rank=dp_rank,
-                  tp_group=tp_group if tp > 1 else None, dp_group=dp_group, pp_group=pp_group if pp > 1 else None)
+                  tp_group=tp_group if tp > 1 else None, dp_group=dp_group, pp_group=pp_group if pp > 1 else None,
+                  cp=cp, cp_rank=cp_rank, cp_group=cp_group, dp_cp_group=dp_cp_group, tp_self_group=tp_group)
 
 
 def _group_containing(rank: int, all_ranks: list[list[int]]):

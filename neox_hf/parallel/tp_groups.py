@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import torch.distributed as dist
 
 from neox_hf.errors import NeoXHFError
-from neox_hf.parallel.layout import Layout, build_layout, dp_group_ranks
+from neox_hf.parallel.layout import Layout, build_layout, dp_cp_group_ranks
 
 
 # The layout object replaces the old TP × DP-only `ParallelGroups`; the name stays for the TP helpers' signatures.
@@ -40,6 +40,10 @@ class DeepSpeedMPU:
 
     Deliberately has no `initialize_sequence_parallel`: DeepSpeed takes that attribute to
     mean a Megatron-DeepSpeed sequence-parallel mpu and then ignores our DP group.
+
+    With context parallelism DeepSpeed's "data-parallel" group is our dp × cp group: its ranks hold the same
+    parameters (each trained a chunk of the same sequences), so ZeRO shards over them and gradients are averaged
+    over them (the step's loss scale counts dp × cp: `neox_hf.ops.weighting`).
     """
 
     def __init__(self, groups: ParallelGroups):
@@ -52,6 +56,11 @@ class DeepSpeedMPU:
         return self.groups.tp_size
 
     def get_model_parallel_group(self):
+        # never None: DeepSpeed's ZeRO-0 fp32 clipping (runtime/utils.clip_grad_norm_) sums the squared gradient norm
+        # over this group, and None is the whole world — every data- and context-parallel replica counted again
+        # (the norm × √replicas, clipping steps one process would not clip)
+        if self.groups.tp == 1 and self.groups.tp_self_group is not None:
+            return self.groups.tp_self_group
         return self.groups.tp_group
 
     get_tensor_model_parallel_rank = get_model_parallel_rank
@@ -62,17 +71,17 @@ class DeepSpeedMPU:
         return dist.get_global_rank(self.groups.tp_group, 0)
 
     def get_data_parallel_rank(self) -> int:
-        return self.groups.dp_rank
+        return self.groups.dp_cp_rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self.groups.dp_size
+        return self.groups.dp_cp
 
     def get_data_parallel_group(self):
-        return self.groups.dp_group
+        return self.groups.dp_cp_group
 
     def get_data_parallel_group_ranks(self) -> list[int]:
         g = self.groups
-        return dp_group_ranks(g.pp, g.dp, g.tp)[g.pp_rank * g.tp + g.tp_rank]
+        return dp_cp_group_ranks(g.pp, g.dp, g.tp, g.cp)[g.pp_rank * g.tp + g.tp_rank]
 
     def get_pipe_parallel_world_size(self) -> int:
         return self.groups.pp

@@ -590,8 +590,9 @@ def validate(recipe: Recipe) -> None:
     _require(d.pad_to_multiple_of >= 1, f"`data.pad_to_multiple_of` must be ≥ 1, got {d.pad_to_multiple_of}")
     if p.sequence_parallel:
         _validate_sequence_parallel(recipe)
-    _require(p.context_parallel == 1, f"`parallel.context_parallel: {p.context_parallel}` is not available yet "
-             "(issue 43): use context_parallel: 1, with activation checkpointing or tensor parallelism for long sequences")
+    _require(p.context_parallel >= 1, f"`parallel.context_parallel` must be ≥ 1, got {p.context_parallel}")
+    if p.context_parallel > 1:
+        _validate_context_parallel(recipe)
     _require(0.0 <= d.max_skipped_fraction <= 1.0,
              f"`data.max_skipped_fraction` must be in [0, 1], got {d.max_skipped_fraction}")
     _require(d.buffer_size >= 1, f"`data.buffer_size` must be ≥ 1, got {d.buffer_size}")
@@ -828,6 +829,39 @@ def _validate_sequence_parallel(recipe: Recipe) -> None:
         max_length = d.max_length or m.seq_length
         _require(max_length % tp == 0, f"`parallel.sequence_parallel` needs `data.max_length` ({max_length}) divisible "
                                        f"by `parallel.tensor_parallel` ({tp})")
+
+
+def _validate_context_parallel(recipe: Recipe) -> None:
+    """What `parallel.context_parallel` > 1 runs (DeepSpeed's Ulysses attention on the plain engine: every sequence in
+    contiguous chunks, heads exchanged by all-to-all), each refusal naming the key and the fix."""
+    m, p, d, t = recipe.model, recipe.parallel, recipe.data, recipe.train
+    cp, tp = p.context_parallel, p.tensor_parallel
+    split = f"`parallel.context_parallel` ({cp})" + (f" × `parallel.tensor_parallel` ({tp})" if tp > 1 else "")
+    _require(p.backend != "fsdp2", "`parallel.context_parallel` > 1 with `parallel.backend: fsdp2` is refused: context "
+                                   "parallelism runs on the DeepSpeed engine; use `parallel.backend: deepspeed`")
+    _require(p.pipeline_parallel == 1, "`parallel.context_parallel` > 1 with `parallel.pipeline_parallel` > 1 is "
+                                       "refused (not wired into the pipeline stages); use pipeline_parallel: 1")
+    _require(not p.sequence_parallel, "`parallel.context_parallel` > 1 with `parallel.sequence_parallel: true` is "
+                                      "refused (the sequence is already split over the context-parallel ranks); "
+                                      "set sequence_parallel: false")
+    _require(m.num_attention_heads % (cp * tp) == 0,
+             f"`model.num_attention_heads` ({m.num_attention_heads}) must be divisible by {split}: Ulysses gives each "
+             "rank whole heads; choose a context_parallel that divides the heads")
+    kv_heads = m.num_kv_heads or m.num_attention_heads
+    _require(kv_heads % (cp * tp) == 0,
+             f"`model.num_kv_heads` ({kv_heads}) must be divisible by {split}: Ulysses gives each rank whole key/value "
+             "heads; choose a context_parallel that divides them")
+    _require(m.attn_implementation == "sdpa",
+             f"`model.attn_implementation: {m.attn_implementation}` with `parallel.context_parallel` > 1 is refused: "
+             "the context-parallel attention runs SDPA on the gathered sequence; use attn_implementation: sdpa")
+    _require(m.sliding_window is None, "`model.sliding_window` with `parallel.context_parallel` > 1 is refused (the "
+                                       "context-parallel attention is causal over the whole sequence); remove it")
+    _require(t.objective == "lm", f"`train.objective: {t.objective}` with `parallel.context_parallel` > 1 is refused "
+                                  "(only `lm` splits its sequences); use context_parallel: 1")
+    _require(recipe.peft.method is None, "`peft.method` with `parallel.context_parallel` > 1 is refused (not tested); "
+                                         "use context_parallel: 1")
+    _require(m.seq_length % cp == 0, f"`model.seq_length` ({m.seq_length}) must be divisible by "
+                                     f"`parallel.context_parallel` ({cp}): every rank trains an equal chunk")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,294 @@
+"""Context parallelism (`parallel.context_parallel`, neox_hf/ops/context_parallel.py): every sequence split into N
+contiguous chunks over N ranks, DeepSpeed's Ulysses all-to-all inside attention.
+
+Fast tier (no processes): the chunking (labels shifted before the split, positions of the whole sequence, pad-mode
+padding), the loss of the chunks summed equal to the whole sequence's (never scaled by N), the rank order of the
+groups, and the recipe's refusals.
+
+Distributed tier, one 4-process launch (tests/workers/init_layouts.py) beside the one-process references in this
+process (fp32, gloo, 2 layers × hidden 32, a 100-word vocabulary, seq_length 1024, 6 steps): CP4 with packed
+documents kept apart, CP4 under ZeRO-3 in pad mode on prompt-masked SFT data, CP2 × DP2 under ZeRO-2, CP2 × TP2 and a
+Llama (GQA, full rotary) CP4 train as one process — losses within 1e-5, weights within 1e-4, eval losses equal; and
+the CP2 × DP2 checkpoint resumes on CP4 and on one process as the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from neox_hf.errors import LaunchError, RecipeError
+from neox_hf.ops.context_parallel import SequenceChunk, sequence_chunk
+from neox_hf.ops.linear_cross_entropy import head_loss
+from neox_hf.ops.loss import SEQUENCE_CHUNK
+from neox_hf.parallel.layout import (check_launch, cp_group_ranks, dp_cp_group_ranks, dp_group_ranks, global_rank,
+                                     pp_group_ranks, tp_group_ranks)
+from neox_hf.recipe import recipe_from_dict
+from tests.conftest import REPO, finish_launch, start_init_layouts, train_in_this_process
+
+# -- fast tier -------------------------------------------------------------------------------------------------------
+
+
+def _packed_batch(rows: int = 2, length: int = 12, documents: bool = False) -> dict:
+    """A batch as the loaders give it: labels already shifted (position t predicts token t + 1)."""
+    tokens = torch.randint(2, 100, (rows, length + 1), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:].clone()}
+    if documents:  # documents of 5 and 7 tokens: positions restart at the second
+        batch["position_ids"] = torch.cat([torch.arange(5), torch.arange(length - 5)]).expand(rows, length)
+    return batch
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_chunks_hold_the_whole_sequences_positions_and_the_labels_shifted_before_the_split(documents):
+    batch = _packed_batch(documents=documents)
+    chunks = [sequence_chunk(batch, ranks=3, rank=r) for r in range(3)]
+    assert [c["input_ids"].shape[1] for c in chunks] == [4, 4, 4]
+    for key in ("input_ids", "labels"):
+        assert torch.equal(torch.cat([c[key] for c in chunks], dim=1), batch[key])
+    # the next-token label of a chunk's last token is the first token of the next chunk
+    for left, right in zip(chunks, chunks[1:]):
+        assert torch.equal(left["labels"][:, -1], right["input_ids"][:, 0])
+    want = batch["position_ids"] if documents else torch.arange(12).expand(2, 12)
+    assert torch.equal(torch.cat([c["position_ids"] for c in chunks], dim=1), want)
+    assert chunks[1][SEQUENCE_CHUNK] == SequenceChunk("neox_hf_ulysses_sdpa", isolate_documents=documents)
+
+
+def test_a_padded_batch_that_does_not_split_evenly_is_padded_at_the_end_without_labels():
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 1, 1], [5, 6, 7, 1, 1, 1, 1]]),
+             "labels": torch.tensor([[6, 7, 8, 9, -100, -100, -100], [6, 7, -100, -100, -100, -100, -100]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0, 0]])}
+    chunks = [sequence_chunk(batch, ranks=4, rank=r) for r in range(4)]
+    assert all(c["input_ids"].shape == (2, 2) for c in chunks)
+    labels = torch.cat([c["labels"] for c in chunks], dim=1)
+    assert torch.equal(labels[:, :7], batch["labels"]) and (labels[:, 7:] == -100).all()
+    assert torch.equal(torch.cat([c["position_ids"] for c in chunks], dim=1), torch.arange(8).expand(2, 8))
+    assert sum(int((c["labels"] != -100).sum()) for c in chunks) == int((batch["labels"] != -100).sum())
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_chunks_loss_sums_and_counts_add_up_to_the_whole_sequences(fused):
+    """What the step sums over the context-parallel ranks is the one-process loss: sums and counts, never a mean of
+    per-chunk means or a loss multiplied by N (transformers #48167, accelerate #3856)."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 100, bias=False)
+    hidden = torch.randn(2, 12, 16)
+    batch = _packed_batch()
+    batch["labels"][0, 9:] = -100  # prompt-masked / padded labels fall unevenly on the chunks
+    whole_sum, whole_count = head_loss(head, hidden, batch["labels"], fused=fused)
+    sums, counts = zip(*(head_loss(head, hidden[:, 4 * r: 4 * r + 4], sequence_chunk(batch, ranks=3, rank=r)["labels"],
+                                   fused=fused) for r in range(3)))
+    assert int(sum(counts)) == int(whole_count) == 21
+    torch.testing.assert_close(sum(sums), whole_sum, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(sum(sums) / sum(counts), whole_sum / whole_count)
+
+
+@pytest.mark.parametrize("pp,dp,cp,tp", [(1, 2, 2, 1), (1, 1, 4, 1), (1, 2, 2, 2), (2, 1, 2, 2), (1, 4, 1, 1)])
+def test_groups_follow_megatrons_rank_order_with_context_parallel_between_data_and_tensor(pp, dp, cp, tp):
+    grid = torch.arange(pp * dp * cp * tp).reshape(pp, dp, cp, tp)  # axes pipe, data, context, tensor
+
+    def along(*axes):
+        rest = [a for a in range(4) if a not in axes]
+        moved = grid.permute(*rest, *axes).reshape(-1, int(np.prod([grid.shape[a] for a in axes])))
+        return sorted(moved.tolist())
+
+    assert sorted(tp_group_ranks(pp, dp, tp, cp)) == along(3)
+    assert sorted(cp_group_ranks(pp, dp, tp, cp)) == along(2)
+    assert sorted(dp_group_ranks(pp, dp, tp, cp)) == along(1)
+    assert sorted(dp_cp_group_ranks(pp, dp, tp, cp)) == along(1, 2)
+    assert sorted(pp_group_ranks(pp, dp, tp, cp)) == along(0)
+    for (p, d, c, t), rank in np.ndenumerate(grid.numpy()):
+        assert global_rank(p, d, t, dp=dp, tp=tp, cp=cp, cp_rank=c) == rank
+
+
+def _recipe(**parallel_and_model):
+    model = {k: v for k, v in parallel_and_model.items() if k in ("num_attention_heads", "num_kv_heads", "family",
+                                                                  "attn_implementation", "seq_length", "rotary_pct")}
+    parallel = {k: v for k, v in parallel_and_model.items() if k not in model and k != "objective"}
+    train = {"objective": parallel_and_model["objective"]} if "objective" in parallel_and_model else {}
+    return recipe_from_dict({"model": {"hidden_size": 64, "num_attention_heads": 8, "seq_length": 64, **model},
+                             "parallel": parallel, "train": {"precision": "fp32", **train}})
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(context_parallel=3), r"`model.num_attention_heads` \(8\) must be divisible by `parallel.context_parallel` "
+                               r"\(3\)"),
+    (dict(context_parallel=2, tensor_parallel=8), r"divisible by `parallel.context_parallel` \(2\) × "
+                                                  r"`parallel.tensor_parallel` \(8\)"),
+    (dict(context_parallel=4, family="llama", num_kv_heads=2, rotary_pct=1.0), r"`model.num_kv_heads` \(2\)"),
+    (dict(context_parallel=2, backend="fsdp2"), r"`parallel.backend: fsdp2` is refused"),
+    (dict(context_parallel=2, pipeline_parallel=2), r"`parallel.pipeline_parallel` > 1 is refused"),
+    (dict(context_parallel=2, attn_implementation="eager"), r"`model.attn_implementation: eager`"),
+    (dict(context_parallel=2, objective="dpo"), r"`train.objective: dpo`"),
+    (dict(context_parallel=2, tensor_parallel=2, sequence_parallel=True), r"`parallel.sequence_parallel: true`"),
+    (dict(context_parallel=4, seq_length=66), r"`model.seq_length` \(66\) must be divisible"),
+    (dict(context_parallel=0), r"`parallel.context_parallel` must be ≥ 1"),
+])
+def test_context_parallel_refuses_what_it_does_not_run_in_one_line(settings, message):
+    with pytest.raises(RecipeError, match=message) as refused:
+        _recipe(**settings)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_launch_of_too_few_processes_for_the_context_parallel_size_names_the_command(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(LaunchError, match=r"context parallel 4 = 4 per model replica.*--num_processes 4"):
+        check_launch(_recipe(context_parallel=4), "r.yaml")
+
+
+# -- distributed tier ------------------------------------------------------------------------------------------------
+
+STEP3 = Path("checkpoints") / "step_00000003"
+
+
+def _word_corpora(root: Path) -> dict[str, list[str]]:
+    """The data of each mode, in words of a 100-token word-level tokenizer (tests/test_cli_interop.py): a GPT-NeoX
+    .bin/.idx (layout-free order: any data-parallel size trains the same global batches), streamed packed documents
+    kept apart, and prompt/answer pairs whose prompt is masked (pad mode)."""
+    from tests.test_cli_interop import word_tokenizer
+    from tests.test_neox_order import write_corpus
+
+    rng = np.random.default_rng(0)
+    words = lambda n: " ".join(f"w{i}" for i in rng.integers(2, 100, size=int(n)))  # noqa: E731
+    prefix = write_corpus(root / "corpus_text_document",
+                          [np.append(rng.integers(2, 100, size=int(rng.integers(20, 700))), 0) for _ in range(200)])
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": words(rng.integers(20, 700))}) + "\n"
+                                             for _ in range(120)))
+    (root / "sft.jsonl").write_text("".join(json.dumps({"q": words(rng.integers(5, 300)), "a": words(rng.integers(5, 300))})
+                                            + "\n" for _ in range(120)))
+    held_out = lambda name: f"[{{path: {root / name}}}]"  # noqa: E731 (the first lines: eval batches of every run)
+    tokenizer = ["--tokenizer.path", str(word_tokenizer(root / "words.json"))]
+    return {
+        "neox": [*tokenizer, "--data.order", "gpt-neox", "--data.sources", f"[{{path: {prefix}}}]",
+                 "--data.split", "949,50,1", "--data.mode", "pack"],
+        "documents": [*tokenizer, "--data.sources", held_out("docs.jsonl"), "--data.validation", held_out("docs.jsonl"),
+                      "--data.mode", "pack", "--data.isolate_documents", "true"],
+        "sft": [*tokenizer, "--data.sources", f"[{{path: {root / 'sft.jsonl'}, template: '{{q}} {{a}}', "
+                                              f"prompt_template: '{{q}} '}}]",
+                "--data.validation", f"[{{path: {root / 'sft.jsonl'}, template: '{{q}} {{a}}', "
+                                     f"prompt_template: '{{q}} '}}]",
+                "--data.mode", "pad", "--data.pad_to_multiple_of", "8"],
+    }
+
+
+TINY_LONG = ["--model.hidden_size", "32", "--model.num_layers", "2", "--model.num_attention_heads", "4",
+             "--model.seq_length", "1024", "--model.vocab_size", "256", "--model.rotary_pct", "0.25",
+             "--train.micro_batch_size", "2", "--train.train_iters", "6", "--train.save_interval", "3",
+             "--train.eval_interval", "3", "--train.eval_iters", "1", "--train.log_interval", "1",
+             "--output.tensorboard", "false", "--train.precision", "fp32", "--model.hidden_dropout", "0",
+             "--model.attention_dropout", "0"]
+LLAMA = ["--model.family", "llama", "--model.num_attention_heads", "8", "--model.num_kv_heads", "4",
+         "--model.rotary_pct", "1.0", "--model.use_parallel_residual", "false"]
+
+
+def _cp(cp: int, *, tp: int = 1, zero: int = 0, micro: int = 2) -> list[str]:
+    return ["--parallel.context_parallel", str(cp), "--parallel.tensor_parallel", str(tp), "--parallel.zero_stage",
+            str(zero), "--train.micro_batch_size", str(micro)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("context_parallel")
+    data = _word_corpora(root)
+
+    def args(name, mode, *extra):
+        return [str(REPO / "recipes" / "tiny.yaml"), *TINY_LONG, *data[mode], *extra, "--output.dir", str(root / name)]
+
+    resume = lambda source: ["--train.resume", str(root / source / STEP3)]  # noqa: E731
+    # One launch: the global batch is 2 sequences everywhere (CP2 × DP2: 1 per data-parallel rank); ZeRO-3 last.
+    launch = start_init_layouts(root, {name: shlex.join(args(name, *spec)) for name, spec in {
+        "cp2_dp2_zero2": ("neox", *_cp(2, zero=2, micro=1)),
+        "cp2_dp2_to_cp4": ("neox", *_cp(4, zero=1), *resume("cp2_dp2_zero2")),
+        "cp4_documents": ("documents", *_cp(4)),
+        "cp2_tp2_documents": ("documents", *_cp(2, tp=2, zero=1)),
+        # ZeRO-0: its fp32 clipping sums the norm over DeepSpeed's model-parallel group (tests/test_context_parallel
+        # caught it counting every replica); Llama's steps here are clipped where the norm is wrong
+        "llama_cp4": ("documents", *LLAMA, *_cp(4)),
+        "cp4_sft_pad_zero3": ("sft", *_cp(4, zero=3)),
+    }.items()}, num_processes=4)
+    for name, mode, *extra in (("one_neox", "neox"), ("one_documents", "documents"), ("one_sft_pad", "sft"),
+                               ("one_llama", "documents", *LLAMA)):
+        train_in_this_process(args(name, mode, *extra))
+    finish_launch(launch, "the context-parallel layouts", timeout=900)
+    train_in_this_process(args("cp2_dp2_to_one", "neox", *resume("cp2_dp2_zero2")))
+    return {path.name: path for path in root.iterdir() if path.is_dir()}
+
+
+def _log(folder: Path) -> tuple[dict[int, float], dict[int, float]]:
+    records = [json.loads(line) for line in (folder / "train_log.jsonl").read_text().splitlines()]
+    return ({r["step"]: r["loss"] for r in records if "loss" in r},
+            {r["step"]: r["eval"]["loss"] for r in records if "eval" in r})
+
+
+def _assert_same_run(want: Path, got: Path, steps=range(1, 7), loss_tol: float = 1e-5, weight_tol: float = 1e-4) -> None:
+    """Losses within 1e-5 at `steps`, eval losses within 1e-5, final weights within 1e-4 (GPT-NeoX's key bias left
+    out: its gradient is zero in exact arithmetic, so Adam turns reduction-order noise into ±lr steps on any two
+    layouts, as tests/test_fsdp2.py explains)."""
+    from safetensors.torch import load_file
+
+    (losses, evals), (reference, reference_evals) = _log(got), _log(want)
+    worst = max(abs(losses[s] - reference[s]) for s in steps)
+    assert worst <= loss_tol, (reference, losses)
+    # step 0 (before training), 3 and the end; a run resumed at step 3 evaluates the end only
+    evaluated = [s for s in reference_evals if min(steps) == 1 or s > 3]
+    assert sorted(evals) == evaluated and 6 in evaluated, (reference_evals, evals)
+    assert max(abs(evals[s] - reference_evals[s]) for s in evals) <= loss_tol, (reference_evals, evals)
+    a, b = load_file(want / "model.safetensors"), load_file(got / "model.safetensors")
+    assert a.keys() == b.keys()
+    heads = json.loads((want / "config.json").read_text())["num_attention_heads"]
+
+    def compared(tensor, name):
+        if name.endswith("attention.query_key_value.bias"):
+            return tensor.view(heads, 3, -1)[:, [0, 2]]
+        return tensor
+
+    worst_weight = max((compared(a[k], k) - compared(b[k], k)).abs().max().item() for k in a)
+    assert worst_weight <= weight_tol, worst_weight
+
+
+def _printed(runs, name: str) -> str:
+    return (runs[name].parent / f"{name}.stdout").read_text()
+
+
+@pytest.mark.distributed
+def test_cp4_with_packed_documents_kept_apart_trains_as_one_process(runs):
+    _assert_same_run(runs["one_documents"], runs["cp4_documents"])
+    printed = _printed(runs, "cp4_documents")
+    assert "layout: 1 data-parallel × context parallel 4 = 4 process(es)" in printed
+    assert "context parallel 4: every sequence of 1024 tokens split into 4 chunks, 256 tokens per rank" in printed
+
+
+@pytest.mark.distributed
+def test_cp4_under_zero3_in_pad_mode_on_prompt_masked_sft_data_trains_as_one_process(runs):
+    """Within ZeRO-3's own distance from one process: DeepSpeed ZeRO-3 on ONE process already drifts 2.8e-5 from it
+    by step 6 here (lr 2e-3, with or without clipping; measured on the Llama run), which context parallelism cannot
+    remove. A loss scaled by the chunk count or a wrong document mask is orders of magnitude further."""
+    _assert_same_run(runs["one_sft_pad"], runs["cp4_sft_pad_zero3"], loss_tol=1e-4, weight_tol=3e-4)
+
+
+@pytest.mark.distributed
+def test_cp2_dp2_under_zero2_trains_as_one_process(runs):
+    _assert_same_run(runs["one_neox"], runs["cp2_dp2_zero2"])
+
+
+@pytest.mark.distributed
+def test_cp2_tp2_trains_as_one_process(runs):
+    _assert_same_run(runs["one_documents"], runs["cp2_tp2_documents"])
+
+
+@pytest.mark.distributed
+def test_llama_gqa_cp4_trains_as_one_process(runs):
+    _assert_same_run(runs["one_llama"], runs["llama_cp4"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("resumed", ["cp2_dp2_to_cp4", "cp2_dp2_to_one"])
+def test_a_cp2_checkpoint_resumes_exactly_on_cp4_and_on_one_process(runs, resumed):
+    _assert_same_run(runs["cp2_dp2_zero2"], runs[resumed], steps=(4, 5, 6))
+    if resumed == "cp2_dp2_to_cp4":  # (the one-process resume runs in this process: its output is not kept)
+        assert ("resuming step 3 written by DeepSpeed ZeRO-2 on 4 processes (2 data-parallel × context parallel 2) "
+                "on DeepSpeed ZeRO-1 on 4 processes (1 data-parallel × context parallel 4)") in _printed(runs, resumed)
