@@ -18,8 +18,10 @@ pipeline parallelism, activations or the loss. This module knows every part of o
   engine's hidden-state buffers; ZeRO-3's gathered layer and prefetch bucket count in the step's peak;
 - activations: what autograd saves per transformer layer for one micro-batch (measured layer by layer against
   transformers' GPTNeoXLayer: 3 hidden-sized tensors replicated over tensor-parallel ranks — split by sequence
-  parallelism — and 14 split by them), × layers of the stage × micro-batches in flight (1F1B: stage i holds up to
-  p − i); with activation checkpointing one input per layer plus one layer recomputed;
+  parallelism — and 14 split by them; against LlamaDecoderLayer: `_llama_layer_bytes_per_token`), × layers of the
+  stage × micro-batches in flight (1F1B: stage i holds up to p − i); with activation checkpointing one input per
+  layer plus one layer recomputed. Context parallelism (`parallel.context_parallel`, DeepSpeed's Ulysses) leaves a
+  rank seq / context positions of all of it, plus the all-to-all's buffers while a layer's attention runs;
 - loss: the last stage's head + cross-entropy peak: the fused loss's logits chunk (`default_chunk_rows`) and the head's
   weight gradient it computes in the forward (or whole [tokens, vocab] logits unfused).
 
@@ -32,8 +34,11 @@ For the training start-up: `plan_summary_line(recipe, gpus)` (one line for `--pr
 `startup_memory_warnings(recipe, device_memory_bytes, gpus)` (a line per stage over the device's memory).
 Step time: model FLOPs (`neox_hf.train.mfu.flops_per_token`, × 4/3 with activation checkpointing's recomputation)
 at an assumed MFU of the GPU's datasheet peak, stretched by the pipeline bubble (p − 1)/(m + p − 1), plus
-data-parallel (ring all-reduce / reduce-scatter volume of the gradients) and tensor-parallel (four all-reduces of
-the layer's activations per layer and micro-batch) communication at stated bandwidths. Every assumption is printed.
+data-parallel (ring all-reduce / reduce-scatter volume of the gradients over data × context ranks), tensor-parallel
+(four all-reduces of the layer's activations per layer and micro-batch) and context-parallel (Ulysses' four
+all-to-alls per layer, forward and backward) communication at stated bandwidths. Every assumption is printed.
+With a GPU memory, each listed layout also gets the longest sequence it fits (`longest_sequence`), and
+`--longest-sequence` ranks layouts by it.
 """
 
 from __future__ import annotations
@@ -941,8 +946,8 @@ def check_some_layout_fits(plan: Plan) -> None:
         return
     if plan.leanest is None:
         raise UsageError(f"no layout splits the recipe over {plan.gpus} GPUs: pipeline stages must not outnumber the "
-                         "layers, tensor parallel must divide the attention heads and data parallel the global batch; "
-                         "give another --gpus")
+                         "layers, tensor (× context) parallel must divide the attention heads and data parallel the "
+                         "global batch; give another --gpus")
     lean = plan.leanest
     raise UsageError(f"none of the {plan.considered} layouts on {plan.gpus} GPUs fits in {_gib(plan.gpu_memory_bytes)} "
                      f"GiB per GPU: the leanest ({describe_layout(lean.layout)}) needs "
