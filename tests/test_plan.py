@@ -164,7 +164,7 @@ def test_plan_json_for_20b_on_96_gpus_of_40_gb(capsys):
     assert ranked and all(layout["fits"] for layout in ranked)
     assert [layout["step_seconds"] for layout in ranked] == sorted(layout["step_seconds"] for layout in ranked)
     for layout in ranked:
-        assert layout["pipeline"] * layout["tensor"] * layout["data"] == 96
+        assert layout["pipeline"] * layout["tensor"] * layout["context"] * layout["data"] == 96
         assert layout["micro_batch"] * layout["gradient_accumulation_steps"] * layout["data"] == 4 * 32 * 12
 
 
