@@ -67,7 +67,8 @@ TP_BANDWIDTH = 150e9  # bytes/s per GPU inside a node (NVLink, one direction, ef
 ZERO3_SUB_GROUP_SIZE = 10**9  # DeepSpeed's default `sub_group_size` (elements), which our config leaves as it is
 REPLICATED_PER_LAYER = 3
 SPLIT_PER_LAYER = 14
-GPUS_PER_NODE = 8  # a context-parallel (× tensor-parallel) group up to this size talks over NVLink, beyond it over the network
+# a context-parallel (× tensor-parallel) group up to this size talks over NVLink, beyond it over the network
+GPUS_PER_NODE = 8
 LONGEST_SEQUENCE_STEP = 1024  # `longest sequence`: the multiple of tokens searched (and of tensor × context)
 LONGEST_SEQUENCE_CAP = 2**24  # 16M tokens: past this the table says "≥"
 
@@ -265,7 +266,8 @@ def model_shape(recipe) -> ModelShape:
     tokenizer_size = 0 if fixed else _tokenizer_size(recipe.tokenizer.path, recipe.tokenizer.eos_token,
                                                      recipe.tokenizer.pad_token)
     if not m.from_pretrained:
-        config = config_from_recipe(m, vocab_size=fixed or padded_vocab_size(tokenizer_size, m.make_vocab_size_divisible_by))
+        vocab = fixed or padded_vocab_size(tokenizer_size, m.make_vocab_size_divisible_by)
+        config = config_from_recipe(m, vocab_size=vocab)
     config._attn_implementation = m.attn_implementation
     return ModelShape(config, tokenizer_size, m.make_vocab_size_divisible_by, fixed, m.seq_length)
 
@@ -1057,8 +1059,8 @@ def plan_table(plan: Plan) -> list[str]:
     if plan.gpus is not None:
         memory = f" in {_gib(plan.gpu_memory_bytes)} GiB" if plan.gpu_memory_bytes else ""
         if plan.by_longest_sequence:
-            lines.append(f"{plan.fitting} of {plan.considered} layouts at micro batch 1 on {plan.gpus} GPUs fit{memory} "
-                         f"at seq_length {plan.seq_length}; the {len(plan.ranked)} that fit the longest "
+            lines.append(f"{plan.fitting} of {plan.considered} layouts at micro batch 1 on {plan.gpus} GPUs "
+                         f"fit{memory} at seq_length {plan.seq_length}; the {len(plan.ranked)} that fit the longest "
                          "sequences:")
         else:
             lines.append(f"{plan.fitting} of {plan.considered} layouts on {plan.gpus} GPUs fit{memory}"

@@ -325,9 +325,11 @@ def test_context_parallel_rows_by_arithmetic():
         return stage_bytes(shape, layout, engine_for(recipe, layout, "bf16"), True, method)[0]
 
     for zero in (0, 1, 2, 3):
-        cp2, dp2 = stage(Layout(1, 1, 1, zero, 4, 1, False, False, context=2)), stage(Layout(1, 1, 2, zero, 4, 1, False, False))
+        cp2 = stage(Layout(1, 1, 1, zero, 4, 1, False, False, context=2))
+        dp2 = stage(Layout(1, 1, 2, zero, 4, 1, False, False))
         assert (cp2.params, cp2.grads, cp2.optimizer) == (dp2.params, dp2.grads, dp2.optimizer), zero
-    whole, split = stage(Layout(1, 1, 1, 2, 4, 1, False, False)), stage(Layout(1, 1, 1, 2, 4, 1, False, False, context=2))
+    whole = stage(Layout(1, 1, 1, 2, 4, 1, False, False))
+    split = stage(Layout(1, 1, 1, 2, 4, 1, False, False, context=2))
     assert split.activations == pytest.approx(whole.activations / 2, abs=8)
     assert split.loss < whole.loss
 
