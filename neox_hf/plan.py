@@ -18,8 +18,10 @@ pipeline parallelism, activations or the loss. This module knows every part of o
   engine's hidden-state buffers; ZeRO-3's gathered layer and prefetch bucket count in the step's peak;
 - activations: what autograd saves per transformer layer for one micro-batch (measured layer by layer against
   transformers' GPTNeoXLayer: 3 hidden-sized tensors replicated over tensor-parallel ranks — split by sequence
-  parallelism — and 14 split by them), × layers of the stage × micro-batches in flight (1F1B: stage i holds up to
-  p − i); with activation checkpointing one input per layer plus one layer recomputed;
+  parallelism — and 14 split by them; against LlamaDecoderLayer: `_llama_layer_bytes_per_token`), × layers of the
+  stage × micro-batches in flight (1F1B: stage i holds up to p − i); with activation checkpointing one input per
+  layer plus one layer recomputed. Context parallelism (`parallel.context_parallel`, DeepSpeed's Ulysses) leaves a
+  rank seq / context positions of all of it, plus the all-to-all's buffers while a layer's attention runs;
 - loss: the last stage's head + cross-entropy peak: the fused loss's logits chunk (`default_chunk_rows`) and the head's
   weight gradient it computes in the forward (or whole [tokens, vocab] logits unfused).
 
@@ -32,8 +34,11 @@ For the training start-up: `plan_summary_line(recipe, gpus)` (one line for `--pr
 `startup_memory_warnings(recipe, device_memory_bytes, gpus)` (a line per stage over the device's memory).
 Step time: model FLOPs (`neox_hf.train.mfu.flops_per_token`, × 4/3 with activation checkpointing's recomputation)
 at an assumed MFU of the GPU's datasheet peak, stretched by the pipeline bubble (p − 1)/(m + p − 1), plus
-data-parallel (ring all-reduce / reduce-scatter volume of the gradients) and tensor-parallel (four all-reduces of
-the layer's activations per layer and micro-batch) communication at stated bandwidths. Every assumption is printed.
+data-parallel (ring all-reduce / reduce-scatter volume of the gradients over data × context ranks), tensor-parallel
+(four all-reduces of the layer's activations per layer and micro-batch) and context-parallel (Ulysses' four
+all-to-alls per layer, forward and backward) communication at stated bandwidths. Every assumption is printed.
+With a GPU memory, each listed layout also gets the longest sequence it fits (`longest_sequence`), and
+`--longest-sequence` ranks layouts by it.
 """
 
 from __future__ import annotations
@@ -43,9 +48,11 @@ import contextlib
 import functools
 import json
 import math
+import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 GIB = 2**30
 RESERVED_BYTES = 1 * GIB  # CUDA context, NCCL buffers and allocator slack: not available to tensors
@@ -60,6 +67,10 @@ TP_BANDWIDTH = 150e9  # bytes/s per GPU inside a node (NVLink, one direction, ef
 ZERO3_SUB_GROUP_SIZE = 10**9  # DeepSpeed's default `sub_group_size` (elements), which our config leaves as it is
 REPLICATED_PER_LAYER = 3
 SPLIT_PER_LAYER = 14
+# a context-parallel (× tensor-parallel) group up to this size talks over NVLink, beyond it over the network
+GPUS_PER_NODE = 8
+LONGEST_SEQUENCE_STEP = 1024  # `longest sequence`: the multiple of tokens searched (and of tensor × context)
+LONGEST_SEQUENCE_CAP = 2**24  # 16M tokens: past this the table says "≥"
 
 
 @dataclass(frozen=True)
@@ -74,10 +85,18 @@ class Layout:
     sequence_parallel: bool
     backend: str = "deepspeed"  # `parallel.backend`; fsdp2 shards like ZeRO-3 (zero_stage is then 0)
     dp_replicate: int = 1  # FSDP2's HSDP replicas: each shards over data / dp_replicate ranks
+    context: int = 1  # `parallel.context_parallel`: each sequence split over this many ranks (Ulysses)
 
     @property
     def gpus(self) -> int:
-        return self.pipeline * self.tensor * self.data
+        return self.pipeline * self.tensor * self.context * self.data
+
+    @property
+    def sharding_ranks(self) -> int:
+        """The ranks ZeRO partitions over and gradients are reduced over: DeepSpeed's sequence-data-parallel group
+        (`groups._get_sequence_data_parallel_group`), data × context, since context-parallel ranks hold the same
+        weights and see different tokens."""
+        return self.data * self.context
 
 
 @dataclass
@@ -106,6 +125,9 @@ class LayoutPlan:
     bubble: float
     fits: bool | None = None  # None: no GPU memory given
     memory_limit: int | None = None  # bytes a rank may hold: GPU memory less the reserve
+    # the longest seq_length (a multiple of LONGEST_SEQUENCE_STEP) at which this layout still fits; 0: not even
+    # one step; None: not searched (no GPU memory given)
+    longest_sequence: int | None = None
 
     @property
     def largest_stage(self) -> StageBytes:
@@ -117,7 +139,7 @@ class LayoutPlan:
                 "bytes_per_rank": {key: getattr(largest, key)
                                    for key in ("params", "grads", "optimizer", "buffers", "activations", "loss", "total")},
                 "stages": [asdict(s) for s in self.stages], "fits": self.fits,
-                "step_seconds": self.step_seconds, "bubble": self.bubble}
+                "step_seconds": self.step_seconds, "bubble": self.bubble, "longest_sequence": self.longest_sequence}
 
 
 @dataclass
@@ -152,9 +174,12 @@ class Plan:
     precision: str = "fp32"
     deepspeed: bool = True
     leanest: LayoutPlan | None = None  # of the layouts considered, the one whose largest stage needs least memory
+    by_longest_sequence: bool = False  # `ranked` ordered by the longest sequence each fits, not by step time
+    seq_length: int = 0  # the recipe's
 
     def to_dict(self) -> dict:
         return {"gpus": self.gpus, "gpu_memory_bytes": self.gpu_memory_bytes, "precision": self.precision,
+                "ranked_by": "longest_sequence" if self.by_longest_sequence else "step_seconds",
                 "assumptions": asdict(self.assumptions), "layouts_considered": self.considered,
                 "layouts_fitting": self.fitting,
                 "layouts": [p.to_dict() for p in [self.recipe_layout, *self.ranked]]}
@@ -181,9 +206,22 @@ class ModelShape:
 
     def __post_init__(self):
         # plain numbers: a transformers config's attribute access is slow, and thousands of layouts read them
+        from neox_hf.model.spec import spec_for_config
+
         c = self.config
-        self.cache.update(hidden=c.hidden_size, layers=c.num_hidden_layers, heads=c.num_attention_heads,
+        spec = spec_for_config(c)
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        self.cache.update(hidden=c.hidden_size, layers=c.num_hidden_layers, heads=heads,
+                          kv_heads=getattr(c, spec.kv_heads_attr, None) or heads, head_dim=head_dim,
+                          intermediate=getattr(c, "intermediate_size", None) or 4 * c.hidden_size,
+                          family=spec.family, embedding=f"{spec.embedding}.weight", head=f"{spec.head}.weight",
                           tied=c.tie_word_embeddings, eager=c._attn_implementation == "eager")
+
+    def at_length(self, seq_length: int) -> "ModelShape":
+        """The same model at another sequence length (sharing the counts that do not depend on it)."""
+        return ModelShape(self.config, self.tokenizer_size, self.vocab_divisible_by, self.fixed_vocab, seq_length,
+                          self.cache)
 
     @property
     def hidden(self) -> int:
@@ -196,6 +234,10 @@ class ModelShape:
     @property
     def heads(self) -> int:
         return self.cache["heads"]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.cache["kv_heads"]
 
     def vocab_rows(self, tp: int) -> int:
         """Rows of the embedding / head on one tensor-parallel rank (GPT-NeoX pads to divisible_by × TP)."""
@@ -210,23 +252,22 @@ class ModelShape:
 
 
 def model_shape(recipe) -> ModelShape:
-    """The shape the run will build (config from the recipe or the pretrained folder, the tokenizer's size)."""
+    """The shape the run will build (config from the recipe or the pretrained folder, the tokenizer's size; a
+    vocabulary the recipe or the folder fixes needs no tokenizer)."""
+    from neox_hf.model.spec import config_class_for_folder, config_from_recipe
     from neox_hf.model.vocab import padded_vocab_size
-    from neox_hf.model import NeoXConfig, config_from_recipe
-
-    from neox_hf.errors import UsageError
 
     m = recipe.model
-    if getattr(m, "family", "gpt_neox") != "gpt_neox":
-        raise UsageError(f"neox_hf plan counts GPTNeoX layers (its activation and split rules are measured on them); "
-                         f"`model.family: {m.family}` is not planned yet")
-    tokenizer_size = _tokenizer_size(recipe.tokenizer.path, recipe.tokenizer.eos_token, recipe.tokenizer.pad_token)
     if m.from_pretrained:
-        config = NeoXConfig.from_pretrained(m.from_pretrained)
+        config = config_class_for_folder(m.from_pretrained).from_pretrained(m.from_pretrained)
         fixed = config.vocab_size
     else:
         fixed = m.vocab_size
-        config = config_from_recipe(m, vocab_size=fixed or padded_vocab_size(tokenizer_size, m.make_vocab_size_divisible_by))
+    tokenizer_size = 0 if fixed else _tokenizer_size(recipe.tokenizer.path, recipe.tokenizer.eos_token,
+                                                     recipe.tokenizer.pad_token)
+    if not m.from_pretrained:
+        vocab = fixed or padded_vocab_size(tokenizer_size, m.make_vocab_size_divisible_by)
+        config = config_from_recipe(m, vocab_size=vocab)
     config._attn_implementation = m.attn_implementation
     return ModelShape(config, tokenizer_size, m.make_vocab_size_divisible_by, fixed, m.seq_length)
 
@@ -244,13 +285,16 @@ def _pipeline_layer_tensors(config_json: str) -> tuple[tuple[tuple[str, int, boo
     described on the meta device (nothing allocated)."""
     import torch
 
-    from neox_hf.model import NeoXConfig, NeoXForCausalLM
     from neox_hf.engines.pipeline import pipeline_layer_infos
+    from neox_hf.model.spec import SPECS
     from neox_hf.parallel.tp_plan import partition_dim
 
-    config = NeoXConfig.from_dict(json.loads(config_json))
+    raw = json.loads(config_json)
+    spec = next(spec for spec in SPECS.values() if raw.get("model_type") in spec.model_types)
+    model_class = spec.model_class(SimpleNamespace(**raw))  # the class is chosen by model_type alone
+    config = model_class.config_class.from_dict(raw)
     with torch.device("meta"):
-        model = NeoXForCausalLM(config)
+        model = model_class(config)
     layers = []
     for info in pipeline_layer_infos(config):
         tensors = []
@@ -272,7 +316,7 @@ def _layer_parameters_per_rank(shape: ModelShape, tp: int) -> list[int]:
     for tensors in shape.cached("tensors", lambda: _pipeline_layer_tensors(shape.config.to_json_string())):
         total = 0
         for key, numel, split in tensors:
-            if key in ("gpt_neox.embed_in.weight", "lm_head.weight"):
+            if key in (shape.cache["embedding"], shape.cache["head"]):
                 total += shape.vocab_rows(tp) * shape.hidden
             else:
                 total += numel // tp if split else numel
@@ -402,13 +446,18 @@ def zero3_gathered_layer_bytes(engine: Engine, largest_layer: int) -> int:
     return 2 * engine.weight_bytes * largest_layer
 
 
+def local_tokens(shape: ModelShape, layout: Layout) -> int:
+    """Tokens of one micro-batch on one rank: context parallelism gives each rank seq_length / context of them."""
+    return layout.micro_batch * shape.seq_length // layout.context
+
+
 def pipeline_buffer_bytes(shape: ModelShape, layout: Layout, stage: int, element: int) -> int:
     """Hidden-state buffers DeepSpeed's PipelineEngine keeps between steps (measured): the first stage the received
     gradient; the others the receive buffer and, per pipe buffer (max(2, min(p − i, m)), its TrainSchedule), the
     input, that input's gradient and the tensor sent on."""
     if layout.pipeline == 1:
         return 0
-    hidden = layout.micro_batch * shape.seq_length * shape.hidden * element
+    hidden = local_tokens(shape, layout) * shape.hidden * element
     if stage == 0:
         return hidden
     buffers = max(2, min(layout.pipeline - stage, layout.gradient_accumulation_steps))
@@ -416,14 +465,44 @@ def pipeline_buffer_bytes(shape: ModelShape, layout: Layout, stage: int, element
 
 
 def layer_activation_bytes(shape: ModelShape, layout: Layout, element: int) -> int:
-    """Bytes autograd keeps for one transformer layer and one micro-batch, per tensor-parallel rank."""
-    t = layout.tensor
-    tokens_hidden = layout.micro_batch * shape.seq_length * shape.hidden
-    replicated = REPLICATED_PER_LAYER * tokens_hidden / (t if layout.sequence_parallel else 1)
-    split = SPLIT_PER_LAYER * tokens_hidden / t
-    if shape.cache["eager"]:  # scores and probabilities, [batch, heads, seq, seq]
-        split += 2 * layout.micro_batch * shape.heads * shape.seq_length ** 2 / t
-    return int((replicated + split) * element)
+    """Bytes autograd keeps for one transformer layer and one micro-batch, per tensor- and context-parallel rank.
+    Under context parallelism a rank keeps its seq / context positions of everything but attention's q, k, v and
+    output, which after the all-to-all are the whole sequence's for heads / context of the heads: as many elements,
+    so the whole layer falls by the context-parallel size."""
+    t, tokens = layout.tensor, local_tokens(shape, layout)
+    if shape.cache["family"] == "llama":
+        per_token = _llama_layer_bytes_per_token(shape, t, layout.sequence_parallel, element)
+    else:
+        replicated = REPLICATED_PER_LAYER * shape.hidden / (t if layout.sequence_parallel else 1)
+        per_token = (replicated + SPLIT_PER_LAYER * shape.hidden / t) * element
+    scores = 0
+    if shape.cache["eager"]:  # scores and probabilities, [batch, heads / (t × c), seq, seq]
+        scores = 2 * layout.micro_batch * shape.heads * shape.seq_length ** 2 / (t * layout.context) * element
+    return int(per_token * tokens + scores)
+
+
+def _llama_layer_bytes_per_token(shape: ModelShape, tp: int, sequence_parallel: bool, element: int) -> float:
+    """transformers' LlamaDecoderLayer (sdpa), measured by saved-tensor hooks (tests/test_plan.py holds it to a
+    measurement): per RMSNorm its input in fp32 (the norm upcasts), the normalised value and its weighted output
+    (replicated over tensor-parallel ranks, split by sequence parallelism) plus an fp32 rsqrt per token; split by
+    tensor parallelism: q and the attention output (heads × head_dim), k and v (kv_heads × head_dim), sdpa's fp32
+    log-sum-exp per head, and four MLP tensors of the intermediate width (gate, its SiLU, up, their product)."""
+    c = shape.cache
+    replicated = 2 * ((4 + 2 * element) * c["hidden"] + 4) / (tp if sequence_parallel else 1)
+    split = (element * (2 * c["heads"] * c["head_dim"] + 2 * c["kv_heads"] * c["head_dim"] + 4 * c["intermediate"])
+             + 4 * c["heads"]) / tp
+    return replicated + split
+
+
+def all_to_all_bytes(shape: ModelShape, layout: Layout, element: int) -> int:
+    """Context parallelism's transient buffers while one layer's attention runs (DeepSpeed's
+    `UlyssesSPAttentionHF`): q, k and v each copied into the all-to-all's send layout and received, and the
+    output sent back the same way; one layer at a time, in the forward and again in the backward."""
+    if layout.context == 1:
+        return 0
+    c = shape.cache
+    width = (2 * c["heads"] + 2 * c["kv_heads"]) * c["head_dim"] / layout.tensor
+    return int(2 * width * local_tokens(shape, layout) * element)
 
 
 def stage_activation_bytes(shape: ModelShape, layout: Layout, layers: int, stage: int, element: int) -> int:
@@ -431,7 +510,7 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, layers: int, stage
     hidden states entering the final norm and the head."""
     in_flight = min(layout.pipeline - stage, layout.gradient_accumulation_steps) if layout.pipeline > 1 else 1
     per_layer = layer_activation_bytes(shape, layout, element)
-    layer_input = layout.micro_batch * shape.seq_length * shape.hidden * element
+    layer_input = local_tokens(shape, layout) * shape.hidden * element
     if layout.sequence_parallel:
         layer_input //= layout.tensor
     if layout.activation_checkpointing:
@@ -449,7 +528,7 @@ def loss_bytes(shape: ModelShape, layout: Layout, fused: bool, engine: Engine) -
     from neox_hf.ops.linear_cross_entropy import default_chunk_rows
 
     vocab, hidden = shape.vocab_rows(layout.tensor), shape.hidden
-    tokens = layout.micro_batch * shape.seq_length
+    tokens = local_tokens(shape, layout)  # each context-parallel rank's loss runs on its own positions
     sixteen_bit = engine.activation_bytes == 2
     if not fused:  # logits, their fp32 log-softmax and its gradient (+ the 16-bit logits)
         return tokens * vocab * (4 * 3 + (2 if sixteen_bit else 0))
@@ -477,7 +556,8 @@ def stage_bytes(shape: ModelShape, layout: Layout, engine: Engine, fused_loss: b
         # Over several micro-batches (accumulation, a pipeline's) the gradients of the earlier ones are held while
         # the next runs its forward and loss; with one, the loss's moment precedes every gradient but the head's.
         accumulated = grads_at_backward if layout.gradient_accumulation_steps > 1 else 0
-        one_layer = layer_activation_bytes(shape, layout, engine.activation_bytes)
+        one_layer = (layer_activation_bytes(shape, layout, engine.activation_bytes)
+                     + all_to_all_bytes(shape, layout, engine.activation_bytes))
         gathered = zero3_gathered_bytes(shape, engine, largest_layer)  # + that layer's whole gradient in backward
         peak = max(accumulated + activations + max(loss, one_layer) + gathered,  # a backward's transients: ~one layer's
                    grads_at_backward + 2 * one_layer + 2 * gathered, states["grads"] - held_grads)
@@ -497,12 +577,12 @@ def step_seconds(shape: ModelShape, layout: Layout, engine: Engine, params_per_r
     from neox_hf.train.mfu import flops_per_token
 
     micro = layout.gradient_accumulation_steps
-    tokens = layout.micro_batch * micro * layout.data * shape.seq_length
-    per_token = shape.cached("flops", lambda: flops_per_token(shape.config, shape.seq_length))
+    tokens = layout.micro_batch * micro * layout.data * shape.seq_length  # a context-parallel group shares a sequence
+    per_token = shape.cached(("flops", shape.seq_length), lambda: flops_per_token(shape.config, shape.seq_length))
     flops = per_token * tokens * (4 / 3 if layout.activation_checkpointing else 1)
     compute = flops / layout.gpus / (assumptions.peak_flops * assumptions.mfu)
     compute /= 1 - bubble(layout)
-    d = layout.data
+    d = layout.sharding_ranks  # gradients are reduced over the data × context-parallel ranks
     ring = 2 * (d - 1) / d * engine.weight_bytes * params_per_rank * (1.5 if engine.zero_stage == 3 else 1)
     if engine.fsdp2:
         # each shard group all-gathers every layer twice (forward, backward; compute dtype) and reduce-scatters its
@@ -511,9 +591,25 @@ def step_seconds(shape: ModelShape, layout: Layout, engine: Engine, params_per_r
         ring = ((s - 1) / s * params_per_rank * (2 * engine.activation_bytes + 4)
                 + 2 * (r - 1) / r * 4 * params_per_rank / s)
     t = layout.tensor
-    tp_volume = (4 * 2 * (t - 1) / t * layout.micro_batch * shape.seq_length * shape.hidden * engine.activation_bytes
-                 * shape.layers / layout.pipeline * micro)
-    return compute + ring / assumptions.dp_bandwidth + tp_volume / assumptions.tp_bandwidth
+    layers_micro = shape.layers / layout.pipeline * micro
+    tp_volume = (4 * 2 * (t - 1) / t * local_tokens(shape, layout) * shape.hidden * engine.activation_bytes
+                 * layers_micro)
+    return (compute + ring / assumptions.dp_bandwidth + tp_volume / assumptions.tp_bandwidth
+            + context_parallel_seconds(shape, layout, engine, assumptions))
+
+
+def context_parallel_seconds(shape: ModelShape, layout: Layout, engine: Engine, assumptions: Assumptions) -> float:
+    """Ulysses' four all-to-alls per layer (q, k and v in, the output back) in the forward, again for their
+    gradients in the backward, and once more in checkpointing's recomputed forward: each rank sends (c − 1) / c of
+    its share; over NVLink while tensor × context fits in a node, over the network beyond it."""
+    c = layout.context
+    if c == 1:
+        return 0.0
+    passes = 3 if layout.activation_checkpointing else 2
+    per_layer = all_to_all_bytes(shape, layout, engine.activation_bytes) / 2 * (c - 1) / c
+    volume = per_layer * passes * shape.layers / layout.pipeline * layout.gradient_accumulation_steps
+    inside_node = layout.tensor * c <= GPUS_PER_NODE
+    return volume / (assumptions.tp_bandwidth if inside_node else assumptions.dp_bandwidth)
 
 
 def bubble(layout: Layout) -> float:
@@ -540,14 +636,14 @@ def recipe_layout(recipe, gpus: int | None = None) -> Layout:
     from neox_hf.recipe import accumulation_for_train_batch, data_parallel_for_train_batch
 
     p, t = recipe.parallel, recipe.train
-    model_parallel = p.pipeline_parallel * p.tensor_parallel
+    model_parallel = p.pipeline_parallel * p.tensor_parallel * p.context_parallel
     if gpus is None:
         dp = data_parallel_for_train_batch(t) or 1
     else:
         dp = max(1, gpus // model_parallel)
     accumulation = accumulation_for_train_batch(t, dp) or t.gradient_accumulation_steps
     return Layout(p.pipeline_parallel, p.tensor_parallel, dp, p.zero_stage, t.micro_batch_size, accumulation,
-                  p.activation_checkpointing, p.sequence_parallel, p.backend, p.dp_replicate)
+                  p.activation_checkpointing, p.sequence_parallel, p.backend, p.dp_replicate, p.context_parallel)
 
 
 def engine_for(recipe, layout: Layout, precision: str) -> Engine:
@@ -555,7 +651,9 @@ def engine_for(recipe, layout: Layout, precision: str) -> Engine:
     if layout.backend == "fsdp2":
         return Engine(precision, False, 0, layout.data, fsdp2=True, shard=max(1, layout.data // layout.dp_replicate))
     deepspeed = layout.gpus > 1 or layout.zero_stage > 0 or bool(p.use_deepspeed) or p.deepspeed_config is not None
-    return Engine(precision, deepspeed, layout.zero_stage, layout.data, p.offload_optimizer, p.offload_params)
+    # ZeRO partitions over DeepSpeed's sequence-data-parallel group: data × context ranks
+    return Engine(precision, deepspeed, layout.zero_stage, layout.sharding_ranks, p.offload_optimizer,
+                  p.offload_params)
 
 
 def plan_layout(recipe, shape: ModelShape, layout: Layout, precision: str, assumptions: Assumptions,
@@ -570,29 +668,70 @@ def plan_layout(recipe, shape: ModelShape, layout: Layout, precision: str, assum
     return LayoutPlan(layout, stages, seconds, bubble(layout), fits, limit)
 
 
-def candidate_layouts(recipe, shape: ModelShape, gpus: int, global_batch: int) -> list[Layout]:
-    """Every pipeline × tensor × data factorisation of `gpus`, ZeRO stage — or FSDP2 without pipeline stages, with
-    each HSDP replica count —, micro batch (accumulation keeping the global batch), activation checkpointing and
-    sequence parallelism the recipe's validation would accept."""
+def longest_sequence(recipe, shape: ModelShape, layout: Layout, precision: str, limit: int) -> int:
+    """The longest seq_length, a multiple of LONGEST_SEQUENCE_STEP (and of the ranks a sequence is split over), at
+    which `layout`'s largest rank stays within `limit` bytes; 0 when not even the first multiple fits, the cap
+    (LONGEST_SEQUENCE_CAP) when that fits. Memory only grows with the length, so doubling then bisecting finds it."""
+    engine = engine_for(recipe, layout, precision)
+    method, fused = recipe.parallel.pipe_partition_method, recipe.train.fused_cross_entropy
+    step = math.lcm(LONGEST_SEQUENCE_STEP, layout.context * (layout.tensor if layout.sequence_parallel else 1))
+
+    def fits(multiple: int) -> bool:
+        at = shape.at_length(multiple * step)
+        return max(s.total for s in stage_bytes(at, layout, engine, fused, method)) <= limit
+
+    cap = LONGEST_SEQUENCE_CAP // step
+    if not fits(1):
+        return 0
+    low = 1  # fits; double until a multiple does not, then bisect between
+    while low < cap and fits(min(2 * low, cap)):
+        low = min(2 * low, cap)
+    if low == cap:
+        return cap * step
+    high = min(2 * low, cap)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low * step
+
+
+def candidate_layouts(recipe, shape: ModelShape, gpus: int, global_batch: int, micro_batches=None) -> list[Layout]:
+    """Every pipeline × tensor × context × data factorisation of `gpus`, ZeRO stage — or FSDP2 without pipeline
+    stages, with each HSDP replica count —, micro batch (accumulation keeping the global batch; `micro_batches`
+    restricts them), activation checkpointing and sequence parallelism the recipe's validation would accept.
+    Context parallelism (Ulysses) goes with DeepSpeed and ZeRO 0–3 and tensor parallelism, not with pipeline stages,
+    FSDP2 or TP's sequence parallelism; query and key/value heads must divide by tensor × context and the sequence
+    by context."""
     heads = shape.heads
     layouts = []
     for pp in _divisors(gpus):
         if pp > shape.layers:
             continue
         for tp in _divisors(gpus // pp):
-            dp = gpus // (pp * tp)
-            if heads % tp or global_batch % dp:
+            if heads % tp:
                 continue
-            sharding = [("deepspeed", zero, 1) for zero in _zero_stages(pp, tp)]
-            if pp == 1:
-                sharding += [("fsdp2", 0, replicas) for replicas in _divisors(dp)]
-            for backend, zero, replicas in sharding:
-                for micro in _divisors(global_batch // dp):
-                    gas = global_batch // dp // micro
-                    for checkpointing in (False, True):
-                        for sp in _sequence_parallel_options(pp, tp, shape.seq_length):
-                            layouts.append(Layout(pp, tp, dp, zero, micro, gas, checkpointing, sp, backend, replicas))
+            for cp in _divisors(gpus // (pp * tp)):
+                dp = gpus // (pp * tp * cp)
+                if global_batch % dp or (cp > 1 and not _context_parallel_fits(shape, pp, tp, cp)):
+                    continue
+                sharding = [("deepspeed", zero, 1) for zero in _zero_stages(pp, tp)]
+                if pp == 1 and cp == 1:
+                    sharding += [("fsdp2", 0, replicas) for replicas in _divisors(dp)]
+                for backend, zero, replicas in sharding:
+                    for micro in _divisors(global_batch // dp):
+                        if micro_batches is not None and micro not in micro_batches:
+                            continue
+                        gas = global_batch // dp // micro
+                        for checkpointing in (False, True):
+                            for sp in _sequence_parallel_options(pp, tp, shape.seq_length) if cp == 1 else (False,):
+                                layouts.append(Layout(pp, tp, dp, zero, micro, gas, checkpointing, sp, backend,
+                                                      replicas, cp))
     return layouts
+
+
+def _context_parallel_fits(shape: ModelShape, pp: int, tp: int, cp: int) -> bool:
+    return (pp == 1 and shape.heads % (tp * cp) == 0 and shape.kv_heads % (tp * cp) == 0
+            and shape.seq_length % cp == 0)
 
 
 def _zero_stages(pp: int, tp: int) -> list[int]:
@@ -611,10 +750,13 @@ def _divisors(n: int) -> list[int]:
 
 
 def plan_for_recipe(recipe, gpus: int | None = None, gpu_memory_bytes: int | None = None, *, top: int = 10,
-                    assumptions: Assumptions | None = None, precision: str | None = None) -> Plan:
-    """The plan of `recipe`: its own layout (on `gpus`, default pipeline × tensor), and with `gpus` every layout
-    that fits `gpu_memory_bytes`, fastest first (the `top` of them). `precision` stands for `train.precision: auto`
-    (default: what `auto` resolves to on this machine)."""
+                    assumptions: Assumptions | None = None, precision: str | None = None,
+                    by_longest_sequence: bool = False) -> Plan:
+    """The plan of `recipe`: its own layout (on `gpus`, default pipeline × tensor × context), and with `gpus` every
+    layout that fits `gpu_memory_bytes`, fastest first (the `top` of them). With `gpu_memory_bytes` each listed
+    layout also gets the longest sequence it fits; `by_longest_sequence` ranks the layouts at micro batch 1 by it
+    instead (longest first, then fastest). `precision` stands for `train.precision: auto` (default: what `auto`
+    resolves to on this machine)."""
     assumptions = assumptions or Assumptions()
     shape = model_shape(recipe)
     precision = recipe.train.precision if recipe.train.precision != "auto" else precision or recipe_precision(recipe)
@@ -622,16 +764,27 @@ def plan_for_recipe(recipe, gpus: int | None = None, gpu_memory_bytes: int | Non
     own = plan_layout(recipe, shape, own_layout, precision, assumptions, gpu_memory_bytes)
     plan = Plan(own, gpus=gpus, gpu_memory_bytes=gpu_memory_bytes, assumptions=assumptions, precision=precision,
                 deepspeed=engine_for(recipe, own_layout, precision).deepspeed)
-    if gpus is None:
-        return plan
-    global_batch = (recipe.train.train_batch_size  # a GPT-NeoX config's batch: every layout proposed keeps it
-                    or own_layout.micro_batch * own_layout.gradient_accumulation_steps * own_layout.data)
-    plans = [plan_layout(recipe, shape, layout, precision, assumptions, gpu_memory_bytes)
-             for layout in candidate_layouts(recipe, shape, gpus, global_batch)]
-    fitting = [p for p in plans if p.fits is not False]
-    plan.considered, plan.fitting = len(plans), len(fitting)
-    plan.leanest = min(plans, key=lambda p: p.largest_stage.total, default=None)
-    plan.ranked = sorted(fitting, key=lambda p: (p.step_seconds, p.largest_stage.total))[:top]
+    if gpus is not None:
+        global_batch = (recipe.train.train_batch_size  # a GPT-NeoX config's batch: every layout proposed keeps it
+                        or own_layout.micro_batch * own_layout.gradient_accumulation_steps * own_layout.data)
+        micro_batches = {1} if by_longest_sequence else None
+        plans = [plan_layout(recipe, shape, layout, precision, assumptions, gpu_memory_bytes)
+                 for layout in candidate_layouts(recipe, shape, gpus, global_batch, micro_batches)]
+        fitting = [p for p in plans if p.fits is not False]
+        plan.considered, plan.fitting = len(plans), len(fitting)
+        plan.leanest = min(plans, key=lambda p: p.largest_stage.total, default=None)
+        if by_longest_sequence and gpu_memory_bytes is not None:
+            for p in plans:
+                p.longest_sequence = longest_sequence(recipe, shape, p.layout, precision, p.memory_limit)
+            plan.ranked = sorted((p for p in plans if p.longest_sequence),
+                                 key=lambda p: (-p.longest_sequence, p.step_seconds))[:top]
+        else:
+            plan.ranked = sorted(fitting, key=lambda p: (p.step_seconds, p.largest_stage.total))[:top]
+    plan.by_longest_sequence, plan.seq_length = by_longest_sequence, shape.seq_length
+    if gpu_memory_bytes is not None:
+        for p in [own, *plan.ranked]:
+            if p.longest_sequence is None:
+                p.longest_sequence = longest_sequence(recipe, shape, p.layout, precision, p.memory_limit)
     return plan
 
 
@@ -692,6 +845,9 @@ def _add_options(parser) -> None:
     parser.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU (e.g. 40, 80)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     parser.add_argument("--top", type=int, default=10, help="how many fitting layouts to list (default 10)")
+    parser.add_argument("--longest-sequence", action="store_true",
+                        help="with --gpus and --gpu-memory: rank the layouts (at micro batch 1) by the longest "
+                             "seq_length each fits, longest first, instead of by step time")
     parser.add_argument("--mfu", type=float, default=DEFAULT_MFU, help=f"assumed MFU (default {DEFAULT_MFU})")
     parser.add_argument("--mfu-from", default=None, metavar="RUN",
                         help="take the MFU a run measured: its output folder (or train_log.jsonl: the median of its "
@@ -725,7 +881,6 @@ def run_plan(args) -> int:
 
 def _plan_from_options(args, recipe_argv: list[str]) -> Plan:
     from neox_hf.errors import UsageError
-    from neox_hf.recipe.args import parse_run_args
 
     if args.gpus is not None and args.gpus < 1:
         raise UsageError(f"--gpus must be ≥ 1, got {args.gpus}")
@@ -735,16 +890,54 @@ def _plan_from_options(args, recipe_argv: list[str]) -> Plan:
         raise UsageError(f"--top must be ≥ 1 (how many fitting layouts to list), got {args.top}")
     if not 0 < args.mfu <= 1:
         raise UsageError(f"--mfu must be in (0, 1], got {args.mfu}")
-    recipe = parse_run_args(recipe_argv).recipe
+    recipe = read_recipe(recipe_argv)
     check_gpus_hold_layout(recipe, args.gpus)
     memory = None if args.gpu_memory is None else int(args.gpu_memory * GIB)
     # planned for GPUs elsewhere: `auto` is bf16 on every GPU with a datasheet peak here (compute capability ≥ 8)
     assumptions = assumptions_for(args.gpu, args.mfu)
     if args.mfu_from is not None:
         assumptions.mfu, assumptions.mfu_source = measured_mfu(args.mfu_from)
-    plan = plan_for_recipe(recipe, args.gpus, memory, top=args.top, assumptions=assumptions, precision="bf16")
+    if args.longest_sequence and (args.gpus is None or memory is None):
+        raise UsageError("--longest-sequence ranks the layouts on --gpus N GPUs of --gpu-memory GiB by the longest "
+                         "sequence each fits: give both")
+    plan = plan_for_recipe(recipe, args.gpus, memory, top=args.top, assumptions=assumptions, precision="bf16",
+                           by_longest_sequence=args.longest_sequence)
     check_some_layout_fits(plan)
     return plan
+
+
+_CONTEXT_PARALLEL_REFUSAL = re.compile(r"`parallel\.context_parallel: (\d+)` is not available yet")
+
+
+def read_recipe(argv: list[str]):
+    """The recipe of the command line, as training reads it. Until the engine splits sequences (issue 43) training's
+    validation refuses `parallel.context_parallel` > 1; a plan launches nothing, so it plans that size anyway: the
+    recipe validated at context parallel 1, the size put back, the heads checked against it here. Once validation
+    accepts the key this path is never taken."""
+    from dataclasses import replace
+
+    from neox_hf.errors import RecipeError, UsageError
+    from neox_hf.recipe.args import parse_run_args
+
+    try:
+        return parse_run_args(argv).recipe
+    except RecipeError as error:
+        refused = _CONTEXT_PARALLEL_REFUSAL.search(str(error))
+        if not refused:
+            raise
+    context = int(refused.group(1))
+    recipe = parse_run_args([*argv, "--parallel.context_parallel", "1"]).recipe
+    p, m = recipe.parallel, recipe.model
+    group = p.tensor_parallel * context
+    kv_heads = m.num_kv_heads or m.num_attention_heads
+    if m.num_attention_heads % group or kv_heads % group:
+        raise UsageError(f"`parallel.context_parallel: {context}` × `parallel.tensor_parallel: {p.tensor_parallel}` "
+                         f"must divide the query heads ({m.num_attention_heads}) and key/value heads ({kv_heads}): "
+                         "Ulysses gives each rank whole heads")
+    if p.pipeline_parallel > 1 or p.backend != "deepspeed" or p.sequence_parallel:
+        raise UsageError(f"`parallel.context_parallel: {context}` goes with DeepSpeed (ZeRO 0–3) and tensor "
+                         "parallelism; not with pipeline_parallel, backend fsdp2 or sequence_parallel")
+    return replace(recipe, parallel=replace(p, context_parallel=context))
 
 
 def check_some_layout_fits(plan: Plan) -> None:
@@ -755,8 +948,8 @@ def check_some_layout_fits(plan: Plan) -> None:
         return
     if plan.leanest is None:
         raise UsageError(f"no layout splits the recipe over {plan.gpus} GPUs: pipeline stages must not outnumber the "
-                         "layers, tensor parallel must divide the attention heads and data parallel the global batch; "
-                         "give another --gpus")
+                         "layers, tensor (× context) parallel must divide the attention heads and data parallel the "
+                         "global batch; give another --gpus")
     lean = plan.leanest
     raise UsageError(f"none of the {plan.considered} layouts on {plan.gpus} GPUs fits in {_gib(plan.gpu_memory_bytes)} "
                      f"GiB per GPU: the leanest ({describe_layout(lean.layout)}) needs "
@@ -811,10 +1004,12 @@ def check_gpus_hold_layout(recipe, gpus: int | None) -> None:
 
     from neox_hf.recipe import accumulation_for_train_batch, data_parallel_for_train_batch
 
-    need = recipe.parallel.pipeline_parallel * recipe.parallel.tensor_parallel
+    p = recipe.parallel
+    need = p.pipeline_parallel * p.tensor_parallel * p.context_parallel
     if gpus is not None and gpus % need:
-        raise UsageError(f"--gpus {gpus} cannot hold the recipe's layout (pipeline {recipe.parallel.pipeline_parallel} "
-                         f"× tensor {recipe.parallel.tensor_parallel} = {need} per replica); give a multiple of {need}")
+        context = f" × context {p.context_parallel}" if p.context_parallel > 1 else ""
+        raise UsageError(f"--gpus {gpus} cannot hold the recipe's layout (pipeline {p.pipeline_parallel} "
+                         f"× tensor {p.tensor_parallel}{context} = {need} per replica); give a multiple of {need}")
     t = recipe.train
     if gpus is not None and t.train_batch_size is not None and accumulation_for_train_batch(t, gpus // need) is None:
         dp, per_replica = gpus // need, f" (× {need} per replica)" if need > 1 else ""
@@ -832,7 +1027,8 @@ def describe_layout(layout: Layout) -> str:
         sharding = f"FSDP2 HSDP {r} × {layout.data // r}" if r > 1 else "FSDP2"
     else:
         sharding = f"ZeRO-{layout.zero_stage}"
-    parts = [f"pipe {layout.pipeline} × tensor {layout.tensor} × data {layout.data}", sharding,
+    context = f" × context {layout.context}" if layout.context > 1 else ""
+    parts = [f"pipe {layout.pipeline} × tensor {layout.tensor}{context} × data {layout.data}", sharding,
              f"micro {layout.micro_batch} × accumulation {layout.gradient_accumulation_steps}"]
     if layout.activation_checkpointing:
         parts.append("checkpointing")
@@ -849,21 +1045,39 @@ _COLUMNS = ("params", "grads", "optimizer", "activations", "loss", "total")
 
 
 def plan_table(plan: Plan) -> list[str]:
-    header = (f"| {'layout':<96} | " + " | ".join(f"{c:>9}" for c in _COLUMNS) + " | fits | step s | bubble |")
+    header = (f"| {'layout':<104} | " + " | ".join(f"{c:>9}" for c in _COLUMNS)
+              + " | fits | step s | bubble | longest seq |")
     lines = [f"GiB per rank ({plan.precision}; the recipe's pipeline stages each, other layouts their largest stage); "
              f"{plan.assumptions.describe()}",
              "grads: at the optimizer step (ZeRO's reduced partition); whole gradients held while a step's micro-batches "
-             "run (no ZeRO, ZeRO-1, pipelines) count in total, which is the step's peak, not the columns' sum", header,
+             "run (no ZeRO, ZeRO-1, pipelines) count in total, which is the step's peak, not the columns' sum; "
+             f"longest seq: the longest seq_length (a multiple of {LONGEST_SEQUENCE_STEP}) at which the layout, its "
+             "micro batch as listed, still fits", header,
              "|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|"]
     own = plan.recipe_layout
     lines += _rows(own, "recipe: ", every_stage=True)
     if plan.gpus is not None:
-        lines.append(f"{plan.fitting} of {plan.considered} layouts on {plan.gpus} GPUs fit"
-                     + (f" in {_gib(plan.gpu_memory_bytes)} GiB" if plan.gpu_memory_bytes else "")
-                     + f"; the {len(plan.ranked)} fastest:")
+        memory = f" in {_gib(plan.gpu_memory_bytes)} GiB" if plan.gpu_memory_bytes else ""
+        if plan.by_longest_sequence:
+            lines.append(f"{plan.fitting} of {plan.considered} layouts at micro batch 1 on {plan.gpus} GPUs "
+                         f"fit{memory} at seq_length {plan.seq_length}; the {len(plan.ranked)} that fit the longest "
+                         "sequences:")
+        else:
+            lines.append(f"{plan.fitting} of {plan.considered} layouts on {plan.gpus} GPUs fit{memory}"
+                         f"; the {len(plan.ranked)} fastest:")
         for p in plan.ranked:
             lines += _rows(p, "")
+        if plan.by_longest_sequence and plan.ranked:
+            best = plan.ranked[0]
+            lines.append(f"longest sequence on {plan.gpus} GPUs of {_gib(plan.gpu_memory_bytes)} GiB: "
+                         f"{_longest(best.longest_sequence).strip()} tokens ({describe_layout(best.layout)})")
     return lines
+
+
+def _longest(n: int | None) -> str:
+    if n is None:
+        return "–"
+    return f"≥{n}" if n >= LONGEST_SEQUENCE_CAP else str(n)
 
 
 def _rows(p: LayoutPlan, prefix: str, every_stage: bool = False) -> list[str]:
@@ -873,5 +1087,6 @@ def _rows(p: LayoutPlan, prefix: str, every_stage: bool = False) -> list[str]:
         fits = {None: "  – ", True: " yes", False: "  NO"}[p.fits if p.fits is None else s.total <= p.memory_limit]
         name = prefix + describe_layout(p.layout) + (f" [stage {s.stage}]" if p.layout.pipeline > 1 else "")
         cells = " | ".join(f"{_gib(getattr(s, c)):>9}" for c in _COLUMNS)
-        rows.append(f"| {name:<96} | {cells} | {fits} | {p.step_seconds:6.2f} | {p.bubble:6.3f} |")
+        rows.append(f"| {name:<104} | {cells} | {fits} | {p.step_seconds:6.2f} | {p.bubble:6.3f} | "
+                    f"{_longest(p.longest_sequence):>11} |")
     return rows

@@ -10,6 +10,7 @@ before the weights are updated) within 5%, the step's peak within 15%.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -163,7 +164,7 @@ def test_plan_json_for_20b_on_96_gpus_of_40_gb(capsys):
     assert ranked and all(layout["fits"] for layout in ranked)
     assert [layout["step_seconds"] for layout in ranked] == sorted(layout["step_seconds"] for layout in ranked)
     for layout in ranked:
-        assert layout["pipeline"] * layout["tensor"] * layout["data"] == 96
+        assert layout["pipeline"] * layout["tensor"] * layout["context"] * layout["data"] == 96
         assert layout["micro_batch"] * layout["gradient_accumulation_steps"] * layout["data"] == 4 * 32 * 12
 
 
@@ -257,3 +258,125 @@ def test_plan_takes_the_mfu_a_run_measured_and_says_so(tmp_path, capsys):
     assert main(["plan", str(REPO / "recipes/tiny.yaml"), "--mfu-from", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "--mfu-from" in err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Context parallelism (issue 43) and the Llama family
+# ----------------------------------------------------------------------------------------------------------------
+
+TINY_LLAMA = ["recipes/tiny-llama.yaml", "--model.vocab_size", "1024", "--train.precision", "bf16"]
+
+
+def _saved_bytes_of_a_llama_layer(config, tokens: int) -> int:
+    """What autograd keeps for one transformers LlamaDecoderLayer (bf16 weights, as DeepSpeed's bf16 holds them) on
+    one row of `tokens` positions, by saved-tensor hooks (storages counted once, weights and rotary tables left out)."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    torch.manual_seed(0)
+    layer = LlamaDecoderLayer(config, 0).to(torch.bfloat16)
+    x = torch.randn(1, tokens, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.arange(tokens)[None]
+    cos, sin = (t.detach() for t in LlamaRotaryEmbedding(config)(x, positions))
+    saved = {}
+
+    def pack(tensor):
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        layer(x, attention_mask=None, position_ids=positions, position_embeddings=(cos, sin))
+    left_out = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), cos, sin)}
+    return sum(n for ptr, n in saved.items() if ptr not in left_out)
+
+
+def test_llama_layer_activations_match_saved_tensors_and_fall_by_the_context_parallel_size():
+    """The plan's Llama layer (grouped-query attention: 4 query, 2 key/value heads) against what autograd saves, at
+    context parallel 1 and 2: a context-parallel rank keeps its seq/2 positions of the norms and the MLP, and after
+    Ulysses' all-to-all the whole sequence of q, k, v and the attention output for half the heads — as many elements
+    as one process's layer on seq/2 positions, which is what is measured for it."""
+    from neox_hf.plan import Layout, layer_activation_bytes, model_shape
+
+    shape = model_shape(_recipe(*(str(REPO / a) if a.endswith(".yaml") else a for a in TINY_LLAMA)))
+    assert (shape.heads, shape.kv_heads, shape.seq_length) == (4, 2, 128)
+    config = shape.config
+    config._attn_implementation = "sdpa"
+    for context in (1, 2):
+        layout = Layout(1, 1, 1, 2, 1, 1, False, False, context=context)
+        planned = layer_activation_bytes(shape, layout, element=2)
+        assert planned == pytest.approx(_saved_bytes_of_a_llama_layer(config, 128 // context), rel=0.01), context
+    one = layer_activation_bytes(shape, Layout(1, 1, 1, 2, 1, 1, False, False), 2)
+    assert layer_activation_bytes(shape, Layout(1, 1, 1, 2, 1, 1, False, False, context=2), 2) == one // 2
+
+
+def test_context_parallel_rows_by_arithmetic():
+    """Context parallelism in the plan, by hand: activations and the loss's tokens fall by c; ZeRO shards over data ×
+    context (DeepSpeed's sequence-data-parallel group), so context 2 × data 1 holds what data 2 holds; the step adds
+    four all-to-alls per layer (forward, backward, and the recompute under checkpointing); candidates keep whole
+    query and key/value heads per rank and no pipeline stages, FSDP2 or TP sequence parallelism."""
+    from neox_hf.plan import (Assumptions, Layout, all_to_all_bytes, candidate_layouts, context_parallel_seconds,
+                              engine_for, model_shape, stage_bytes)
+
+    recipe = _recipe(*(str(REPO / a) if a.endswith(".yaml") else a for a in TINY_LLAMA))
+    shape = model_shape(recipe)
+    method = recipe.parallel.pipe_partition_method
+
+    def stage(layout):
+        return stage_bytes(shape, layout, engine_for(recipe, layout, "bf16"), True, method)[0]
+
+    for zero in (0, 1, 2, 3):
+        cp2 = stage(Layout(1, 1, 1, zero, 4, 1, False, False, context=2))
+        dp2 = stage(Layout(1, 1, 2, zero, 4, 1, False, False))
+        assert (cp2.params, cp2.grads, cp2.optimizer) == (dp2.params, dp2.grads, dp2.optimizer), zero
+    whole = stage(Layout(1, 1, 1, 2, 4, 1, False, False))
+    split = stage(Layout(1, 1, 1, 2, 4, 1, False, False, context=2))
+    assert split.activations == pytest.approx(whole.activations / 2, abs=8)
+    assert split.loss < whole.loss
+
+    h, hd, layers = shape.hidden, shape.cache["head_dim"], shape.layers
+    layout = Layout(1, 1, 1, 2, 4, 3, True, False, context=2)
+    tokens = 4 * 128 // 2
+    assert all_to_all_bytes(shape, layout, 2) == 2 * (2 * 4 + 2 * 2) * hd * tokens * 2  # send + receive of q, k, v, out
+    sent = (2 - 1) / 2 * (2 * 4 + 2 * 2) * hd * tokens * 2
+    assumptions = Assumptions()
+    assert context_parallel_seconds(shape, layout, engine_for(recipe, layout, "bf16"), assumptions) == pytest.approx(
+        sent * 3 * layers * 3 / assumptions.tp_bandwidth)  # 3 passes (checkpointing) × layers × 3 micro-batches
+    assert h == 128
+
+    layouts = candidate_layouts(recipe, shape, 8, 8)
+    contexts = {(l.tensor, l.context) for l in layouts}
+    assert (1, 2) in contexts and (2, 1) in contexts and (1, 4) not in contexts and (2, 2) not in contexts  # 2 KV heads
+    assert all(l.pipeline == 1 and l.backend == "deepspeed" and not l.sequence_parallel
+               for l in layouts if l.context > 1)
+    assert all(l.gpus == 8 for l in layouts)
+
+
+def test_llama2_7b_at_32k_on_8_gpus_of_80_gb(capsys):
+    """The issue's question: Llama-2-7B at 32,768 tokens on 8 GPUs of 80 GB. recipes/llama2-7b-32k.yaml's layout —
+    context parallel 8, ZeRO-2, no activation checkpointing — fits, and the plan names the longest sequence it and
+    every listed layout would fit; `--longest-sequence` ranks the layouts by it."""
+    from neox_hf.cli import main
+
+    argv = ["plan", str(REPO / "recipes/llama2-7b-32k.yaml"), "--gpus", "8", "--gpu-memory", "80"]
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    own, *ranked = plan["layouts"]
+    assert {k: own[k] for k in ("pipeline", "tensor", "context", "data", "zero_stage", "micro_batch",
+                                "activation_checkpointing")} == {
+        "pipeline": 1, "tensor": 1, "context": 8, "data": 1, "zero_stage": 2, "micro_batch": 1,
+        "activation_checkpointing": False}
+    assert own["fits"] is True and 40 < own["bytes_per_rank"]["total"] / 2**30 < 60
+    assert 32768 <= own["longest_sequence"] < 131072  # without checkpointing: ~74k tokens
+    assert any(layout["context"] == 8 for layout in ranked) and all(layout["fits"] for layout in ranked)
+    assert all(layout["longest_sequence"] >= 32768 for layout in ranked)
+
+    assert main([*argv, "--longest-sequence", "--top", "3"]) == 0
+    table = capsys.readouterr().out
+    assert "recipe: pipe 1 × tensor 1 × context 8 × data 1, ZeRO-2, micro 1 × accumulation 32" in table
+    longest = re.search(r"longest sequence on 8 GPUs of 80.00 GiB: (\d+) tokens \((.*)\)", table)
+    assert longest and int(longest.group(1)) > 500_000 and "checkpointing" in longest.group(2)
+
+    for bad in (["--gpus", "8", "--longest-sequence"], ["--gpus", "8", "--parallel.context_parallel", "3"]):
+        assert main(["plan", str(REPO / "recipes/llama2-7b-32k.yaml"), *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err
