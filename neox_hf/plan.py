@@ -48,7 +48,6 @@ import contextlib
 import functools
 import json
 import math
-import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -906,38 +905,12 @@ def _plan_from_options(args, recipe_argv: list[str]) -> Plan:
     return plan
 
 
-_CONTEXT_PARALLEL_REFUSAL = re.compile(r"`parallel\.context_parallel: (\d+)` is not available yet")
-
-
 def read_recipe(argv: list[str]):
-    """The recipe of the command line, as training reads it. Until the engine splits sequences (issue 43) training's
-    validation refuses `parallel.context_parallel` > 1; a plan launches nothing, so it plans that size anyway: the
-    recipe validated at context parallel 1, the size put back, the heads checked against it here. Once validation
-    accepts the key this path is never taken."""
-    from dataclasses import replace
-
-    from neox_hf.errors import RecipeError, UsageError
+    """The recipe of the command line, as training reads and validates it (context parallelism's head rule
+    included)."""
     from neox_hf.recipe.args import parse_run_args
 
-    try:
-        return parse_run_args(argv).recipe
-    except RecipeError as error:
-        refused = _CONTEXT_PARALLEL_REFUSAL.search(str(error))
-        if not refused:
-            raise
-    context = int(refused.group(1))
-    recipe = parse_run_args([*argv, "--parallel.context_parallel", "1"]).recipe
-    p, m = recipe.parallel, recipe.model
-    group = p.tensor_parallel * context
-    kv_heads = m.num_kv_heads or m.num_attention_heads
-    if m.num_attention_heads % group or kv_heads % group:
-        raise UsageError(f"`parallel.context_parallel: {context}` × `parallel.tensor_parallel: {p.tensor_parallel}` "
-                         f"must divide the query heads ({m.num_attention_heads}) and key/value heads ({kv_heads}): "
-                         "Ulysses gives each rank whole heads")
-    if p.pipeline_parallel > 1 or p.backend != "deepspeed" or p.sequence_parallel:
-        raise UsageError(f"`parallel.context_parallel: {context}` goes with DeepSpeed (ZeRO 0–3) and tensor "
-                         "parallelism; not with pipeline_parallel, backend fsdp2 or sequence_parallel")
-    return replace(recipe, parallel=replace(p, context_parallel=context))
+    return parse_run_args(argv).recipe
 
 
 def check_some_layout_fits(plan: Plan) -> None:
