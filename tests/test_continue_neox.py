@@ -92,7 +92,9 @@ def neox_runs(tmp_path_factory):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                str(REPO / "tests/workers/neox_ds_checkpoint.py"), str(folder / "out"), str(batches),
                *(f"tp{tp}={configs[tp]}:{tp}" for tp in (1, 2)), f"pipe2={configs[2]}:2:pipeline", f"kto={unpaired}"]
-    done = subprocess.run(command, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=900)
+    # the worker imports tests.conftest, as tp_tp2.py does: the repository on its path
+    done = subprocess.run(command, cwd=REPO, env=launch_env(PYTHONPATH=str(REPO)), capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
     return {**{tp: (configs[tp], folder / "out" / f"tp{tp}") for tp in (1, 2)}, "out": folder / "out",
             "pipeline": (configs[2], folder / "out" / "pipe2")}
