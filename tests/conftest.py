@@ -73,6 +73,21 @@ def start_init_layouts(out_dir, layouts: dict[str, str], *common: str, num_proce
                             cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def start_torchrun_layouts(out_dir, layouts: dict[str, str], *common: str, num_processes: int = 2,
+                           probes: tuple[str, ...] = ()):
+    """`start_init_layouts` under torchrun, for launches that hold FSDP2 runs (`accelerate launch --use_deepspeed`
+    marks the environment as DeepSpeed's, which an FSDP2 recipe refuses; DeepSpeed runs take their plugin from their
+    recipes here); with `probes`, tests/workers/fsdp2_layouts.py's flags (`--count NAME`, `--kill-in-save NAME:STEP`)
+    and that worker."""
+    import subprocess
+
+    specs = [f"{name}={overrides}" for name, overrides in layouts.items()]
+    worker = REPO / "tests/workers" / ("fsdp2_layouts.py" if probes else "init_layouts.py")
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                             str(num_processes), str(worker), *probes, str(out_dir), *specs, "--", *common],
+                            cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def finish_launch(launch, what: str, timeout: int = 900) -> None:
     """Wait for a `start_init_layouts` launch; fail with the end of its output unless it succeeded."""
     output, _ = launch.communicate(timeout=timeout)

@@ -4,27 +4,30 @@ point under torchrun (gloo, fp32, dropout 0, a 2-layer hidden-64 model):
 - FSDP2 over 2 data-parallel ranks trains the same 6 steps as one process: losses within 1e-5, final weights within
   1e-4, in pack mode (GPT-NeoX's order: the global batch is layout-free), and as DeepSpeed ZeRO-1 DP2 in pad mode
   (streamed sources are read per data-parallel rank, so one process trains other batches);
-- its checkpoint (the layout-free DTensors) resumes on one process, one process's on FSDP2, and FSDP2's on FSDP2,
-  each continuing steps 4–6 as the uninterrupted run (tests/test_resume_any_layout.py's bound); `neox_hf export`
-  reads an FSDP2 step folder;
+- its checkpoint (the layout-free DTensors, the one format it writes) is intact after every rank was SIGKILLed in the
+  middle of the next save, and resumes on one process continuing steps 4–6 as the uninterrupted run (the resumes
+  onto and from one process, DeepSpeed ZeRO-2/3, TP and pipeline stages are tests/test_resume_any_layout.py's);
+  `neox_hf export` reads an FSDP2 step folder;
+- with gradient accumulation FSDP2 reduce-scatters once per step (counted by torch's CommDebugMode), not once per
+  micro-batch, and still trains as one process;
 - HSDP 2 × 2 and our tensor parallelism (TP2 + sequence parallelism) inside FSDP2 DP2 train as one process too (4
   processes), and TP2 × FSDP2's checkpoint resumes on one process;
 - the recipe refuses what the backend does not run, each in one line.
 
-To keep CPU down, the 2-process runs of a phase share one launch (tests/workers/init_layouts.py) and the one-process
-runs run in the test process beside it."""
+To keep CPU down, the 2-process runs share one launch (tests/workers/fsdp2_layouts.py: init_layouts.py with the
+collective count and the kill), the 4-process ones another, and the one-process runs run in the test process."""
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.conftest import REPO, finish_launch, launch_env, train_in_this_process
+from tests.conftest import REPO, finish_launch, start_torchrun_layouts, train_in_this_process
 from tests.test_resume import step_losses
 from tests.test_resume_any_layout import TINY, assert_continues, pack_data, pad_data  # noqa: F401 (fixtures)
 
@@ -40,16 +43,6 @@ def _dp2() -> list[str]:
     return ["--train.micro_batch_size", "2"]
 
 
-def start_torchrun_layouts(out_dir: Path, layouts: dict[str, str], num_processes: int = 2):
-    """tests/workers/init_layouts.py under torchrun (not `accelerate launch --use_deepspeed`, whose environment asks
-    Accelerate for DeepSpeed): each NAME's overrides in OUT_DIR/NAME, one after the other."""
-    specs = [f"{name}={overrides}" for name, overrides in layouts.items()]
-    worker = REPO / "tests/workers/init_layouts.py"
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                             str(num_processes), str(worker), str(out_dir), *specs, "--"],
-                            cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, pack_data, pad_data) -> dict[str, Path]:  # noqa: F811
     root = tmp_path_factory.mktemp("fsdp2")
@@ -62,28 +55,35 @@ def runs(tmp_path_factory, pack_data, pad_data) -> dict[str, Path]:  # noqa: F81
     def in_process(name, mode, *extra):
         train_in_this_process(shlex.split(args(name, mode, *extra)))
 
-    # Phase 1: the sources (6 steps, a checkpoint at step 3).
-    launch = start_torchrun_layouts(root, {"fsdp2_pack": args("fsdp2_pack", "pack", *_dp2(), *FSDP2),
-                                           "fsdp2_pad": args("fsdp2_pad", "pad", *_dp2(), *FSDP2),
-                                           "zero1_pad": args("zero1_pad", "pad", *_dp2(),
-                                                             "--parallel.zero_stage", "1")})
-    in_process("one_pack", "pack", *_one())
-    finish_launch(launch, "the FSDP2 sources", timeout=600)
-    # Phase 2: resumes from step 3.
-    resume = lambda source: ["--train.resume", str(root / source / STEP3)]  # noqa: E731
+    # One 2-process launch: the sources (6 steps, a checkpoint at step 3) and the other 2-process runs; last,
+    # fsdp2_pack again, killed (kill -9 of every rank) in the middle of its step-6 checkpoint save, which ends the
+    # launch. The one-process reference trains meanwhile in this process.
     launch = start_torchrun_layouts(root, {
-        "one_to_fsdp2": args("one_to_fsdp2", "pack", *_dp2(), *FSDP2, *resume("one_pack")),
-        "fsdp2_to_fsdp2": args("fsdp2_to_fsdp2", "pad", *_dp2(), *FSDP2, *resume("fsdp2_pad")),
+        "fsdp2_pack": args("fsdp2_pack", "pack", *_dp2(), *FSDP2),
+        "fsdp2_pad": args("fsdp2_pad", "pad", *_dp2(), *FSDP2),
+        "zero1_pad": args("zero1_pad", "pad", *_dp2(), "--parallel.zero_stage", "1"),
         # the same global batch as micro-batches of 1 accumulated twice, layers recomputed in backward
         "fsdp2_ac_gas2": args("fsdp2_ac_gas2", "pack", *FSDP2, "--train.micro_batch_size", "1",
-                              "--train.gradient_accumulation_steps", "2",
-                              "--parallel.activation_checkpointing", "true"),
+                              "--train.gradient_accumulation_steps", "2", "--parallel.activation_checkpointing",
+                              "true"),
         "fsdp2_bf16": args("fsdp2_bf16", "pack", *_dp2(), *FSDP2, "--train.precision", "bf16"),
-        "zero1_to_fsdp2": args("zero1_to_fsdp2", "pad", *_dp2(), *FSDP2, *resume("zero1_pad")),
-        "fsdp2_to_zero1": args("fsdp2_to_zero1", "pad", *_dp2(), "--parallel.zero_stage", "1",
-                               *resume("fsdp2_pad"))})
-    in_process("fsdp2_to_one", "pack", *_one(), *resume("fsdp2_pack"))
-    finish_launch(launch, "the FSDP2 resumes", timeout=600)
+        "fsdp2_killed": args("fsdp2_killed", "pack", *_dp2(), *FSDP2)},
+        probes=("--count", "fsdp2_pack", "--count", "fsdp2_ac_gas2", "--kill-in-save", "fsdp2_killed:6"))
+    in_process("one_pack", "pack", *_one())
+    output, _ = launch.communicate(timeout=900)
+    finished = ("fsdp2_pack", "fsdp2_pad", "zero1_pad", "fsdp2_ac_gas2", "fsdp2_bf16")
+    statuses = [root / f"{name}.status" for name in finished]
+    assert [s.read_text() if s.is_file() else None for s in statuses] == ["0"] * len(finished), output[-5000:]
+    assert launch.returncode != 0 and (root / "fsdp2_killed.killed").is_file(), output[-5000:]
+    killed = root / "fsdp2_killed"
+    (root / "fsdp2_killed.at_kill.json").write_text(json.dumps({  # what the kill left, before the resume cleans up
+        "latest": (killed / "checkpoints" / "latest").read_text(),
+        "checkpoints": sorted(p.name for p in (killed / "checkpoints").iterdir()),
+        "final_folder": (killed / "config.json").exists()}))
+    # The killed run resumed (`--resume`: its `latest`) on one process: FSDP2's layout-free step 3 on another layout
+    # (one process → FSDP2 is tests/test_resume_any_layout.py's).
+    in_process("fsdp2_killed", "pack", *_one(), "--resume")
+    resume = lambda source: ["--train.resume", str(root / source / STEP3)]  # noqa: E731
     # 4 processes: HSDP 2 replicas × 2 shards (a micro-batch of 1 per rank); our TP2 (+ sequence parallelism)
     # inside FSDP2 over 2 data-parallel ranks; then TP2 × FSDP2's checkpoint resumed on one process.
     launch = start_torchrun_layouts(root, {
@@ -96,11 +96,12 @@ def runs(tmp_path_factory, pack_data, pad_data) -> dict[str, Path]:  # noqa: F81
     return {path.name: path for path in root.iterdir() if path.is_dir()}
 
 
-def _assert_same_run(want: Path, got: Path, *, loss_tol: float = 1e-5, weight_tol: float = 1e-4) -> None:
+def _assert_same_run(want: Path, got: Path, *, loss_tol: float = 1e-5, weight_tol: float = 1e-4,
+                     steps: list[int] = [1, 2, 3, 4, 5, 6]) -> None:  # noqa: B006 (read only)
     from safetensors.torch import load_file
 
     reference, losses = step_losses(want), step_losses(got)
-    assert sorted(losses) == sorted(reference) == [1, 2, 3, 4, 5, 6], (reference, losses)
+    assert sorted(losses) == sorted(reference) == steps, (reference, losses)
     worst_loss = max(abs(losses[s] - reference[s]) for s in reference)
     assert worst_loss <= loss_tol, (reference, losses)
     a, b = load_file(want / "model.safetensors"), load_file(got / "model.safetensors")
@@ -169,32 +170,47 @@ def test_fsdp2_dp2_trains_as_deepspeed_dp2_in_pad_mode(runs):
 
 
 @pytest.mark.distributed
-def test_fsdp2_checkpoint_is_layout_free_and_resumes_on_one_process(runs):
+def test_fsdp2_accumulation_reduces_gradients_once_per_step(runs):
+    """With 2 micro-batches per step FSDP2 reduce-scatters the gradients in the last micro-batch's backward only:
+    the run makes as many reduce-scatters as the same 6 steps without accumulation (one per sharded group and step;
+    twice as many if every micro-batch reduced), and still trains as one process
+    (test_fsdp2_with_activation_checkpointing_and_accumulation_trains_as_one_process)."""
+    counts = {name: json.loads((runs[name].parent / f"{name}.collectives.json").read_text())
+              for name in ("fsdp2_pack", "fsdp2_ac_gas2")}
+    reduce_scatters = {name: sum(calls for op, calls in counted.items() if "reduce_scatter" in op)
+                       for name, counted in counts.items()}
+    groups = 2 + 2  # the 2 decoder layers, the decoder (embeddings, final norm), the head; the model root holds none
+    assert reduce_scatters == {"fsdp2_pack": 6 * groups, "fsdp2_ac_gas2": 6 * groups}, counts
+
+
+@pytest.mark.distributed
+def test_a_kill_during_an_fsdp2_save_loses_nothing_and_its_checkpoint_resumes_on_one_process(runs):
+    """Every rank SIGKILLed in the middle of the step-6 save (its layout-free chunks written, not its trainer state
+    or rename): `latest` still names step 3 and the half-written step 6 is staging only; `--resume` removes the
+    staging and continues from step 3 (FSDP2's layout-free state, read on one process) as the uninterrupted FSDP2 run
+    did: steps 4-6 within 1e-5 (every layout trains GPT-NeoX's order as one process within it), weights as
+    tests/test_resume_any_layout.py bounds them."""
+    at_kill = json.loads((runs["fsdp2_killed"].parent / "fsdp2_killed.at_kill.json").read_text())
+    assert at_kill == {"latest": "step_00000003", "checkpoints": [".tmp-step_00000006", "latest", "step_00000003"],
+                       "final_folder": False}, at_kill
+    expected, got = step_losses(runs["fsdp2_pack"]), step_losses(runs["fsdp2_killed"])
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    assert all(abs(got[step] - expected[step]) <= 1e-5 for step in (4, 5, 6)), (expected, got)
+    assert_continues(runs["fsdp2_pack"], runs["fsdp2_killed"])
+    left = sorted(p.name for p in (runs["fsdp2_killed"] / "checkpoints").iterdir())
+    assert left == ["latest", "step_00000003", "step_00000006"], left
+
+
+@pytest.mark.distributed
+def test_an_fsdp2_step_folder_holds_one_format(runs):
+    """The layout-free state (DCP of the DTensors: each rank's chunks once) beside each rank's trainer state and RNG
+    state and the config + tokenizer that make the folder exportable: no second, per-rank copy of the model or the
+    optimizer (no Accelerate/FSDP `pytorch_model_fsdp*`, `optimizer*.bin`, safetensors of a rank's shards)."""
     step = runs["fsdp2_pack"] / STEP3
-    assert (step / "layout_free" / ".metadata").is_file()
-    assert not (step / "model.safetensors").exists()  # no second, per-rank copy of the weights
-    assert_continues(runs["fsdp2_pack"], runs["fsdp2_to_one"])
-
-
-@pytest.mark.distributed
-def test_one_process_checkpoint_resumes_on_fsdp2(runs):
-    assert_continues(runs["one_pack"], runs["one_to_fsdp2"])
-    printed = (runs["one_to_fsdp2"].parent / "one_to_fsdp2.stdout").read_text()
-    assert "resuming step 3 written by 1 process without DeepSpeed on FSDP2 on 2 processes" in printed, printed[-2000:]
-
-
-@pytest.mark.distributed
-def test_deepspeed_and_fsdp2_resume_each_others_checkpoints(runs):
-    """ZeRO-1 DP2 ↔ FSDP2 DP2 in pad mode (the same data-parallel size keeps each rank's streamed position)."""
-    assert_continues(runs["zero1_pad"], runs["zero1_to_fsdp2"])
-    assert_continues(runs["fsdp2_pad"], runs["fsdp2_to_zero1"])
-    printed = (runs["fsdp2_to_zero1"].parent / "fsdp2_to_zero1.stdout").read_text()
-    assert "resuming step 3 written by FSDP2 on 2 processes on DeepSpeed ZeRO-1 on 2 processes" in printed
-
-
-@pytest.mark.distributed
-def test_fsdp2_resumes_on_the_same_layout(runs):
-    assert_continues(runs["fsdp2_pad"], runs["fsdp2_to_fsdp2"])
+    assert sorted(str(p.relative_to(step)) for p in step.rglob("*") if p.is_file()) == [
+        "config.json", "layout_free/.metadata", "layout_free/__0_0.distcp", "layout_free/__1_0.distcp",
+        "random_states_0.pkl", "random_states_1.pkl", "tokenizer.json", "tokenizer_config.json",
+        "trainer_state_rank0.pt", "trainer_state_rank1.pt"]
 
 
 @pytest.mark.distributed
@@ -209,6 +225,44 @@ def test_export_reads_an_fsdp2_step_folder(runs, tmp_path, capsys):
         capsys.readouterr().err
     want, got = load_file(source / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-layer torch.compile under FSDP2 (the GPU tier: tests/test_cuda.py's convention)
+# ----------------------------------------------------------------------------------------------------------------
+
+COMPILE_DEVICE = os.environ.get("NEOX_HF_TEST_DEVICE", "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(COMPILE_DEVICE == "cuda" and not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU (NEOX_HF_TEST_DEVICE=cpu runs the body on CPU)")
+def test_fsdp2_with_per_layer_compile_trains_as_eager_fsdp2(tmp_path, capsys, monkeypatch, fresh_accelerate_state):
+    """`train.compile: true` under FSDP2: each decoder layer compiled before fully_shard (torchtitan's order), FSDP2's
+    hooks eager around the compiled forward; 4 steps of FSDP2 on one process (a group of one: the same hooks,
+    all-gathers and reduce-scatters over one rank) against the same run eager, fp32 with full-precision matmuls:
+    losses within 1e-5; weights within 1e-3, test_resume_any_layout's bound, not 1e-4: inductor's fused kernels
+    sum in another order, and where an element's gradient is rounding noise (embedding rows, the key bias) Adam's
+    g/√v turns the noise's sign into steps of up to lr (2e-3) — on CPU the worst was 1.4e-4, an embedding row, with
+    every other tensor within 1e-5. On the GPU (inductor's Triton kernels; not yet run on one here) or, with
+    NEOX_HF_TEST_DEVICE=cpu, on CPU (its C++ kernels; FSDP2 DP2 under torchrun measured the same). Compiling costs
+    ~45 s of CPU on 2 cores, hence this tier rather than the CPU suite."""
+    from tests.test_cuda import in_process_run, tiny_run_args
+
+    if COMPILE_DEVICE != "cuda":
+        monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # TF32 would round both runs' inputs differently
+    try:
+        for setting in ("false", "true"):
+            printed = in_process_run(*tiny_run_args(tmp_path / setting, *FSDP2, "--train.compile", setting,
+                                                    "--train.train_iters", "4", "--model.num_layers", "2",
+                                                    "--model.hidden_dropout", "0", "--model.attention_dropout", "0"),
+                                     capsys=capsys)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert "each decoder layer compiled" in printed, printed[-2000:]
+    _assert_same_run(tmp_path / "false", tmp_path / "true", weight_tol=1e-3, steps=[1, 2, 3, 4])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -250,8 +304,7 @@ def test_hsdp_needs_fsdp2_and_fsdp2_refuses_what_it_does_not_run():
 
     with pytest.raises(RecipeError, match=r"`parallel.dp_replicate` \(HSDP\) needs `parallel.backend: fsdp2`"):
         _recipe(dp_replicate=2)
-    for train, refusal in (({"precision": "fp16"}, r"`train.precision: fp16` with `parallel.backend: fsdp2` is "),
-                           ({"compile": True}, r"`train.compile: true` with `parallel.backend: fsdp2` is ")):
+    for train, refusal in (({"precision": "fp16"}, r"`train.precision: fp16` with `parallel.backend: fsdp2` is "),):
         with pytest.raises(RecipeError, match=refusal):
             recipe_from_dict({"parallel": {"backend": "fsdp2"}, "train": {"precision": "fp32", **train}})
 

@@ -3,12 +3,15 @@ and data-parallel ranks, ZeRO's partitions and tensor parallelism do not change 
 point `run_clm_neox.py` calls (`neox_hf.cli.train_main`).
 
 Layouts: DPO on DP2 ZeRO-1, DP2 ZeRO-3 and TP2; RM on DP2 ZeRO-0, DP2 ZeRO-2 and TP2 — every ZeRO stage and TP for
-each step path the objectives share (the plain engine's step is the same code for both; one objective per stage). One
+each step path the objectives share (the plain engine's step is the same code for both; one objective per stage) —
+and DPO, RM and KTO on FSDP2 DP2 (`parallel.backend: fsdp2`: the same step over sharded DTensors, DPO's reference
+log-probabilities precomputed through the sharded model, KTO's frozen reference a whole copy per rank). One
 process runs micro-batches of 2 pairs × 2 accumulation steps; DP2 runs 2 pairs per rank × 1 step: the preference
 loader hands both the same 4 pairs per step (global windows of dp × P pairs).
 
-What runs where: the six layouts run one after the other in ONE 2-process `accelerate launch` of
-tests/workers/init_layouts.py (each its own recipe file, `neox_hf.cli.train_main` per run, the ZeRO-3 one last): on 2
+What runs where: the layouts run one after the other in ONE 2-process torchrun launch of
+tests/workers/init_layouts.py (torchrun, not `accelerate launch --use_deepspeed`, whose environment an FSDP2 recipe
+refuses; the DeepSpeed recipes set `use_deepspeed`; each its own recipe file, `neox_hf.cli.train_main` per run, the ZeRO-3 one last): on 2
 cores a launch's start-up (importing torch, transformers and DeepSpeed in a launcher and two ranks) costs far more
 than a tiny run, so six launches cost ~six times one. The one-process references run `neox_hf.cli.train_main` in the test
 process itself (no DeepSpeed there: their recipes set `use_deepspeed: false`), sparing a process start each.
@@ -23,15 +26,17 @@ import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from tests.conftest import (BUNDLED_TOKENIZER, finish_launch, reset_accelerate_state, start_init_layouts,
+from tests.conftest import (BUNDLED_TOKENIZER, finish_launch, reset_accelerate_state, start_torchrun_layouts,
                             train_in_this_process)
 
 STEPS, LOSS_TOL = 3, 1e-5
-# name: (objective, dp, tp, zero), in the tests' order; the launch runs them in this order with ZeRO-3 moved last
+# name: (objective, dp, tp, ZeRO stage or "fsdp2"), in the tests' order; the launch runs them in this order with ZeRO-3
+# moved last
 LAYOUTS = {
     "dpo-zero1": ("dpo", 2, 1, 1), "dpo-zero3": ("dpo", 2, 1, 3), "dpo-tp2": ("dpo", 1, 2, 1),
     "rm-zero0": ("rm", 2, 1, 0), "rm-zero2": ("rm", 2, 1, 2), "rm-tp2": ("rm", 1, 2, 0),
     "kto-zero1": ("kto", 2, 1, 1),
+    "dpo-fsdp2": ("dpo", 2, 1, "fsdp2"), "rm-fsdp2": ("rm", 2, 1, "fsdp2"), "kto-fsdp2": ("kto", 2, 1, "fsdp2"),
 }
 
 
@@ -58,7 +63,9 @@ def base(tmp_path_factory):
     return root
 
 
-def recipe(base, out, objective: str, *, dp: int, tp: int = 1, zero: int = 0) -> list[str]:
+def recipe(base, out, objective: str, *, dp: int, tp: int = 1, zero: int | str = 0) -> list[str]:
+    parallel = ({"backend": "fsdp2"} if zero == "fsdp2" else
+                {"tensor_parallel": tp, "zero_stage": zero, "use_deepspeed": dp * tp > 1})
     path = out.parent / f"{out.name}.yaml"
     path.write_text(json.dumps({
         "model": {"from_pretrained": str(base / "model"), "seq_length": 64, "num_attention_heads": 4},
@@ -68,7 +75,7 @@ def recipe(base, out, objective: str, *, dp: int, tp: int = 1, zero: int = 0) ->
         "train": {"objective": objective, "train_iters": STEPS, "micro_batch_size": 2,
                   "gradient_accumulation_steps": 2 // dp, "lr": 1e-3, "min_lr": 1e-4, "warmup": 0.0,
                   "precision": "fp32", "log_interval": 1, "eval_interval": 100, "eval_iters": 0, "clip_grad": 1.0},
-        "parallel": {"tensor_parallel": tp, "zero_stage": zero, "use_deepspeed": dp * tp > 1},
+        "parallel": parallel,
         "output": {"dir": str(out), "tensorboard": False},
     }))
     return [str(path)]
@@ -98,7 +105,7 @@ def one_process(base, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def layout_runs(base, tmp_path_factory):
-    """The layouts in one 2-process launch of tests/workers/init_layouts.py, each its own recipe file (no common
+    """The layouts in one 2-process torchrun launch of tests/workers/init_layouts.py, each its own recipe file (no common
     arguments, no launcher ZeRO stage: each recipe sets its own), the ZeRO-3 one last; the folder holding each
     layout's output folder. A failed launch fails every test asking for it with the launch's output."""
     root = tmp_path_factory.mktemp("objective_layouts_launch")
@@ -109,7 +116,7 @@ def layout_runs(base, tmp_path_factory):
         assert dp * tp == 2  # the launch's processes
         (path,) = recipe(base, root / name, objective, dp=dp, tp=tp, zero=zero)
         specs[name] = shlex.quote(path)
-    finish_launch(start_init_layouts(root, specs), "the objective layouts", timeout=1800)
+    finish_launch(start_torchrun_layouts(root, specs), "the objective layouts", timeout=1800)
     return root
 
 

@@ -1,7 +1,8 @@
 """Resume on another layout through `run_clm_neox.py`: a run of 6 steps on layout A saves at step 3 (and is the
 uninterrupted reference); layout B resumes from that checkpoint's layout-free state and trains to 6: steps 4–6 match
 A's losses within 1e-4 and the final weights within 1e-3 (fp32, dropout 0). Every source runs once for the module,
-shared by the pairs that start from it.
+shared by the pairs that start from it. The FSDP2 pairs (either way with ZeRO-2/3, and onto TP and pipeline stages)
+are held tighter, to the new layout's uninterrupted run within 1e-5.
 
 Pack mode reads GPT-NeoX's order (`data.order: gpt-neox`, whose position is layout-free) and so may change the
 data-parallel size at an equal global batch with the same batches; pad mode reads the streamed sources, whose position
@@ -12,7 +13,8 @@ go on to step 6 with finite losses.
 Every run goes through the entry point `run_clm_neox.py` calls (`neox_hf.cli.train_main`). To keep the module's CPU
 down (start-up, ~10 s of imports per process on 2 cores, is most of a tiny run), the runs of one process count share
 a launch (tests/workers/init_layouts.py: the 2-process sources in one launch, the 2-process resumes in another) and
-the one-process runs run in the test process: 11 processes instead of 32."""
+the one-process runs run in the test process. The launches are torchrun's (an FSDP2 recipe refuses `accelerate launch
+--use_deepspeed`'s environment; the DeepSpeed runs take DeepSpeed from their recipes)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, finish_launch, shared, start_init_layouts, train_in_this_process
+from tests.conftest import REPO, finish_launch, shared, start_torchrun_layouts, train_in_this_process
 from tests.test_resume import step_losses
 
 TINY = ["--model.hidden_size", "64", "--model.num_layers", "2", "--model.seq_length", "64",
@@ -34,10 +36,12 @@ TINY = ["--model.hidden_size", "64", "--model.num_layers", "2", "--model.seq_len
 GLOBAL_BATCH = 4
 
 
-def layout_args(processes: int, *, zero: int = 0, tp: int = 1, pp: int = 1, sp: bool = False) -> list[str]:
+def layout_args(processes: int, *, zero: int = 0, tp: int = 1, pp: int = 1, sp: bool = False,
+                fsdp2: bool = False) -> list[str]:
     """Recipe options of a layout at the global batch of every run here."""
     dp = processes // (tp * pp)
-    return ["--parallel.zero_stage", str(zero), "--parallel.tensor_parallel", str(tp),
+    backend = ["--parallel.backend", "fsdp2"] if fsdp2 else []
+    return [*backend, "--parallel.zero_stage", str(zero), "--parallel.tensor_parallel", str(tp),
             "--parallel.pipeline_parallel", str(pp), "--parallel.sequence_parallel", str(sp).lower(),
             "--train.gradient_accumulation_steps", str(GLOBAL_BATCH // (2 * dp))]
 
@@ -57,6 +61,7 @@ SOURCES = {
     "one_process_pack": Run(1, "pack", {}),
     "dp2_zero2_pack": Run(2, "pack", {"zero": 2}),
     "tp2_sp_pad": Run(2, "pad", {"zero": 1, "tp": 2, "sp": True}),
+    "dp2_fsdp2_pack": Run(2, "pack", {"fsdp2": True}),
     "dp2_zero3_pad": Run(2, "pad", {"zero": 3}),  # last of its launch: transformers keeps a ZeRO-3 config alive
     "pp2_tp2_pack": Run(4, "pack", {"zero": 1, "tp": 2, "pp": 2}),
 }
@@ -69,6 +74,25 @@ RESUMES = {
     "tp2_to_pipeline2": Run(2, "pad", {"pp": 2}, "tp2_sp_pad"),
     "tp2_sp_to_one_process": Run(1, "pad", {}, "tp2_sp_pad"),
     "pp2_tp2_to_one_process": Run(1, "pack", {}, "pp2_tp2_pack"),
+    # FSDP2 (`parallel.backend: fsdp2`, the layout-free DTensors) ↔ DeepSpeed ZeRO-2/3, TP and pipeline stages
+    "dp2_fsdp2_to_dp2_zero2": Run(2, "pack", {"zero": 2}, "dp2_fsdp2_pack"),
+    "dp2_fsdp2_to_tp2": Run(2, "pack", {"zero": 1, "tp": 2}, "dp2_fsdp2_pack"),
+    "dp2_fsdp2_to_pipeline2": Run(2, "pack", {"pp": 2}, "dp2_fsdp2_pack"),
+    "dp2_zero2_to_dp2_fsdp2": Run(2, "pack", {"fsdp2": True}, "dp2_zero2_pack"),
+    "one_process_to_dp2_fsdp2": Run(2, "pack", {"fsdp2": True}, "one_process_pack"),
+    "dp2_zero3_to_dp2_fsdp2": Run(2, "pad", {"fsdp2": True}, "dp2_zero3_pad"),
+    "dp2_fsdp2_to_dp2_zero3": Run(2, "pack", {"zero": 3}, "dp2_fsdp2_pack"),  # last of its launch (ZeRO-3)
+}
+# The uninterrupted run a resume onto the new layout is held to within 1e-5 (steps 4-6): the new layout's own where
+# this module runs it; else, in pack mode, one process (GPT-NeoX's order gives every layout the same global batches,
+# and each trains them as one process within 1e-5: tests/test_zero_equivalence.py, test_tensor_parallel.py,
+# test_pipeline.py, test_fsdp2.py); a pad resume keeps the data-parallel size, and FSDP2 DP2 trains the streamed
+# batches as DeepSpeed DP2 (test_fsdp2.py).
+NEW_LAYOUT_REFERENCE = {
+    "dp2_fsdp2_to_dp2_zero2": "dp2_zero2_pack", "dp2_fsdp2_to_tp2": "one_process_pack",
+    "dp2_fsdp2_to_pipeline2": "one_process_pack", "dp2_zero2_to_dp2_fsdp2": "dp2_fsdp2_pack",
+    "dp2_zero3_to_dp2_fsdp2": "dp2_zero3_pad", "dp2_fsdp2_to_dp2_zero3": "one_process_pack",
+    "one_process_to_dp2_fsdp2": "dp2_fsdp2_pack",
 }
 
 
@@ -106,7 +130,7 @@ def runs(tmp_path_factory, pack_data, pad_data) -> dict[str, tuple[Path, str]]:
     for phase in (SOURCES, RESUMES):
         launches = {}
         for processes in sorted({run.processes for run in phase.values()} - {1}):
-            launches[processes] = start_init_layouts(
+            launches[processes] = start_torchrun_layouts(
                 root, {name: shlex.join(arguments(name, run)) for name, run in phase.items()
                        if run.processes == processes}, num_processes=processes)
         for name, run in phase.items():
@@ -136,6 +160,23 @@ def resumed(runs, name: str) -> str:
     folder, printed = runs[name]
     assert_continues(runs[RESUMES[name].resumes][0], folder)
     return printed
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(NEW_LAYOUT_REFERENCE))
+def test_fsdp2_and_deepspeed_tp_pipeline_resume_each_others_checkpoints(runs, name):
+    """An FSDP2 step folder continues on ZeRO-2, ZeRO-3, TP2 and 2 pipeline stages, and ZeRO-2's, ZeRO-3's and one
+    process's on FSDP2: steps 4-6 within 1e-5 of the new layout's uninterrupted run, the final weights within 1e-3 of the source's
+    (the module's bound: Adam's ±lr steps on the near-zero-gradient key bias, see test_fsdp2.py)."""
+    printed = resumed(runs, name)
+    reference, after = step_losses(runs[NEW_LAYOUT_REFERENCE[name]][0]), step_losses(runs[name][0])
+    worst = max(abs(after[step] - reference[step]) for step in (4, 5, 6))
+    assert worst <= 1e-5, (name, reference, after)
+    written_by = {"dp2_fsdp2_pack": "FSDP2 on 2 processes", "dp2_zero2_pack": "DeepSpeed ZeRO-2 on 2 processes",
+                  "dp2_zero3_pad": "DeepSpeed ZeRO-3 on 2 processes",
+                  "one_process_pack": "1 process without DeepSpeed"}[RESUMES[name].resumes]
+    on = "FSDP2 on 2 processes" if RESUMES[name].layout.get("fsdp2") else ""
+    assert f"resuming step 3 written by {written_by} on {on}" in printed, printed[-2000:]
 
 
 @pytest.mark.distributed

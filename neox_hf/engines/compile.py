@@ -2,7 +2,10 @@
 as torchtitan compiles each transformer block. The mask building, the rotary tables and the loss stay eager: under
 tracing transformers hands SDPA a dense mask, which drops it off the flash kernel (transformers #48925), and the fused
 loss is a custom autograd function with its own chunking. Every layer has the same code and shapes, so dynamo traces
-one graph and reuses it for the others and for every later step of the same shape."""
+one graph and reuses it for the others and for every later step of the same shape. Both replica engines call it before
+wrapping: the plain one before Accelerate / DeepSpeed, FSDP2 before `fully_shard`, whose hooks then run eagerly around
+each compiled layer (they are `torch._dynamo.disable`d in torch's fully_shard: dynamo breaks the graph around them
+and compiles the layer's body between)."""
 
 from __future__ import annotations
 

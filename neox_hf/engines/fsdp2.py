@@ -10,6 +10,8 @@ Groups: every decoder layer (the model's `_no_split_modules`, as accelerate's tr
 decoder itself (embeddings, final norm), the output head on its own (the fused loss runs as the head's forward:
 `neox_hf.ops.head_loss`), then the whole model for what is left (a reward model's score head). Mixed precision by
 `MixedPrecisionPolicy`: bf16 compute where the recipe trains bf16, fp32 sharded masters and fp32 reductions.
+`train.compile` compiles each decoder layer before it is sharded (torchtitan's order). Under gradient accumulation
+gradients are reduced in the last micro-batch's backward only (`reduce_gradients_in_backward`).
 
 Gap filled: accelerate (1.16) has an FSDP2 path (`FullyShardedDataParallelPlugin(fsdp_version=2)`, `_prepare_fsdp2`),
 but on CPU its state ignores the plugin (`DistributedType.NO` with a gloo group of several processes), so nothing is
@@ -26,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from neox_hf.engines import zero_state
+from neox_hf.engines.compile import compile_decoder_layers, compiles
 from neox_hf.engines.optimizer import build_optimizer
 from neox_hf.engines.replica import ReplicaEngine, enable_activation_checkpointing, tensor_parallel_once
 from neox_hf.errors import LaunchError, RecipeError
@@ -49,7 +52,9 @@ class FSDP2Engine(ReplicaEngine):
         return f"FSDP2 ({self.layout.dp} shards){tp}"
 
     def startup_lines(self) -> list[str]:
-        return [f"engine: {self.describe()}, per decoder layer, mixed precision {self.recipe.train.precision}"]
+        compiled = ", each decoder layer compiled" if compiles(self.recipe.train, self.accelerator.device) else ""
+        return [f"engine: {self.describe()}, per decoder layer, mixed precision {self.recipe.train.precision}"
+                f"{compiled}"]
 
     def device_mesh(self):
         """The (tp, dp_replicate, dp_shard) mesh in the layout's rank order (rank = dp_rank × tp + tp_rank); FSDP2
@@ -87,6 +92,10 @@ class FSDP2Engine(ReplicaEngine):
         model = tensor_parallel_once(model, self.layout, sequence_parallel=recipe.parallel.sequence_parallel)
         if recipe.parallel.activation_checkpointing:
             enable_activation_checkpointing(model)
+        if compiles(recipe.train, self.accelerator.device):
+            # before fully_shard, as torchtitan: each layer's forward is one graph; FSDP2's hooks, registered after,
+            # run eagerly around it (torch marks them dynamo-disabled)
+            compile_decoder_layers(model)
         self.mesh = self.device_mesh()
         mesh = self._data_parallel_mesh()
         bf16 = recipe.train.precision == "bf16"
@@ -103,6 +112,16 @@ class FSDP2Engine(ReplicaEngine):
         self.model = model
         self.optimizer = AcceleratedOptimizer(build_optimizer(model, recipe.train), device_placement=False)
         return self.model, self.optimizer
+
+    def reduce_gradients_in_backward(self, last: bool) -> None:
+        """Reduce-scatter (and under HSDP all-reduce) the gradients in the last micro-batch's backward only: the
+        others accumulate unsharded gradients locally (FSDP1's `no_sync`; what accelerate's `no_sync` does for an
+        FSDP2 model it prepared, which this engine's model is not), so an accumulation cycle of N micro-batches
+        reduces once instead of N times. Not on the last backward FSDP2 also skips waiting for pending reductions.
+        The reduce-scatter averages the summed gradient over the data-parallel ranks as before: the step is the
+        same, only the communication goes."""
+        self.model.set_requires_gradient_sync(last)
+        self.model.set_is_last_backward(last)
 
     def clip_gradients(self):
         """The whole model's gradient norm (its shards' norms reduced over the mesh), clipped to `train.clip_grad`

@@ -229,13 +229,21 @@ def optimizer_step(base_optimizer) -> float:
 
 def create_adam_state(base_optimizer, wrapper=None) -> None:
     """Adam's state as its first step would create it (torch's AdamW creates it lazily, and DeepSpeed's ZeRO-1/2
-    links each parameter's fragment of it only then), so that the loaded moments have somewhere to go."""
-    for group in base_optimizer.param_groups:
-        for param in group["params"]:
-            if not base_optimizer.state.get(param):
+    links each parameter's fragment of it only then), so that the loaded moments have somewhere to go. ZeRO-3 hands
+    its fp32 partitions to the optimizer only inside its step (and its start-up step leaves their state empty on
+    CPU): they are filled too."""
+    params = [param for group in base_optimizer.param_groups for param in group["params"]]
+    for param in [*params, *_zero3_fp32_partitions(wrapper)]:
+        if not base_optimizer.state.get(param):
                 base_optimizer.state[param] = {"step": _step_tensor(None, 0.0, base_optimizer, param),
                                                **{key: torch.zeros_like(param) for key in MOMENTS}}
     _link_zero_fragments(wrapper)
+
+
+def _zero3_fp32_partitions(optimizer) -> list:
+    while optimizer is not None and not hasattr(optimizer, "fp32_partitioned_groups_flat"):
+        optimizer = getattr(optimizer, "optimizer", None)
+    return list(optimizer.fp32_partitioned_groups_flat) if optimizer is not None else []
 
 
 def _link_zero_fragments(optimizer) -> None:

@@ -650,9 +650,6 @@ def _validate_fsdp2(recipe: Recipe) -> None:
              + "; use bf16 (fp32 masters and reductions)")
     _require(recipe.peft.method is None, "`peft.method` with `parallel.backend: fsdp2` is refused: adapters train on "
                                          "the DeepSpeed backend (frozen base weights need no sharded optimizer)")
-    _require(t.compile is not True, "`train.compile: true` with `parallel.backend: fsdp2` is refused: torch.compile "
-                                    "around FSDP2's per-layer hooks is not tested here yet; set train.compile: false "
-                                    "(`auto` does not compile under fsdp2)")
 
 
 def _validate_train_batch(t: TrainConfig) -> None:

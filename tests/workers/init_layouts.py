@@ -21,7 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the 
 from conftest import layout_runs_argv, reset_accelerate_state, runs_sharing_one_process_group  # noqa: E402
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], around=None) -> int:
+    """`around(name)`, where given, is a context manager each run NAME runs inside (a probe of a test's worker:
+    tests/workers/fsdp2_layouts.py)."""
     from neox_hf.cli import train_main as run
 
     keep_going = argv[:1] == ["--keep-going"]
@@ -30,9 +32,11 @@ def main(argv: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     with runs_sharing_one_process_group():
         for name, overrides in layouts:
+            environ = dict(os.environ)
             written = {kind: out_dir / f"{name}.{kind}" if rank == 0 else Path(os.devnull) for kind in ("stdout", "stderr")}
             with written["stdout"].open("w") as stdout, written["stderr"].open("w") as stderr, \
-                    contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+                    contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
+                    (around(name) if around else contextlib.nullcontext()):
                 status = run([*common, *shlex.split(overrides), "--output.dir", str(out_dir / name)])
             if rank == 0:
                 (out_dir / f"{name}.status").write_text(str(status))
@@ -41,6 +45,10 @@ def main(argv: list[str]) -> int:
                     sys.stderr.write(written["stderr"].read_text()[-5000:])
                 return status
             reset_accelerate_state()
+            # as the run's own process would, its settings end with it: an Accelerator with a DeepSpeed plugin sets
+            # ACCELERATE_USE_DEEPSPEED=true, which a later FSDP2 run would take for a DeepSpeed launch and refuse
+            os.environ.clear()
+            os.environ.update(environ)
     return 0
 
 
