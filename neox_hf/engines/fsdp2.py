@@ -11,7 +11,7 @@ decoder itself (embeddings, final norm), the output head on its own (the fused l
 `neox_hf.ops.head_loss`), then the whole model for what is left (a reward model's score head). Mixed precision by
 `MixedPrecisionPolicy`: bf16 compute where the recipe trains bf16, fp32 sharded masters and fp32 reductions.
 `train.compile` compiles each decoder layer before it is sharded (torchtitan's order). Under gradient accumulation
-gradients are reduced in the last micro-batch's backward only (`reduce_gradients_in_backward`).
+gradients are reduced in the last micro-batch's backward only (`before_micro_batch`).
 
 Gap filled: accelerate (1.16) has an FSDP2 path (`FullyShardedDataParallelPlugin(fsdp_version=2)`, `_prepare_fsdp2`),
 but on CPU its state ignores the plugin (`DistributedType.NO` with a gloo group of several processes), so nothing is
@@ -113,7 +113,7 @@ class FSDP2Engine(ReplicaEngine):
         self.optimizer = AcceleratedOptimizer(build_optimizer(model, recipe.train), device_placement=False)
         return self.model, self.optimizer
 
-    def reduce_gradients_in_backward(self, last: bool) -> None:
+    def before_micro_batch(self, last: bool) -> None:
         """Reduce-scatter (and under HSDP all-reduce) the gradients in the last micro-batch's backward only: the
         others accumulate unsharded gradients locally (FSDP1's `no_sync`; what accelerate's `no_sync` does for an
         FSDP2 model it prepared, which this engine's model is not), so an accumulation cycle of N micro-batches

@@ -67,6 +67,16 @@ class PlainEngine(ReplicaEngine):
                                                                                   tensor_parallel=layout.tp)
         return self.model, self.optimizer
 
+    def before_micro_batch(self, last: bool) -> None:
+        """What `DeepSpeedEngine.forward` does first, which the objectives skip by calling the decoder inside the
+        engine: it tells its ZeRO optimizer a micro-batch begins (`clear_backward_seen_flag`). ZeRO-3 counts the
+        micro-batches of an accumulation cycle there, copying the first one's gradient partitions and adding the
+        later ones'; without the call every micro-batch was the first and a cycle kept only its last micro-batch's
+        gradient (ZeRO-1/2 accumulate in `.grad` and did not notice)."""
+        zero_optimizer = getattr(self.model, "optimizer", None)  # a DeepSpeedEngine's; a plain module has none
+        if hasattr(zero_optimizer, "clear_backward_seen_flag"):
+            zero_optimizer.clear_backward_seen_flag()
+
     def full_state_dict(self) -> dict | None:
         """The whole model's state dict (TP shards merged, ZeRO-3 partitions gathered). Collective: every rank calls it;
         the result is complete on the main process."""

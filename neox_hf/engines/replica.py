@@ -54,10 +54,11 @@ class ReplicaEngine(Engine):
         """The gradient norm before clipping (None where DeepSpeed clips inside its step and reports it)."""
         return _clip_gradients(self.accelerator, self.model, self.recipe.train.clip_grad)
 
-    def reduce_gradients_in_backward(self, last: bool) -> None:
-        """Called before each micro-batch's backward, `last` on the one that ends the accumulation cycle: an engine
-        that reduces gradients itself reduces them then only (Accelerate's `accumulate` does this for DDP; DeepSpeed
-        decides inside its own step)."""
+    def before_micro_batch(self, last: bool) -> None:
+        """Called before each micro-batch's forward, `last` on the one that ends the accumulation cycle: what a
+        wrapper's own forward would have done, since the objectives call the decoder inside it
+        (`neox_hf.ops.loss.causal_lm_module`); an engine that reduces gradients itself reduces them on the last only
+        (Accelerate's `accumulate` does this for DDP)."""
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:
         """One optimizer step for the run's objective, over `gradient_accumulation_steps` micro-batches (collective
@@ -76,7 +77,7 @@ class ReplicaEngine(Engine):
         scale_before = loss_scale(accelerator, model)
         for batch, count in zip(micro_batches, units):
             with accelerator.accumulate(model):
-                self.reduce_gradients_in_backward(accelerator.sync_gradients)
+                self.before_micro_batch(accelerator.sync_gradients)
                 with accelerator.autocast():
                     out = objective.loss(model, batch, fused=self.head_loss_fused, z_loss=t.z_loss)
                 scale = backward_scale(t.loss_normalization, count.double(), totals[0], gas=len(micro_batches),

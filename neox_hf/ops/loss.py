@@ -114,8 +114,10 @@ def causal_lm_module(model):
     """The `GPTNeoXForCausalLM` inside a DeepSpeed engine (`.module`) and a PEFT wrapper (`get_base_model()`).
 
     Calling its decoder directly, instead of the wrapper's forward, is safe for what we launch: one process, or
-    DeepSpeed (whose ZeRO-3 hooks sit on the submodules themselves). Multi-process runs always go through DeepSpeed
-    (parallel/accelerator.py), never DDP, whose gradient hooks need its own forward.
+    DeepSpeed (whose ZeRO-3 hooks sit on the submodules themselves; the one thing its forward adds that a step
+    needs, starting a micro-batch in ZeRO's accumulation count, the engine does before each micro-batch:
+    `PlainEngine.before_micro_batch`). Multi-process runs always go through DeepSpeed (parallel/accelerator.py) or
+    FSDP2 (hooks on the sharded modules), never DDP, whose gradient hooks need its own forward.
     """
     module = getattr(model, "module", model)
     return module.get_base_model() if hasattr(module, "get_base_model") else module
