@@ -2,14 +2,17 @@
 contiguous chunks over N ranks, DeepSpeed's Ulysses all-to-all inside attention.
 
 Fast tier (no processes): the chunking (labels shifted before the split, positions of the whole sequence, pad-mode
-padding), the loss of the chunks summed equal to the whole sequence's (never scaled by N), the rank order of the
+padding, per-row entries such as DPO's `ref_logps` kept), RM's last-token pooling as transformers', the loss of the chunks summed equal to the whole sequence's (never scaled by N), the rank order of the
 groups, and the recipe's refusals.
 
 Distributed tier, one 4-process launch (tests/workers/init_layouts.py) beside the one-process references in this
 process (fp32, gloo, 2 layers × hidden 32, a 100-word vocabulary, seq_length 1024, 6 steps): CP4 with packed
 documents kept apart, CP4 under ZeRO-3 in pad mode on prompt-masked SFT data, CP2 × DP2 under ZeRO-2, CP2 × TP2 and a
 Llama (GQA, full rotary) CP4 train as one process — losses within 1e-5, weights within 1e-4, eval losses equal; and
-the CP2 × DP2 checkpoint resumes on CP4 and on one process as the uninterrupted run.
+the CP2 × DP2 checkpoint resumes on CP4 and on one process as the uninterrupted run. First in the same launch: DPO
+on CP2 × DP2 (the precomputed reference computed on the chunks too), RM on CP4 and KTO on CP4 (its frozen reference
+forwarded on the chunks) train as one process (tiny stock GPTNeoX, 64 tokens, 3 steps): losses, TRL's metrics and
+eval losses within 1e-5, weights within 1e-4.
 """
 
 from __future__ import annotations
@@ -57,6 +60,35 @@ def test_chunks_hold_the_whole_sequences_positions_and_the_labels_shifted_before
     assert torch.equal(torch.cat([c["position_ids"] for c in chunks], dim=1), want)
     assert chunks[1][SEQUENCE_CHUNK] == SequenceChunk("neox_hf_ulysses_sdpa", isolate_documents=documents, rank=1,
                                                       length=12)
+
+
+def test_a_chunk_keeps_the_batchs_per_row_entries_and_the_sequences_length():
+    """DPO's `ref_logps` and `pair_index`, KTO's `label` are per row, not per position: every chunk carries them as
+    they are (the objectives read them on every rank); the length before padding bounds RM's last-token search."""
+    batch = {"input_ids": torch.arange(14).view(2, 7), "labels": torch.arange(14).view(2, 7),
+             "ref_logps": torch.tensor([-3.0, -4.0]), "pair_index": torch.tensor([5]), "label": torch.tensor([True])}
+    for rank in range(4):
+        chunk = sequence_chunk(batch, ranks=4, rank=rank)
+        assert chunk["ref_logps"] is batch["ref_logps"] and chunk["pair_index"] is batch["pair_index"]
+        assert chunk["label"] is batch["label"]
+        assert chunk[SEQUENCE_CHUNK].rank == rank and chunk[SEQUENCE_CHUNK].length == 7
+
+
+def test_one_process_pools_the_reward_at_transformers_last_non_pad_token():
+    """`last_token_value` without a chunk is transformers' sequence-classification pooling (the rightmost token that
+    is not the pad id, column 0 when every token is one), which the context-parallel path reproduces per chunk."""
+    from transformers import GPTNeoXConfig, GPTNeoXForSequenceClassification
+
+    from neox_hf.ops.context_parallel import last_token_value
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=32,
+                           vocab_size=20, num_labels=1, pad_token_id=1)
+    model = GPTNeoXForSequenceClassification(config).eval()
+    ids = torch.tensor([[5, 6, 7, 1, 1], [5, 6, 7, 8, 9], [1, 1, 1, 1, 1], [4, 1, 6, 1, 1]])
+    with torch.no_grad():
+        scores = model.score(model.gpt_neox(input_ids=ids).last_hidden_state)
+        torch.testing.assert_close(last_token_value(scores, {"input_ids": ids}, 1), model(input_ids=ids).logits)
 
 
 def test_a_padded_batch_that_does_not_split_evenly_is_padded_at_the_end_without_labels():
@@ -222,15 +254,14 @@ def _preference_base(root: Path) -> Path:
 
 
 def _preference_recipe(base: Path, out: Path, objective: str, *, dp: int = 1, cp: int = 1) -> str:
-    path = out.parent / f"{out.name}.yaml"
+    path, data = out.parent / f"{out.name}.yaml", {"path": str(base / f"{'unpaired' if objective == 'kto' else 'pairs'}.jsonl")}
     path.write_text(json.dumps({
         "model": {"from_pretrained": str(base / "model"), "seq_length": 64, "num_attention_heads": 4},
         "tokenizer": {"path": str(base / "words.json")},
-        "data": {"sources": [{"path": str(base / ("unpaired.jsonl" if objective == "kto" else "pairs.jsonl"))}],
-                 "mode": "pad", "seed": 7},
+        "data": {"sources": [data], "validation": [data], "mode": "pad", "seed": 7},
         "train": {"objective": objective, "train_iters": 3, "micro_batch_size": 2, "gradient_accumulation_steps": 2 // dp,
                   "lr": 1e-3, "min_lr": 1e-4, "warmup": 0.0, "precision": "fp32", "log_interval": 1,
-                  "eval_interval": 100, "eval_iters": 0, "clip_grad": 1.0},
+                  "eval_interval": 3, "eval_iters": 2 // dp, "clip_grad": 1.0},  # per data-parallel rank
         "parallel": {"context_parallel": cp, "zero_stage": 1 if dp > 1 else 0, "use_deepspeed": dp * cp > 1},
         "output": {"dir": str(out), "tensorboard": False},
     }))
@@ -368,6 +399,13 @@ def test_dpo_rm_and_kto_under_context_parallelism_train_as_one_process(runs, nam
         for key in ("loss", *metrics[objective]):
             assert abs(got[step][key] - want[step][key]) <= 1e-5 * max(1.0, abs(want[step][key])), (step, key,
                                                                                                    got[step], want[step])
+    evals = lambda folder: {e["step"]: e["eval"] for e in map(json.loads, (folder / "train_log.jsonl")  # noqa: E731
+                                                          .read_text().splitlines()) if "eval" in e}
+    want_eval, got_eval = evals(runs[f"one_{objective}"]), evals(runs[name])
+    assert sorted(got_eval) == sorted(want_eval) == [0, 3]  # the eval batch (and DPO's eval reference) chunked too
+    for step, values in want_eval.items():
+        assert all(abs(got_eval[step][k] - v) <= 1e-5 * max(1.0, abs(v)) for k, v in values.items()
+                   if isinstance(v, float)), (got_eval, want_eval)
     if objective != "rm":
         assert want[3]["rewards/margins"] != 0  # the policy moved away from its reference: the comparison has teeth
     a, b = load_file(runs[f"one_{objective}"] / "model.safetensors"), load_file(runs[name] / "model.safetensors")
