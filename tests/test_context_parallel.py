@@ -2,14 +2,17 @@
 contiguous chunks over N ranks, DeepSpeed's Ulysses all-to-all inside attention.
 
 Fast tier (no processes): the chunking (labels shifted before the split, positions of the whole sequence, pad-mode
-padding), the loss of the chunks summed equal to the whole sequence's (never scaled by N), the rank order of the
+padding, per-row entries such as DPO's `ref_logps` kept), RM's last-token pooling as transformers', the loss of the chunks summed equal to the whole sequence's (never scaled by N), the rank order of the
 groups, and the recipe's refusals.
 
 Distributed tier, one 4-process launch (tests/workers/init_layouts.py) beside the one-process references in this
 process (fp32, gloo, 2 layers × hidden 32, a 100-word vocabulary, seq_length 1024, 6 steps): CP4 with packed
 documents kept apart, CP4 under ZeRO-3 in pad mode on prompt-masked SFT data, CP2 × DP2 under ZeRO-2, CP2 × TP2 and a
 Llama (GQA, full rotary) CP4 train as one process — losses within 1e-5, weights within 1e-4, eval losses equal; and
-the CP2 × DP2 checkpoint resumes on CP4 and on one process as the uninterrupted run.
+the CP2 × DP2 checkpoint resumes on CP4 and on one process as the uninterrupted run. First in the same launch: DPO
+on CP2 × DP2 (the precomputed reference computed on the chunks too), RM on CP4 and KTO on CP4 (its frozen reference
+forwarded on the chunks) train as one process (tiny stock GPTNeoX, 64 tokens, 3 steps): losses, TRL's metrics and
+eval losses within 1e-5, weights within 1e-4.
 """
 
 from __future__ import annotations
@@ -55,7 +58,37 @@ def test_chunks_hold_the_whole_sequences_positions_and_the_labels_shifted_before
         assert torch.equal(left["labels"][:, -1], right["input_ids"][:, 0])
     want = batch["position_ids"] if documents else torch.arange(12).expand(2, 12)
     assert torch.equal(torch.cat([c["position_ids"] for c in chunks], dim=1), want)
-    assert chunks[1][SEQUENCE_CHUNK] == SequenceChunk("neox_hf_ulysses_sdpa", isolate_documents=documents)
+    assert chunks[1][SEQUENCE_CHUNK] == SequenceChunk("neox_hf_ulysses_sdpa", isolate_documents=documents, rank=1,
+                                                      length=12)
+
+
+def test_a_chunk_keeps_the_batchs_per_row_entries_and_the_sequences_length():
+    """DPO's `ref_logps` and `pair_index`, KTO's `label` are per row, not per position: every chunk carries them as
+    they are (the objectives read them on every rank); the length before padding bounds RM's last-token search."""
+    batch = {"input_ids": torch.arange(14).view(2, 7), "labels": torch.arange(14).view(2, 7),
+             "ref_logps": torch.tensor([-3.0, -4.0]), "pair_index": torch.tensor([5]), "label": torch.tensor([True])}
+    for rank in range(4):
+        chunk = sequence_chunk(batch, ranks=4, rank=rank)
+        assert chunk["ref_logps"] is batch["ref_logps"] and chunk["pair_index"] is batch["pair_index"]
+        assert chunk["label"] is batch["label"]
+        assert chunk[SEQUENCE_CHUNK].rank == rank and chunk[SEQUENCE_CHUNK].length == 7
+
+
+def test_one_process_pools_the_reward_at_transformers_last_non_pad_token():
+    """`last_token_value` without a chunk is transformers' sequence-classification pooling (the rightmost token that
+    is not the pad id, column 0 when every token is one), which the context-parallel path reproduces per chunk."""
+    from transformers import GPTNeoXConfig, GPTNeoXForSequenceClassification
+
+    from neox_hf.ops.context_parallel import last_token_value
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=32,
+                           vocab_size=20, num_labels=1, pad_token_id=1)
+    model = GPTNeoXForSequenceClassification(config).eval()
+    ids = torch.tensor([[5, 6, 7, 1, 1], [5, 6, 7, 8, 9], [1, 1, 1, 1, 1], [4, 1, 6, 1, 1]])
+    with torch.no_grad():
+        scores = model.score(model.gpt_neox(input_ids=ids).last_hidden_state)
+        torch.testing.assert_close(last_token_value(scores, {"input_ids": ids}, 1), model(input_ids=ids).logits)
 
 
 def test_a_padded_batch_that_does_not_split_evenly_is_padded_at_the_end_without_labels():
@@ -108,8 +141,8 @@ def test_groups_follow_megatrons_rank_order_with_context_parallel_between_data_a
 def _recipe(**parallel_and_model):
     model = {k: v for k, v in parallel_and_model.items() if k in ("num_attention_heads", "num_kv_heads", "family",
                                                                   "attn_implementation", "seq_length", "rotary_pct")}
-    parallel = {k: v for k, v in parallel_and_model.items() if k not in model and k != "objective"}
-    train = {"objective": parallel_and_model["objective"]} if "objective" in parallel_and_model else {}
+    train = {k: v for k, v in parallel_and_model.items() if k in ("objective", "loss_normalization")}
+    parallel = {k: v for k, v in parallel_and_model.items() if k not in model and k not in train}
     return recipe_from_dict({"model": {"hidden_size": 64, "num_attention_heads": 8, "seq_length": 64, **model},
                              "parallel": parallel, "train": {"precision": "fp32", **train}})
 
@@ -123,7 +156,8 @@ def _recipe(**parallel_and_model):
     (dict(context_parallel=2, backend="fsdp2"), r"`parallel.backend: fsdp2` is refused"),
     (dict(context_parallel=2, pipeline_parallel=2), r"`parallel.pipeline_parallel` > 1 is refused"),
     (dict(context_parallel=2, attn_implementation="eager"), r"`model.attn_implementation: eager`"),
-    (dict(context_parallel=2, objective="dpo"), r"`train.objective: dpo`"),
+    (dict(context_parallel=2, objective="dpo", loss_normalization="micro_batch"),
+     r"`train.objective: dpo` with `parallel.context_parallel` > 1 and `train.loss_normalization: micro_batch`"),
     (dict(context_parallel=2, tensor_parallel=2, sequence_parallel=True), r"`parallel.sequence_parallel: true`"),
     (dict(context_parallel=4, seq_length=66), r"`model.seq_length` \(66\) must be divisible"),
     (dict(context_parallel=0), r"`parallel.context_parallel` must be ≥ 1"),
@@ -190,6 +224,50 @@ def _cp(cp: int, *, tp: int = 1, zero: int = 0, micro: int = 2) -> list[str]:
             str(zero), "--train.micro_batch_size", str(micro)]
 
 
+# Preference objectives (tests/test_objective_layouts.py's tiny stock GPTNeoX and pairs): name → (objective,
+# data-parallel, context-parallel). One process runs 2 micro-batches of 2 pairs (KTO: examples) per step, DP2 one.
+OBJECTIVE_LAYOUTS = {"dpo_cp2_dp2": ("dpo", 2, 2), "rm_cp4": ("rm", 1, 4), "kto_cp4": ("kto", 1, 4)}
+
+
+def _preference_base(root: Path) -> Path:
+    """A tiny stock GPTNeoX folder (DPO's / KTO's reference, RM's decoder) over the 100-word tokenizer, 12 short
+    pairs (3 steps of 4) and their unpaired split (KTO)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from tests.test_cli_interop import word_tokenizer
+
+    root.mkdir(parents=True, exist_ok=True)
+    word_tokenizer(root / "words.json")
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
+                           vocab_size=128, max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0)
+    GPTNeoXForCausalLM(config).save_pretrained(root / "model")
+    rng = np.random.default_rng(1)
+    words = lambda n: " ".join(f"w{i}" for i in rng.integers(2, 100, size=int(n)))  # noqa: E731
+    pairs = [{"prompt": words(rng.integers(3, 12)) + " ", "chosen": words(rng.integers(1, 9)),
+              "rejected": words(rng.integers(1, 9))} for _ in range(12)]
+    unpaired = [{"prompt": p["prompt"], "completion": p[key], "label": key == "chosen"}
+                for p in pairs for key in ("chosen", "rejected")]
+    (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    (root / "unpaired.jsonl").write_text("".join(json.dumps(p) + "\n" for p in unpaired))
+    return root
+
+
+def _preference_recipe(base: Path, out: Path, objective: str, *, dp: int = 1, cp: int = 1) -> str:
+    path, data = out.parent / f"{out.name}.yaml", {"path": str(base / f"{'unpaired' if objective == 'kto' else 'pairs'}.jsonl")}
+    path.write_text(json.dumps({
+        "model": {"from_pretrained": str(base / "model"), "seq_length": 64, "num_attention_heads": 4},
+        "tokenizer": {"path": str(base / "words.json")},
+        "data": {"sources": [data], "validation": [data], "mode": "pad", "seed": 7},
+        "train": {"objective": objective, "train_iters": 3, "micro_batch_size": 2, "gradient_accumulation_steps": 2 // dp,
+                  "lr": 1e-3, "min_lr": 1e-4, "warmup": 0.0, "precision": "fp32", "log_interval": 1,
+                  "eval_interval": 3, "eval_iters": 2 // dp, "clip_grad": 1.0},  # per data-parallel rank
+        "parallel": {"context_parallel": cp, "zero_stage": 1 if dp > 1 else 0, "use_deepspeed": dp * cp > 1},
+        "output": {"dir": str(out), "tensorboard": False},
+    }))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("context_parallel")
@@ -199,8 +277,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         return [str(REPO / "recipes" / "tiny.yaml"), *TINY_LONG, *data[mode], *extra, "--output.dir", str(root / name)]
 
     resume = lambda source: ["--train.resume", str(root / source / STEP3)]  # noqa: E731
+    base = _preference_base(root / "preference")
+    preference = {name: shlex.quote(_preference_recipe(base, root / name, objective, dp=dp, cp=cp))
+                  for name, (objective, dp, cp) in OBJECTIVE_LAYOUTS.items()}
     # One launch: the global batch is 2 sequences everywhere (CP2 × DP2: 1 per data-parallel rank); ZeRO-3 last.
-    launch = start_init_layouts(root, {name: shlex.join(args(name, *spec)) for name, spec in {
+    launch = start_init_layouts(root, {**preference, **{name: shlex.join(args(name, *spec)) for name, spec in {
         "cp2_dp2_zero2": ("neox", *_cp(2, zero=2, micro=1)),
         "cp2_dp2_to_cp4": ("neox", *_cp(4, zero=1), *resume("cp2_dp2_zero2")),
         "cp4_documents": ("documents", *_cp(4)),
@@ -209,10 +290,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         # caught it counting every replica); Llama's steps here are clipped where the norm is wrong
         "llama_cp4": ("documents", *LLAMA, *_cp(4)),
         "cp4_sft_pad_zero3": ("sft", *_cp(4, zero=3)),
-    }.items()}, num_processes=4)
+    }.items()}}, num_processes=4)
     for name, mode, *extra in (("one_neox", "neox"), ("one_documents", "documents"), ("one_sft_pad", "sft"),
                                ("one_llama", "documents", *LLAMA)):
         train_in_this_process(args(name, mode, *extra))
+    for objective in ("dpo", "rm", "kto"):
+        train_in_this_process([_preference_recipe(base, root / f"one_{objective}", objective)])
     finish_launch(launch, "the context-parallel layouts", timeout=900)
     train_in_this_process(args("cp2_dp2_to_one", "neox", *resume("cp2_dp2_zero2")))
     return {path.name: path for path in root.iterdir() if path.is_dir()}
@@ -292,3 +375,46 @@ def test_a_cp2_checkpoint_resumes_exactly_on_cp4_and_on_one_process(runs, resume
     if resumed == "cp2_dp2_to_cp4":  # (the one-process resume runs in this process: its output is not kept)
         assert ("resuming step 3 written by DeepSpeed ZeRO-2 on 4 processes (2 data-parallel × context parallel 2) "
                 "on DeepSpeed ZeRO-1 on 4 processes (1 data-parallel × context parallel 4)") in _printed(runs, resumed)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(OBJECTIVE_LAYOUTS))
+def test_dpo_rm_and_kto_under_context_parallelism_train_as_one_process(runs, name):
+    """Each rank holds a chunk of every sequence: DPO's / KTO's summed log-probabilities (policy and reference) and
+    KTO's KL estimate are summed over the context-parallel group, RM's score comes from the rank holding the last
+    token; counted once per group. Losses and metrics within 1e-5 of one process, weights within 1e-4."""
+    from safetensors.torch import load_file
+
+    objective = OBJECTIVE_LAYOUTS[name][0]
+    logged = lambda folder: {e["step"]: e for e in map(json.loads, (folder / "train_log.jsonl").read_text().splitlines())  # noqa: E731
+                             if "lr" in e}
+    want, got = logged(runs[f"one_{objective}"]), logged(runs[name])
+    assert sorted(got) == sorted(want) == [1, 2, 3]
+    metrics = {"dpo": ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                       "logps/rejected"),
+               "rm": ("accuracy", "margin", "mean_reward"),
+               "kto": ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")}
+    for step in want:
+        assert got[step]["consumed_samples"] == want[step]["consumed_samples"] == 4 * step  # counted once, not × CP
+        for key in ("loss", *metrics[objective]):
+            assert abs(got[step][key] - want[step][key]) <= 1e-5 * max(1.0, abs(want[step][key])), (step, key,
+                                                                                                   got[step], want[step])
+    evals = lambda folder: {e["step"]: e["eval"] for e in map(json.loads, (folder / "train_log.jsonl")  # noqa: E731
+                                                          .read_text().splitlines()) if "eval" in e}
+    want_eval, got_eval = evals(runs[f"one_{objective}"]), evals(runs[name])
+    assert sorted(got_eval) == sorted(want_eval) == [0, 3]  # the eval batch (and DPO's eval reference) chunked too
+    for step, values in want_eval.items():
+        assert all(abs(got_eval[step][k] - v) <= 1e-5 * max(1.0, abs(v)) for k, v in values.items()
+                   if isinstance(v, float)), (got_eval, want_eval)
+    if objective != "rm":
+        assert want[3]["rewards/margins"] != 0  # the policy moved away from its reference: the comparison has teeth
+    a, b = load_file(runs[f"one_{objective}"] / "model.safetensors"), load_file(runs[name] / "model.safetensors")
+    assert a.keys() == b.keys()
+    # Left out, as in `_assert_same_run`, where the gradient is zero in exact arithmetic and Adam turns
+    # reduction-order noise into ±lr steps: GPT-NeoX's key bias, and for RM the final norm's bias (the score head is
+    # linear, so its gradient is score.weight × Σ over rows of ∂loss/∂reward, and a pair's two terms cancel)
+    heads = 4
+    worst = max((a[k].view(heads, 3, -1)[:, [0, 2]] - b[k].view(heads, 3, -1)[:, [0, 2]]).abs().max().item()
+                if k.endswith("attention.query_key_value.bias") else (a[k] - b[k]).abs().max().item()
+                for k in a if not (objective == "rm" and k == "gpt_neox.final_layer_norm.bias"))
+    assert worst <= 1e-4, worst

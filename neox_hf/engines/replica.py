@@ -42,8 +42,8 @@ class ReplicaEngine(Engine):
             return batches
         from neox_hf.ops.context_parallel import sequence_chunk
 
-        return [sequence_chunk(batch, ranks=layout.cp, rank=layout.cp_rank, attention=self.context_parallel_attention)
-                for batch in batches]
+        return [sequence_chunk(batch, ranks=layout.cp, rank=layout.cp_rank, attention=self.context_parallel_attention,
+                               group=layout.cp_group) for batch in batches]
 
     def build_model(self, tokenizer):
         if self.recipe.train.objective == "rm":  # a scalar head on the decoder (GPTNeoXForSequenceClassification)

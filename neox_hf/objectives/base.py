@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from neox_hf.ops.context_parallel import sequence_total
 from neox_hf.ops.linear_cross_entropy import head_loss
 from neox_hf.ops.loss import causal_lm_module, decoder_hidden_states
 
@@ -43,9 +44,10 @@ class Objective:
 
 def sequence_logps(model, batch: dict, *, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities [rows], labelled tokens [rows]) of every row of `batch` under `model`: the sum of its
-    labelled tokens' log-probabilities. The decoder runs once over all rows; the head loss once per row."""
+    labelled tokens' log-probabilities. The decoder runs once over all rows; the head loss once per row. A
+    context-parallel chunk's sums and counts are summed over its group: every rank gets the whole sequences'."""
     lm = causal_lm_module(model)
     hidden = decoder_hidden_states(lm, batch)
     head, labels = lm.get_output_embeddings(), batch["labels"]
     sums, counts = zip(*(head_loss(head, hidden[i: i + 1], labels[i: i + 1], fused=fused) for i in range(len(labels))))
-    return -torch.stack(sums), torch.stack(counts)
+    return -sequence_total(torch.stack(sums), batch), sequence_total(torch.stack(counts), batch)

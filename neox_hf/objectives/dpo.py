@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from neox_hf.errors import DataError
 from neox_hf.objectives.base import Objective, ObjectiveLoss, sequence_logps
+from neox_hf.ops.context_parallel import counts_sequences
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -55,10 +56,12 @@ class DPOObjective(Objective):
         self.beta, self.loss_type, self.reference_model = beta, loss_type, reference_model
 
     def units(self, batch: dict) -> torch.Tensor:
-        return torch.tensor(batch["input_ids"].shape[0] // 2, device=batch["input_ids"].device)
+        """Pairs of the batch; 0 on a context-parallel rank other than its group's first (`counts_sequences`)."""
+        return torch.tensor(batch["input_ids"].shape[0] // 2 * counts_sequences(batch), device=batch["input_ids"].device)
 
     def loss(self, model, batch: dict, *, fused: bool = True, z_loss: float = 0.0) -> ObjectiveLoss:
-        """z_loss is not applied: it would change the log-probabilities DPO compares (TRL has none either)."""
+        """z_loss is not applied: it would change the log-probabilities DPO compares (TRL has none either). Under
+        context parallelism every rank of the group computes the whole pairs' loss; the first reports it."""
         logps, tokens = sequence_logps(model, batch, fused=fused)
         ref = self._reference(batch, fused)
         pairs = logps.shape[0] // 2
@@ -72,8 +75,9 @@ class DPOObjective(Objective):
                        "rewards/accuracies": (reward_c > reward_r).float().sum(),
                        "rewards/margins": (reward_c - reward_r).sum(),
                        "logps/chosen": chosen.sum(), "logps/rejected": rejected.sum()}
-        return ObjectiveLoss(loss_sum=losses.sum(), units=self.units(batch),
-                             metric_sums={k: v.detach() for k, v in metrics.items()})
+        counted = float(counts_sequences(batch))
+        return ObjectiveLoss(loss_sum=losses.sum() * counted, units=self.units(batch),
+                             metric_sums={k: v.detach() * counted for k, v in metrics.items()})
 
     def _reference(self, batch: dict, fused: bool) -> torch.Tensor:
         if "ref_logps" in batch:

@@ -37,6 +37,7 @@ import torch
 
 from neox_hf.errors import DataError
 from neox_hf.objectives.base import Objective, ObjectiveLoss, sequence_logps
+from neox_hf.ops.context_parallel import counts_sequences
 
 METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 
@@ -68,7 +69,8 @@ class KTOObjective(Objective):
         self.desirable_weight, self.undesirable_weight = desirable_weight, undesirable_weight
 
     def units(self, batch: dict) -> torch.Tensor:
-        return torch.tensor(batch["label"].shape[0], device=batch["input_ids"].device)
+        """Examples of the batch; 0 on a context-parallel rank other than its group's first (`counts_sequences`)."""
+        return torch.tensor(batch["label"].shape[0] * counts_sequences(batch), device=batch["input_ids"].device)
 
     def loss(self, model, batch: dict, *, fused: bool = True, z_loss: float = 0.0) -> ObjectiveLoss:
         """z_loss is not applied: it would change the log-probabilities KTO compares (TRL has none either)."""
@@ -88,8 +90,9 @@ class KTOObjective(Objective):
                      "logps/chosen": _mean(policy, desirable), "logps/rejected": _mean(policy, ~desirable)}
             both = (chosen > 0) & (rejected > 0)
             means["rewards/margins"] = torch.where(both, means["rewards/chosen"] - means["rewards/rejected"], 0.0)
-        return ObjectiveLoss(loss_sum=losses.sum(), units=self.units(batch),
-                             metric_sums={k: (v * n).detach() for k, v in means.items()})
+        counted = float(counts_sequences(batch))  # context parallelism: the group's first rank reports
+        return ObjectiveLoss(loss_sum=losses.sum() * counted, units=self.units(batch),
+                             metric_sums={k: (v * n * counted).detach() for k, v in means.items()})
 
     def _mean_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         """`value`'s mean over the data-parallel group in a training step (see the module docstring), else itself."""

@@ -12,14 +12,20 @@ import torch
 import torch.nn.functional as F
 
 from neox_hf.objectives.base import Objective, ObjectiveLoss
-from neox_hf.ops.loss import causal_lm_module
+from neox_hf.ops.context_parallel import counts_sequences, last_token_value
+from neox_hf.ops.loss import SEQUENCE_CHUNK, causal_lm_module, decoder_hidden_states
 
 METRICS = ("accuracy", "margin", "mean_reward")
 
 
 def sequence_rewards(model, batch: dict) -> torch.Tensor:
-    """[rows] rewards: the sequence-classification model's score at each row's last non-pad token."""
+    """[rows] rewards: the sequence-classification model's score at each row's last non-pad token. A
+    context-parallel chunk runs the decoder and the score head on its chunk; the score at the last non-pad token of
+    the whole sequence comes from the rank that holds it (`last_token_value`: transformers' pooling)."""
     module = causal_lm_module(model)  # the model inside a DeepSpeed engine or a PEFT wrapper
+    if SEQUENCE_CHUNK in batch:
+        scores = module.score(decoder_hidden_states(module, batch))
+        return last_token_value(scores, batch, module.config.pad_token_id)[:, 0]
     return module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits[:, 0]
 
 
@@ -28,7 +34,8 @@ class RewardObjective(Objective):
     rows_per_sample = 2
 
     def units(self, batch: dict) -> torch.Tensor:
-        return torch.tensor(batch["input_ids"].shape[0] // 2, device=batch["input_ids"].device)
+        """Pairs of the batch; 0 on a context-parallel rank other than its group's first (`counts_sequences`)."""
+        return torch.tensor(batch["input_ids"].shape[0] // 2 * counts_sequences(batch), device=batch["input_ids"].device)
 
     def loss(self, model, batch: dict, *, fused: bool = True, z_loss: float = 0.0) -> ObjectiveLoss:
         """`fused` and `z_loss` concern the LM head, which a reward model does not have."""
@@ -38,8 +45,9 @@ class RewardObjective(Objective):
         with torch.no_grad():
             metrics = {"accuracy": (chosen > rejected).float().sum(), "margin": (chosen - rejected).sum(),
                        "mean_reward": ((chosen + rejected) / 2).sum()}
-        return ObjectiveLoss(loss_sum=losses.sum(), units=self.units(batch),
-                             metric_sums={k: v.detach() for k, v in metrics.items()})
+        counted = float(counts_sequences(batch))  # context parallelism: the group's first rank reports
+        return ObjectiveLoss(loss_sum=losses.sum() * counted, units=self.units(batch),
+                             metric_sums={k: v.detach() * counted for k, v in metrics.items()})
 
 
 def build_reward_model(recipe, tokenizer):

@@ -26,7 +26,7 @@ micro-batch inside the step (`sequence_chunk`), after the step has counted them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -42,10 +42,15 @@ ULYSSES = "neox_hf_ulysses_sdpa"
 @dataclass(frozen=True)
 class SequenceChunk:
     """What `decoder_hidden_states` needs to run a chunk: the attention to run it with, and whether the sequence
-    holds packed documents kept apart (its batch had `position_ids`)."""
+    holds packed documents kept apart (its batch had `position_ids`); and what an objective that reduces whole
+    sequences (DPO, KTO, RM: `sequence_total`, `last_token_value`) needs: the context-parallel group, this chunk's
+    rank in it and the sequences' length before any padding to equal chunks."""
 
     attention: str
     isolate_documents: bool
+    rank: int = 0
+    length: int = 0
+    group: object = field(default=None, compare=False)  # None: the default group (a test's process of its own)
 
 
 def chunk_bounds(length: int, ranks: int, rank: int) -> tuple[int, int]:
@@ -56,9 +61,10 @@ def chunk_bounds(length: int, ranks: int, rank: int) -> tuple[int, int]:
     return rank * size, (rank + 1) * size
 
 
-def sequence_chunk(batch: dict, *, ranks: int, rank: int, attention: str = ULYSSES) -> dict:
+def sequence_chunk(batch: dict, *, ranks: int, rank: int, attention: str = ULYSSES, group=None) -> dict:
     """This rank's contiguous chunk of every sequence of `batch` (`input_ids`, `labels`, `attention_mask`), with the
-    whole sequence's position ids (0..T-1 when the batch has none) and the `SequenceChunk` the decoder reads.
+    whole sequence's position ids (0..T-1 when the batch has none) and the `SequenceChunk` the decoder reads; the
+    batch's other entries (per row or per batch: `ref_logps`, `pair_index`, KTO's `label`) as they are.
 
     A length that does not split into equal chunks (pad mode) is padded first at the right end: pad tokens carry
     label -100 and come after every real token, so under causal attention they change nothing a label reads."""
@@ -80,9 +86,54 @@ def sequence_chunk(batch: dict, *, ranks: int, rank: int, attention: str = ULYSS
                 tail = torch.full((rows, extra), fill[key], dtype=value.dtype, device=value.device)
             padded[key] = torch.cat([value, tail], dim=1)
     start, end = chunk_bounds(length + extra, ranks, rank)
-    chunk = {key: value[:, start:end].contiguous() for key, value in padded.items() if value is not None}
-    chunk[SEQUENCE_CHUNK] = SequenceChunk(attention, documents)
+    chunk = {key: value for key, value in batch.items() if key not in padded}
+    chunk.update({key: value[:, start:end].contiguous() for key, value in padded.items() if value is not None})
+    chunk[SEQUENCE_CHUNK] = SequenceChunk(attention, documents, rank=rank, length=length, group=group)
     return chunk
+
+
+def sequence_total(values: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Per-sequence `values` [rows] of this rank's chunk summed over the context-parallel group: the whole sequences'
+    (one process: `values` itself). Autograd: the backward all-reduces the gradient too, so a loss that only the
+    group's first rank counts (`counts_sequences`) reaches every rank's chunk."""
+    chunk = batch.get(SEQUENCE_CHUNK)
+    if chunk is None:
+        return values
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(values, group=chunk.group)
+
+
+def counts_sequences(batch: dict) -> bool:
+    """Whether this rank counts the batch's whole-sequence losses, units and metrics: every context-parallel rank
+    computes them (from `sequence_total`), the group's first one reports them, so the step's sum over the
+    context-parallel ranks holds each once."""
+    chunk = batch.get(SEQUENCE_CHUNK)
+    return chunk is None or chunk.rank == 0
+
+
+def last_token_value(values: torch.Tensor, batch: dict, pad_token_id) -> torch.Tensor:
+    """[rows, ...] `values` [rows, T, ...] at each row's last token that is not `pad_token_id` (transformers'
+    sequence-classification pooling: the rightmost non-pad token, column 0 where none is), of the whole sequences
+    under context parallelism: the rank whose chunk holds that column gives it, the others zero, summed over the
+    group (with autograd, `sequence_total`)."""
+    ids = batch["input_ids"]
+    rows, width = ids.shape
+    chunk = batch.get(SEQUENCE_CHUNK)
+    start, length = (chunk.rank * width, chunk.length) if chunk is not None else (0, width)
+    columns = start + torch.arange(width, device=ids.device)
+    real = (ids != pad_token_id) & (columns < length) if pad_token_id is not None else (columns < length)
+    last = (columns * real).amax(dim=-1) if pad_token_id is not None else torch.full((rows,), length - 1,
+                                                                                     device=ids.device)
+    if chunk is None:
+        return values[torch.arange(rows, device=ids.device), last]
+    import torch.distributed as dist
+
+    dist.all_reduce(last, op=dist.ReduceOp.MAX, group=chunk.group)
+    here = (last >= start) & (last < start + width)
+    picked = values[torch.arange(rows, device=ids.device), (last - start).clamp(0, width - 1)]
+    mask = here.view(-1, *([1] * (picked.dim() - 1)))
+    return sequence_total(torch.where(mask, picked, torch.zeros_like(picked)), batch)
 
 
 def _whole_sequence_sdpa(module, query, key, value, attention_mask, *, position_ids=None, isolate_documents=False,

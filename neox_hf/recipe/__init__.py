@@ -853,8 +853,11 @@ def _validate_context_parallel(recipe: Recipe) -> None:
              "the context-parallel attention runs SDPA on the gathered sequence; use attn_implementation: sdpa")
     _require(m.sliding_window is None, "`model.sliding_window` with `parallel.context_parallel` > 1 is refused (the "
                                        "context-parallel attention is causal over the whole sequence); remove it")
-    _require(t.objective == "lm", f"`train.objective: {t.objective}` with `parallel.context_parallel` > 1 is refused "
-                                  "(only `lm` splits its sequences); use context_parallel: 1")
+    _require(t.objective in ("lm", "dpo", "rm", "kto"), f"`train.objective: {t.objective}` with "
+             "`parallel.context_parallel` > 1 is refused (it does not split its sequences); use context_parallel: 1")
+    _require(t.objective == "lm" or t.loss_normalization == "token",
+             f"`train.objective: {t.objective}` with `parallel.context_parallel` > 1 and `train.loss_normalization: "
+             "micro_batch` is refused (the group's first rank counts each pair's loss); use loss_normalization: token")
     _require(recipe.peft.method is None, "`peft.method` with `parallel.context_parallel` > 1 is refused (not tested); "
                                          "use context_parallel: 1")
     _require(m.seq_length % cp == 0, f"`model.seq_length` ({m.seq_length}) must be divisible by "

@@ -84,7 +84,7 @@ def _reference_table(engine, batches: list[dict], num_pairs: int) -> torch.Tenso
 
     device = engine.accelerator.device
     with engine.accelerator.autocast():
-        table = reference_logps(engine.model, [_on(b, device) for b in batches], num_pairs=num_pairs,
+        table = reference_logps(engine.model, engine.local_chunks([_on(b, device) for b in batches]), num_pairs=num_pairs,
                                 fused=engine.recipe.train.fused_cross_entropy)
     return dp_sum(engine.layout, torch.nan_to_num(table).to(device)).cpu()
 
@@ -101,7 +101,8 @@ def _eval_reference_table(engine, eval_batches: list[dict], filler: dict) -> tor
     with torch.no_grad(), engine.accelerator.autocast():
         model.eval()
         for _ in range(most - len(eval_batches)):
-            sequence_logps(model, _on(filler, device), fused=engine.recipe.train.fused_cross_entropy)
+            sequence_logps(model, engine.local_chunks([_on(filler, device)])[0],
+                           fused=engine.recipe.train.fused_cross_entropy)
         model.train()
     return table
 
