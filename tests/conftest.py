@@ -224,9 +224,23 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "distributed: starts several processes (accelerate launch / torchrun)")
 
 
+# The modules whose launches take longest on 2 cores (a full run's --durations), run first. pytest-xdist hands each
+# worker whole modules (`--dist loadscope`, in this order with `--no-loadscope-reorder`; its own order is by test
+# count, which puts the many quick tests first): a two-minute module handed out last leaves the other worker idle.
+SLOWEST_MODULES_FIRST = ("test_resume_any_layout.py", "test_fsdp2.py", "test_context_parallel.py", "test_pipeline.py",
+                         "test_zero_equivalence.py", "test_plan.py", "test_train.py", "test_failure_preemption.py",
+                         "test_launch_files.py", "test_resume.py", "test_finetune.py", "test_llama.py",
+                         "test_continue_neox.py", "test_security.py", "test_fused_cross_entropy.py",
+                         "test_objective_layouts.py", "test_tensor_parallel.py", "test_host_syncs.py",
+                         "test_layout_free_init.py", "test_readme.py")
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark `distributed` every test that starts processes, itself or through a fixture, so new multi-process tests
-    land in the slow tier without anyone remembering a decorator."""
+    land in the slow tier without anyone remembering a decorator; then the slowest modules first (a stable sort: the
+    others and every module's own tests keep their order)."""
+    rank = {name: position for position, name in enumerate(SLOWEST_MODULES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     for item in items:
         functions = [getattr(item, "function", None)]
         for defs in getattr(item, "_fixtureinfo", None).name2fixturedefs.values() if hasattr(item, "_fixtureinfo") else []:
