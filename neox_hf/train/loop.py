@@ -101,7 +101,10 @@ def _train(recipe: Recipe, notices: list[str] | None, startup_warnings=None) -> 
         accelerator.print(f"final eval loss {final_eval:.4f}{perplexity}")
     record_evaluation(accelerator, recipe.output.dir, state.step, final_eval, eval_task_scores(run),
                       perplexity=recipe.train.objective == "lm")
-    out = (save_finetuned(accelerator, model, tokenizer, recipe, state_dict=run.engine.full_state_dict())
+    # FSDP2's adapter comes from its gathered DTensors (Accelerate's get_state_dict would hand peft the shards)
+    gathered = run.engine.full_state_dict() if recipe.peft.method and not run.engine.reads_accelerate_checkpoint \
+        else None
+    out = (save_finetuned(accelerator, model, tokenizer, recipe, state_dict=gathered)
            if recipe.peft.method else save_final_model(run))
     if accelerator.is_main_process:
         write_run_plot(recipe.output.dir)
