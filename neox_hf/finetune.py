@@ -117,9 +117,13 @@ def trainable_parameters_report(model) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def save_adapter(accelerator, model, out_dir, *, tokenizer=None, extra_files: dict[str, str] | None = None) -> Path:
-    """adapter_config.json + adapter_model.safetensors (+ tokenizer) in `out_dir`. Collective: every rank calls it."""
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 partitions; every rank must take part
+def save_adapter(accelerator, model, out_dir, *, tokenizer=None, extra_files: dict[str, str] | None = None,
+                 state_dict: dict | None = None) -> Path:
+    """adapter_config.json + adapter_model.safetensors (+ tokenizer) in `out_dir`. Collective: every rank calls it.
+    `state_dict`: the whole model's, complete on the main process (the engine's `full_state_dict`: FSDP2's DTensors
+    gathered); by default Accelerate's."""
+    if state_dict is None:
+        state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 partitions; every rank must take part
     out = Path(out_dir)
     if accelerator.is_main_process:
         peft_model = accelerator.unwrap_model(model)
@@ -150,11 +154,11 @@ def _record_absolute_base_path(peft_model: PeftModel) -> None:
             config.base_model_name_or_path = str(Path(base).resolve())
 
 
-def save_finetuned(accelerator, model, tokenizer, recipe: Recipe) -> Path:
+def save_finetuned(accelerator, model, tokenizer, recipe: Recipe, *, state_dict: dict | None = None) -> Path:
     """End of a PEFT run: the adapter in `output.dir`, and with `peft.merge` a merged plain folder in
-    `output.dir/merged`. Returns the folder to load for inference. Collective."""
+    `output.dir/merged`. Returns the folder to load for inference. Collective (`state_dict`: as `save_adapter`)."""
     out = save_adapter(accelerator, model, recipe.output.dir, tokenizer=tokenizer,
-                       extra_files={RECIPE_NAME: recipe.to_yaml()})
+                       extra_files={RECIPE_NAME: recipe.to_yaml()}, state_dict=state_dict)
     if not recipe.peft.merge:
         return out
     merged = out / MERGED_SUBDIR

@@ -10,6 +10,7 @@ point under torchrun (gloo, fp32, dropout 0, a 2-layer hidden-64 model):
   `neox_hf export` reads an FSDP2 step folder;
 - with gradient accumulation FSDP2 reduce-scatters once per step (counted by torch's CommDebugMode), not once per
   micro-batch, and still trains as one process;
+- LoRA under FSDP2 DP2 trains as one process's LoRA run and saves the same adapter folder;
 - HSDP 2 × 2 and our tensor parallelism (TP2 + sequence parallelism) inside FSDP2 DP2 train as one process too (4
   processes), and TP2 × FSDP2's checkpoint resumes on one process;
 - the recipe refuses what the backend does not run, each in one line.
@@ -32,6 +33,9 @@ from tests.test_resume import step_losses
 from tests.test_resume_any_layout import TINY, assert_continues, pack_data, pad_data  # noqa: F401 (fixtures)
 
 FSDP2 = ["--parallel.backend", "fsdp2"]
+# LoRA as tests/test_finetune.py trains it (no dropout: equal runs), clipped hard enough that every step clips
+LORA = ["--peft.method", "lora", "--peft.r", "4", "--peft.alpha", "8", "--peft.dropout", "0", "--train.clip_grad",
+        "0.05"]
 STEP3 = Path("checkpoints") / "step_00000003"
 
 
@@ -67,11 +71,13 @@ def runs(tmp_path_factory, pack_data, pad_data) -> dict[str, Path]:  # noqa: F81
                               "--train.gradient_accumulation_steps", "2", "--parallel.activation_checkpointing",
                               "true"),
         "fsdp2_bf16": args("fsdp2_bf16", "pack", *_dp2(), *FSDP2, "--train.precision", "bf16"),
+        "fsdp2_lora": args("fsdp2_lora", "pack", *_dp2(), *FSDP2, *LORA),
         "fsdp2_killed": args("fsdp2_killed", "pack", *_dp2(), *FSDP2)},
         probes=("--count", "fsdp2_pack", "--count", "fsdp2_ac_gas2", "--kill-in-save", "fsdp2_killed:6"))
     in_process("one_pack", "pack", *_one())
+    in_process("one_lora", "pack", *_one(), *LORA)
     output, _ = launch.communicate(timeout=900)
-    finished = ("fsdp2_pack", "fsdp2_pad", "zero1_pad", "fsdp2_ac_gas2", "fsdp2_bf16")
+    finished = ("fsdp2_pack", "fsdp2_pad", "zero1_pad", "fsdp2_ac_gas2", "fsdp2_bf16", "fsdp2_lora")
     statuses = [root / f"{name}.status" for name in finished]
     assert [s.read_text() if s.is_file() else None for s in statuses] == ["0"] * len(finished), output[-5000:]
     assert launch.returncode != 0 and (root / "fsdp2_killed.killed").is_file(), output[-5000:]
@@ -160,6 +166,42 @@ def test_fsdp2_bf16_keeps_fp32_masters_and_follows_the_fp32_run(runs):
     reference, losses = step_losses(runs["one_pack"]), step_losses(runs["fsdp2_bf16"])
     assert max(abs(losses[s] - reference[s]) for s in reference) <= 0.05, (reference, losses)
     assert all(t.dtype == torch.float32 for t in load_file(runs["fsdp2_bf16"] / "model.safetensors").values())
+
+
+@pytest.mark.distributed
+def test_lora_under_fsdp2_dp2_trains_and_saves_the_adapter_as_one_process(runs):
+    """LoRA adapters applied before fully_shard (FSDP2 shards the frozen base and the adapters per parameter): the
+    6 steps' losses within 1e-5 and gradient norms too (clipped to 0.05 every step: the norm is the adapters' alone,
+    as one process's, whose base has no gradients), and the adapter folder (adapter_model.safetensors +
+    adapter_config.json, gathered from the shards) within 1e-4 of one process's, loaded by stock PEFT onto the base.
+    The optimizer holds the adapters only: the checkpoint (FSDP2's layout-free state: parameters and Adam's two
+    moments of what the optimizer steps) has 3 tensors for each of the 16 adapter matrices and none of the base."""
+    import torch.distributed.checkpoint as dcp
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    want, got = runs["one_lora"], runs["fsdp2_lora"]
+    reference, losses = step_losses(want), step_losses(got)
+    assert sorted(losses) == sorted(reference) == [1, 2, 3, 4, 5, 6], (reference, losses)
+    assert max(abs(losses[s] - reference[s]) for s in reference) <= 1e-5, (reference, losses)
+    norms = [[json.loads(line)["grad_norm"] for line in (run / "train_log.jsonl").read_text().splitlines()]
+             for run in (want, got)]
+    assert all(n > 0.05 for n in norms[0]) and max(abs(a - b) for a, b in zip(*norms)) <= 1e-5, norms
+    a, b = load_file(want / "adapter_model.safetensors"), load_file(got / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and len(a) == 16 and all("lora_" in key for key in a), sorted(b)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4
+    assert max(a[k].abs().max().item() for k in a if "lora_B" in k) > 1e-3  # trained off lora_B's zeros
+    configs = [json.loads((run / "adapter_config.json").read_text()) for run in (want, got)]
+    for config in configs:  # peft writes the target set in the process's hash order
+        config["target_modules"] = sorted(config["target_modules"])
+        config.pop("base_model_name_or_path")
+    assert configs[0] == configs[1]
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(got / STEP3))
+    loaded = dict(PeftModel.from_pretrained(base, got).named_parameters())
+    assert all(torch.equal(loaded[k.replace(".weight", ".default.weight")], b[k]) for k in b)
+    saved = dcp.FileSystemReader(str(got / STEP3 / "layout_free")).read_metadata().state_dict_metadata
+    assert len(saved) == 3 * 16 and all("lora_" in key for key in saved), sorted(saved)
 
 
 @pytest.mark.distributed
@@ -307,6 +349,10 @@ def test_hsdp_needs_fsdp2_and_fsdp2_refuses_what_it_does_not_run():
     for train, refusal in (({"precision": "fp16"}, r"`train.precision: fp16` with `parallel.backend: fsdp2` is "),):
         with pytest.raises(RecipeError, match=refusal):
             recipe_from_dict({"parallel": {"backend": "fsdp2"}, "train": {"precision": "fp32", **train}})
+    with pytest.raises(RecipeError, match=r"`peft.method` with `parallel.dp_replicate > 1` \(HSDP\) is refused"):
+        recipe_from_dict({"parallel": {"backend": "fsdp2", "dp_replicate": 2}, "train": {"precision": "fp32"},
+                          "peft": {"method": "lora"}})
+    recipe_from_dict({"parallel": {"backend": "fsdp2"}, "train": {"precision": "fp32"}, "peft": {"method": "lora"}})
 
 
 def test_an_accelerate_fsdp_config_that_contradicts_the_recipe_is_refused():

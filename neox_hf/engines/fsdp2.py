@@ -100,16 +100,20 @@ class FSDP2Engine(ReplicaEngine):
         mesh = self._data_parallel_mesh()
         bf16 = recipe.train.precision == "bf16"
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
-        layer_classes = set(getattr(model, "_no_split_modules", None) or ())
-        for module in [m for m in model.modules() if type(m).__name__ in layer_classes]:
+        # Under LoRA the groups are the wrapped model's (its layers hold the adapters, applied before this): FSDP2
+        # shards every parameter on its own, frozen or not, and reduces gradients only for those that require grad;
+        # the PeftModel around it holds no parameter of its own and stays unsharded (peft saves through it).
+        core = model.get_base_model() if hasattr(model, "get_base_model") else model
+        layer_classes = set(getattr(core, "_no_split_modules", None) or ())
+        for module in [m for m in core.modules() if type(m).__name__ in layer_classes]:
             fully_shard(module, mesh=mesh, mp_policy=policy)
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        for module in (model.base_model, head):
-            if module is not None and module is not model:
+        head = core.get_output_embeddings() if hasattr(core, "get_output_embeddings") else None
+        for module in (core.base_model, head):
+            if module is not None and module is not core:
                 fully_shard(module, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        _keep_checkpoint_key_renames(model)
-        self.model = model
+        fully_shard(core, mesh=mesh, mp_policy=policy)
+        _keep_checkpoint_key_renames(core)
+        self.model, self._root = model, core
         self.optimizer = AcceleratedOptimizer(build_optimizer(model, recipe.train), device_placement=False)
         return self.model, self.optimizer
 
@@ -120,8 +124,8 @@ class FSDP2Engine(ReplicaEngine):
         reduces once instead of N times. Not on the last backward FSDP2 also skips waiting for pending reductions.
         The reduce-scatter averages the summed gradient over the data-parallel ranks as before: the step is the
         same, only the communication goes."""
-        self.model.set_requires_gradient_sync(last)
-        self.model.set_is_last_backward(last)
+        self._root.set_requires_gradient_sync(last)
+        self._root.set_is_last_backward(last)
 
     def clip_gradients(self):
         """The whole model's gradient norm (its shards' norms reduced over the mesh), clipped to `train.clip_grad`

@@ -648,8 +648,9 @@ def _validate_fsdp2(recipe: Recipe) -> None:
              + ("FSDP2 needs a sharded loss scaler, not wired yet" if t.precision == "fp16" else
                 "Transformer Engine's FP8 layers are not combined with fully_shard here yet")
              + "; use bf16 (fp32 masters and reductions)")
-    _require(recipe.peft.method is None, "`peft.method` with `parallel.backend: fsdp2` is refused: adapters train on "
-                                         "the DeepSpeed backend (frozen base weights need no sharded optimizer)")
+    _require(recipe.peft.method is None or p.dp_replicate == 1,
+             "`peft.method` with `parallel.dp_replicate > 1` (HSDP) is refused (LoRA under FSDP2 is tested on one "
+             "sharded dimension); remove `parallel.dp_replicate` or use `parallel.backend: deepspeed`")
 
 
 def _validate_train_batch(t: TrainConfig) -> None:

@@ -101,7 +101,11 @@ def _train(recipe: Recipe, notices: list[str] | None, startup_warnings=None) -> 
         accelerator.print(f"final eval loss {final_eval:.4f}{perplexity}")
     record_evaluation(accelerator, recipe.output.dir, state.step, final_eval, eval_task_scores(run),
                       perplexity=recipe.train.objective == "lm")
-    out = save_finetuned(accelerator, model, tokenizer, recipe) if recipe.peft.method else save_final_model(run)
+    # FSDP2's adapter comes from its gathered DTensors (Accelerate's get_state_dict would hand peft the shards)
+    gathered = run.engine.full_state_dict() if recipe.peft.method and not run.engine.reads_accelerate_checkpoint \
+        else None
+    out = (save_finetuned(accelerator, model, tokenizer, recipe, state_dict=gathered)
+           if recipe.peft.method else save_final_model(run))
     if accelerator.is_main_process:
         write_run_plot(recipe.output.dir)
         _write_card(run, state, final_eval, Path(recipe.output.dir))
@@ -441,11 +445,15 @@ def evaluate(run: TrainingRun) -> float:
 
 
 def _layout_free_engine(engine, recipe):
-    """The engine whose layout-free state a checkpoint holds; None under PEFT (its adapters' names are not the
-    model's) and for optimizers other than Adam's (the layout-free state holds Adam's two moments; Lion's one moment,
+    """The engine whose layout-free state a checkpoint holds; None under PEFT where Accelerate's files hold the state
+    (its adapters' names are not the model's: the checkpoint resumes on its own layout only) and for optimizers other than Adam's (the layout-free state holds Adam's two moments; Lion's one moment,
     SGD's momentum and 8-bit states are not in it): those checkpoints resume on their own layout only."""
-    if recipe.peft.method is not None or recipe.train.optimizer not in ("adamw", "adam"):
+    if recipe.train.optimizer not in ("adamw", "adam"):
         return None
+    if recipe.peft.method is not None and engine.reads_accelerate_checkpoint:
+        return None
+    # FSDP2's checkpoint is its layout-free state alone (under LoRA: the adapters and their Adam moments, the frozen
+    # base being rebuilt from the recipe), which an FSDP2 run of the same `peft` settings resumes
     return engine
 
 

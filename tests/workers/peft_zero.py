@@ -29,10 +29,10 @@ from conftest import reset_accelerate_state, runs_sharing_one_process_group  # n
 captured = {}
 
 
-def gather_then_save(accelerator, model, tokenizer, recipe):
+def gather_then_save(accelerator, model, tokenizer, recipe, **saving):
     captured["lora"] = gathered_lora(accelerator.unwrap_model(model))
     captured["report"] = finetune.trainable_parameters_report(accelerator.unwrap_model(model))
-    return finetune.save_finetuned(accelerator, model, tokenizer, recipe)
+    return finetune.save_finetuned(accelerator, model, tokenizer, recipe, **saving)
 
 
 def gathered_lora(model) -> dict:
