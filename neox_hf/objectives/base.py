@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from neox_hf.errors import DataError
 from neox_hf.ops.context_parallel import sequence_total
 from neox_hf.ops.linear_cross_entropy import head_loss
 from neox_hf.ops.loss import causal_lm_module, decoder_hidden_states
@@ -51,3 +52,15 @@ def sequence_logps(model, batch: dict, *, fused: bool = True) -> tuple[torch.Ten
     head, labels = lm.get_output_embeddings(), batch["labels"]
     sums, counts = zip(*(head_loss(head, hidden[i: i + 1], labels[i: i + 1], fused=fused) for i in range(len(labels))))
     return -sequence_total(torch.stack(sums), batch), sequence_total(torch.stack(counts), batch)
+
+
+def reference_logps_for(batch: dict, reference_model, *, fused: bool, missing: str) -> torch.Tensor:
+    """The reference log-probabilities [rows] a preference objective (DPO, KTO) compares with: the precomputed
+    `ref_logps` the batch carries, else those of the frozen `reference_model` (no gradient); neither is a DataError
+    saying `missing`."""
+    if "ref_logps" in batch:
+        return batch["ref_logps"].to(device=batch["input_ids"].device, dtype=torch.float32)
+    if reference_model is None:
+        raise DataError(missing)
+    with torch.no_grad():
+        return sequence_logps(reference_model, batch, fused=fused)[0].detach()

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from neox_hf.errors import DataError
-from neox_hf.objectives.base import Objective, ObjectiveLoss, sequence_logps
+from neox_hf.objectives.base import Objective, ObjectiveLoss, reference_logps_for, sequence_logps
 from neox_hf.ops.context_parallel import counts_sequences
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -80,13 +80,9 @@ class DPOObjective(Objective):
                              metric_sums={k: v.detach() * counted for k, v in metrics.items()})
 
     def _reference(self, batch: dict, fused: bool) -> torch.Tensor:
-        if "ref_logps" in batch:
-            return batch["ref_logps"].to(device=batch["input_ids"].device, dtype=torch.float32)
-        if self.reference_model is None:
-            raise DataError("a DPO batch needs `ref_logps` (attach_reference_logps with a precomputed table) or "
-                            "DPOObjective.reference_model (a frozen reference)")
-        with torch.no_grad():
-            return sequence_logps(self.reference_model, batch, fused=fused)[0].detach()
+        return reference_logps_for(batch, self.reference_model, fused=fused, missing=(
+            "a DPO batch needs `ref_logps` (attach_reference_logps with a precomputed table) or "
+            "DPOObjective.reference_model (a frozen reference)"))
 
 
 @torch.no_grad()

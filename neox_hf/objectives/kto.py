@@ -35,8 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from neox_hf.errors import DataError
-from neox_hf.objectives.base import Objective, ObjectiveLoss, sequence_logps
+from neox_hf.objectives.base import Objective, ObjectiveLoss, reference_logps_for, sequence_logps
 from neox_hf.ops.context_parallel import counts_sequences
 
 METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -106,13 +105,9 @@ class KTOObjective(Objective):
         return total / dist.get_world_size(group)
 
     def _reference(self, batch: dict, fused: bool) -> torch.Tensor:
-        if "ref_logps" in batch:  # [2P]: the examples', then their KL sequences' (neox_hf eval may give them)
-            return batch["ref_logps"].to(device=batch["input_ids"].device, dtype=torch.float32)
-        if self.reference_model is None:
-            raise DataError("a KTO batch needs KTOObjective.reference_model (a frozen copy of the starting model) or "
-                            "`ref_logps`")
-        with torch.no_grad():
-            return sequence_logps(self.reference_model, batch, fused=fused)[0].detach()
+        # [2P]: the examples', then their KL sequences' (precomputed where neox_hf eval gives them)
+        return reference_logps_for(batch, self.reference_model, fused=fused, missing=(
+            "a KTO batch needs KTOObjective.reference_model (a frozen copy of the starting model) or `ref_logps`"))
 
 
 def _mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
