@@ -446,8 +446,9 @@ def evaluate(run: TrainingRun) -> float:
 
 def _layout_free_engine(engine, recipe):
     """The engine whose layout-free state a checkpoint holds; None under PEFT where Accelerate's files hold the state
-    (its adapters' names are not the model's: the checkpoint resumes on its own layout only) and for optimizers other than Adam's (the layout-free state holds Adam's two moments; Lion's one moment,
-    SGD's momentum and 8-bit states are not in it): those checkpoints resume on their own layout only."""
+    (its adapters' names are not the model's: the checkpoint resumes on its own layout only) and for optimizers other
+    than Adam's (the layout-free state holds Adam's two moments; Lion's one moment, SGD's momentum and 8-bit states
+    are not in it): those checkpoints resume on their own layout only."""
     if recipe.train.optimizer not in ("adamw", "adam"):
         return None
     if recipe.peft.method is not None and engine.reads_accelerate_checkpoint:
