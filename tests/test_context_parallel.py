@@ -32,7 +32,7 @@ from neox_hf.ops.loss import SEQUENCE_CHUNK
 from neox_hf.parallel.layout import (check_launch, cp_group_ranks, dp_cp_group_ranks, dp_group_ranks, global_rank,
                                      pp_group_ranks, tp_group_ranks)
 from neox_hf.recipe import recipe_from_dict
-from tests.conftest import REPO, finish_launch, start_init_layouts, train_in_this_process
+from tests.conftest import REPO, finish_launch, start_torchrun_layouts, train_in_this_process
 
 # -- fast tier -------------------------------------------------------------------------------------------------------
 
@@ -59,7 +59,34 @@ def test_chunks_hold_the_whole_sequences_positions_and_the_labels_shifted_before
     want = batch["position_ids"] if documents else torch.arange(12).expand(2, 12)
     assert torch.equal(torch.cat([c["position_ids"] for c in chunks], dim=1), want)
     assert chunks[1][SEQUENCE_CHUNK] == SequenceChunk("neox_hf_ulysses_sdpa", isolate_documents=documents, rank=1,
-                                                      length=12)
+                                                      length=12, ranks=3)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_head_tail_chunks_are_torchs_load_balanced_order_with_positions_and_labels_carried(ranks):
+    """The FSDP2 engine's ring attention skips the blocks above the causal diagonal assuming torch's head-tail order:
+    our chunks must be exactly its `_HeadTailLoadBalancer`'s rearrangement, dealt in equal parts, every position
+    carrying its own id and next-token label."""
+    from torch.distributed.tensor.experimental._context_parallel import _HeadTailLoadBalancer
+
+    from neox_hf.ops.context_parallel import HEAD_TAIL
+
+    batch = _packed_batch(length=16)
+    chunks = [sequence_chunk(batch, ranks=ranks, rank=r, order=HEAD_TAIL) for r in range(ranks)]
+    torch_order = _HeadTailLoadBalancer(16, ranks, "cpu")._generate_indices()[0]
+    for key in ("input_ids", "labels"):
+        assert torch.equal(torch.cat([c[key] for c in chunks], dim=1), batch[key][:, torch_order])
+    assert torch.equal(torch.cat([c["position_ids"] for c in chunks], dim=1), torch_order.expand(2, 16))
+    assert [c[SEQUENCE_CHUNK].columns(16 // ranks).tolist() for c in chunks] == torch_order.view(ranks, -1).tolist()
+
+
+def test_head_tail_pads_a_length_to_twice_the_ranks_at_the_end_without_labels():
+    from neox_hf.ops.context_parallel import HEAD_TAIL
+
+    batch = {"input_ids": torch.arange(2, 9).view(1, 7), "labels": torch.arange(3, 10).view(1, 7)}
+    chunks = [sequence_chunk(batch, ranks=2, rank=r, order=HEAD_TAIL) for r in range(2)]
+    assert [c["position_ids"].tolist() for c in chunks] == [[[0, 1, 6, 7]], [[2, 3, 4, 5]]]
+    assert chunks[0]["labels"].tolist() == [[3, 4, 9, -100]] and chunks[0][SEQUENCE_CHUNK].length == 7
 
 
 def test_a_chunk_keeps_the_batchs_per_row_entries_and_the_sequences_length():
@@ -142,9 +169,10 @@ def _recipe(**parallel_and_model):
     model = {k: v for k, v in parallel_and_model.items() if k in ("num_attention_heads", "num_kv_heads", "family",
                                                                   "attn_implementation", "seq_length", "rotary_pct")}
     train = {k: v for k, v in parallel_and_model.items() if k in ("objective", "loss_normalization")}
-    parallel = {k: v for k, v in parallel_and_model.items() if k not in model and k not in train}
+    data = {k: v for k, v in parallel_and_model.items() if k in ("isolate_documents",)}
+    parallel = {k: v for k, v in parallel_and_model.items() if k not in model and k not in train and k not in data}
     return recipe_from_dict({"model": {"hidden_size": 64, "num_attention_heads": 8, "seq_length": 64, **model},
-                             "parallel": parallel, "train": {"precision": "fp32", **train}})
+                             "parallel": parallel, "train": {"precision": "fp32", **train}, "data": data})
 
 
 @pytest.mark.parametrize("settings,message", [
@@ -153,7 +181,11 @@ def _recipe(**parallel_and_model):
     (dict(context_parallel=2, tensor_parallel=8), r"divisible by `parallel.context_parallel` \(2\) × "
                                                   r"`parallel.tensor_parallel` \(8\)"),
     (dict(context_parallel=4, family="llama", num_kv_heads=2, rotary_pct=1.0), r"`model.num_kv_heads` \(2\)"),
-    (dict(context_parallel=2, backend="fsdp2"), r"`parallel.backend: fsdp2` is refused"),
+    (dict(context_parallel=2, backend="fsdp2", isolate_documents=True),
+     r"`data.isolate_documents: true` with `parallel.context_parallel` > 1 and `parallel.backend: fsdp2` is refused: "
+     r"torch's ring attention is causal"),
+    (dict(context_parallel=3, backend="fsdp2", seq_length=63), r"`model.seq_length` \(63\) must be divisible by 6 "
+                                                               r"\(2 × `parallel.context_parallel`\)"),
     (dict(context_parallel=2, pipeline_parallel=2), r"`parallel.pipeline_parallel` > 1 is refused"),
     (dict(context_parallel=2, attn_implementation="eager"), r"`model.attn_implementation: eager`"),
     (dict(context_parallel=2, objective="dpo", loss_normalization="micro_batch"),
@@ -166,6 +198,13 @@ def test_context_parallel_refuses_what_it_does_not_run_in_one_line(settings, mes
     with pytest.raises(RecipeError, match=message) as refused:
         _recipe(**settings)
     assert "\n" not in str(refused.value)
+
+
+def test_the_ring_on_fsdp2_needs_no_head_count_divisible_by_the_context_parallel_size():
+    """Ulysses gives each rank whole heads; torch's ring keeps every head on every rank and passes key/value
+    blocks, so 8 heads over 3 ranks (or 2 KV heads over 4) train there."""
+    assert _recipe(context_parallel=3, backend="fsdp2", seq_length=66).parallel.context_parallel == 3
+    assert _recipe(context_parallel=4, backend="fsdp2", family="llama", num_kv_heads=2, rotary_pct=1.0)
 
 
 def test_a_launch_of_too_few_processes_for_the_context_parallel_size_names_the_command(monkeypatch):
@@ -220,8 +259,15 @@ LLAMA = ["--model.family", "llama", "--model.num_attention_heads", "8", "--model
 
 
 def _cp(cp: int, *, tp: int = 1, zero: int = 0, micro: int = 2) -> list[str]:
+    """Ulysses on DeepSpeed (ZeRO `zero`)."""
     return ["--parallel.context_parallel", str(cp), "--parallel.tensor_parallel", str(tp), "--parallel.zero_stage",
-            str(zero), "--train.micro_batch_size", str(micro)]
+            str(zero), "--train.micro_batch_size", str(micro), "--parallel.use_deepspeed", "true"]
+
+
+def _ring(cp: int, *, tp: int = 1, micro: int = 2) -> list[str]:
+    """torch's ring attention on FSDP2."""
+    return ["--parallel.backend", "fsdp2", "--parallel.context_parallel", str(cp), "--parallel.tensor_parallel",
+            str(tp), "--train.micro_batch_size", str(micro)]
 
 
 # Preference objectives (tests/test_objective_layouts.py's tiny stock GPTNeoX and pairs): name → (objective,
@@ -280,8 +326,14 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     base = _preference_base(root / "preference")
     preference = {name: shlex.quote(_preference_recipe(base, root / name, objective, dp=dp, cp=cp))
                   for name, (objective, dp, cp) in OBJECTIVE_LAYOUTS.items()}
-    # One launch: the global batch is 2 sequences everywhere (CP2 × DP2: 1 per data-parallel rank); ZeRO-3 last.
-    launch = start_init_layouts(root, {**preference, **{name: shlex.join(args(name, *spec)) for name, spec in {
+    preference["fsdp2_rm_cp4"] = shlex.join([_preference_recipe(base, root / "fsdp2_rm_cp4", "rm", cp=4),
+                                             "--parallel.backend", "fsdp2", "--parallel.use_deepspeed", "false"])
+    # One launch (torchrun: it holds FSDP2 runs): the global batch is 2 sequences everywhere (CP2 × DP2: 1 per
+    # data-parallel rank); ZeRO-3 last.
+    launch = start_torchrun_layouts(root, {**preference, **{name: shlex.join(args(name, *spec)) for name, spec in {
+        "fsdp2_cp2_dp2": ("neox", *_ring(2, micro=1)),
+        "fsdp2_cp2_tp2": ("neox", *_ring(2, tp=2)),
+        "fsdp2_cp4_sft_pad": ("sft", *_ring(4)),
         "cp2_dp2_zero2": ("neox", *_cp(2, zero=2, micro=1)),
         "cp2_dp2_to_cp4": ("neox", *_cp(4, zero=1), *resume("cp2_dp2_zero2")),
         "cp4_documents": ("documents", *_cp(4)),
@@ -378,14 +430,29 @@ def test_a_cp2_checkpoint_resumes_exactly_on_cp4_and_on_one_process(runs, resume
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", list(OBJECTIVE_LAYOUTS))
+@pytest.mark.parametrize("name,reference", [("fsdp2_cp2_dp2", "one_neox"), ("fsdp2_cp2_tp2", "one_neox"),
+                                            ("fsdp2_cp4_sft_pad", "one_sft_pad")])
+def test_torchs_ring_attention_on_fsdp2_trains_as_one_process(runs, name, reference):
+    """FSDP2 with torch's context parallelism (ring attention; on CPU with CPU's flash kernel in torch's ring) over
+    head-tail chunks: CP2 × FSDP2 DP2 and CP2 × TP2 in pack mode (GPT-NeoX's order), CP4 in pad mode on prompt-masked
+    SFT data. Losses within 1e-5, eval losses equal, weights within 1e-4."""
+    _assert_same_run(runs[reference], runs[name])
+    if name == "fsdp2_cp4_sft_pad":
+        printed = _printed(runs, name)
+        assert "engine: FSDP2 (4 shards: 1 data-parallel × context parallel 4)" in printed
+        assert ("context parallel 4: every sequence of 1024 tokens split into 8 chunks of 128, 256 tokens per rank (a "
+                "head and a tail chunk: equal causal work); torch's ring attention") in printed
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", [*OBJECTIVE_LAYOUTS, "fsdp2_rm_cp4"])
 def test_dpo_rm_and_kto_under_context_parallelism_train_as_one_process(runs, name):
     """Each rank holds a chunk of every sequence: DPO's / KTO's summed log-probabilities (policy and reference) and
     KTO's KL estimate are summed over the context-parallel group, RM's score comes from the rank holding the last
     token; counted once per group. Losses and metrics within 1e-5 of one process, weights within 1e-4."""
     from safetensors.torch import load_file
 
-    objective = OBJECTIVE_LAYOUTS[name][0]
+    objective = OBJECTIVE_LAYOUTS[name][0] if name in OBJECTIVE_LAYOUTS else "rm"  # fsdp2_rm_cp4: head-tail chunks
     logged = lambda folder: {e["step"]: e for e in map(json.loads, (folder / "train_log.jsonl").read_text().splitlines())  # noqa: E731
                              if "lr" in e}
     want, got = logged(runs[f"one_{objective}"]), logged(runs[name])

@@ -8,7 +8,11 @@ data-parallel ranks as DeepSpeed does, so the token weighting needs nothing new.
 
 Groups: every decoder layer (the model's `_no_split_modules`, as accelerate's transformer_based_wrap picks them), the
 decoder itself (embeddings, final norm), the output head on its own (the fused loss runs as the head's forward:
-`neox_hf.ops.head_loss`), then the whole model for what is left (a reward model's score head). Mixed precision by
+`neox_hf.ops.head_loss`), a reward model's score head on its own, then the whole model for what is left.
+
+Context parallelism (`parallel.context_parallel`): torch's ring attention (`neox_hf.ops.ring_attention`) over each
+context-parallel group, every sequence dealt in head-tail chunks; the context-parallel ranks are shards of the same
+FSDP2 group, so gradients are reduced over data-parallel × context-parallel ranks, as DeepSpeed's engine does. Mixed precision by
 `MixedPrecisionPolicy`: bf16 compute where the recipe trains bf16, fp32 sharded masters and fp32 reductions.
 `train.compile` compiles each decoder layer before it is sharded (torchtitan's order). Under gradient accumulation
 gradients are reduced in the last micro-batch's backward only (`before_micro_batch`).
@@ -32,6 +36,7 @@ from neox_hf.engines.compile import compile_decoder_layers, compiles
 from neox_hf.engines.optimizer import build_optimizer
 from neox_hf.engines.replica import ReplicaEngine, enable_activation_checkpointing, tensor_parallel_once
 from neox_hf.errors import LaunchError, RecipeError
+from neox_hf.ops.context_parallel import HEAD_TAIL
 from neox_hf.parallel.tp_plan import partition_dim
 
 
@@ -44,35 +49,62 @@ class FSDP2Engine(ReplicaEngine):
     def handles(cls, recipe, layout) -> bool:
         return recipe.parallel.backend == "fsdp2"
 
+    context_parallel_order = HEAD_TAIL  # torch's load balancing, which its ring attention assumes
+
     def describe(self) -> str:
-        replicate = self.recipe.parallel.dp_replicate
+        replicate, cp = self.recipe.parallel.dp_replicate, self.layout.cp
         tp = f" × tensor parallel {self.layout.tp}" if self.layout.tp > 1 else ""
+        shards = self.layout.dp // replicate * cp  # context-parallel ranks hold shards of the same parameters
+        over = f": {self.layout.dp // replicate} data-parallel × context parallel {cp}" if cp > 1 else ""
         if replicate > 1:
-            return f"FSDP2 HSDP ({replicate} replicas × {self.layout.dp // replicate} shards){tp}"
-        return f"FSDP2 ({self.layout.dp} shards){tp}"
+            return f"FSDP2 HSDP ({replicate} replicas × {shards} shards{over}){tp}"
+        return f"FSDP2 ({shards} shards{over}){tp}"
 
     def startup_lines(self) -> list[str]:
         compiled = ", each decoder layer compiled" if compiles(self.recipe.train, self.accelerator.device) else ""
         return [f"engine: {self.describe()}, per decoder layer, mixed precision {self.recipe.train.precision}"
-                f"{compiled}"]
+                f"{compiled}", *self._context_parallel_lines()]
+
+    def _context_parallel_lines(self) -> list[str]:
+        cp, length = self.layout.cp, self.recipe.model.seq_length
+        if cp == 1:
+            return []
+        kernel = "CUDA's SDPA kernels" if self.accelerator.device.type == "cuda" else "CPU's flash SDPA kernel"
+        return [f"context parallel {cp}: every sequence of {length} tokens split into {2 * cp} chunks of "
+                f"{length // (2 * cp)}, {length // cp} tokens per rank (a head and a tail chunk: equal causal work); "
+                f"torch's ring attention passes key/value blocks round the {cp} ranks ({kernel})"]
 
     def device_mesh(self):
-        """The (tp, dp_replicate, dp_shard) mesh in the layout's rank order (rank = dp_rank × tp + tp_rank); FSDP2
-        shards over its data-parallel dims (1-D, or 2-D for HSDP), the layout-free state is laid out over all three.
-        Collective."""
+        """The (tp, dp_replicate, dp_shard) mesh in the layout's rank order (rank = (dp_rank × cp + cp_rank) × tp +
+        tp_rank); FSDP2 shards over its data-parallel dims (1-D, or 2-D for HSDP), the layout-free state is laid out
+        over all three. The context-parallel ranks of a data-parallel rank are shards too (`dp_shard` is
+        data-parallel shards × cp, DeepSpeed's sequence-data-parallel group): they hold the same parameters and
+        their gradients, computed on different tokens, are reduced together. Collective."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
         if not dist.is_initialized():  # build_accelerator starts a group of one for a plain `python` run
             raise LaunchError("`parallel.backend: fsdp2` needs a process group; launch with: torchrun --standalone "
                               "--nproc_per_node N run_clm_neox.py RECIPE --parallel.backend fsdp2")
-        replicate, dp = self.recipe.parallel.dp_replicate, self.layout.dp
+        replicate, dp, cp = self.recipe.parallel.dp_replicate, self.layout.dp, self.layout.cp
         if dp % replicate:
             raise LaunchError(f"`parallel.dp_replicate: {replicate}` must divide the {dp} data-parallel processes "
                               f"(HSDP: replicas × shards); launch a multiple of {replicate} processes")
-        ranks = torch.arange(self.layout.world_size).reshape(replicate, dp // replicate, self.layout.tp)
+        ranks = torch.arange(self.layout.world_size).reshape(replicate, dp // replicate * cp, self.layout.tp)
         return DeviceMesh(self.accelerator.device.type, ranks.permute(2, 0, 1),
                           mesh_dim_names=("tp", "dp_replicate", "dp_shard"))
+
+    def context_parallel_mesh(self):
+        """The 1-D mesh of this rank's context-parallel group (the layout's group), which the ring runs over."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from neox_hf.parallel.layout import cp_group_ranks
+
+        layout = self.layout
+        ranks = next(group for group in cp_group_ranks(layout.pp, layout.dp, layout.tp, layout.cp)
+                     if layout.rank in group)
+        return DeviceMesh.from_group(layout.cp_group, self.accelerator.device.type, mesh=ranks,
+                                     mesh_dim_names=("cp",))
 
     def _data_parallel_mesh(self):
         dims = ("dp_replicate", "dp_shard") if self.recipe.parallel.dp_replicate > 1 else ("dp_shard",)
@@ -108,13 +140,19 @@ class FSDP2Engine(ReplicaEngine):
         for module in [m for m in core.modules() if type(m).__name__ in layer_classes]:
             fully_shard(module, mesh=mesh, mp_policy=policy)
         head = core.get_output_embeddings() if hasattr(core, "get_output_embeddings") else None
-        for module in (core.base_model, head):
+        # a reward model's score head its own group too: under context parallelism the objective runs it on the
+        # decoder's chunk outside the model's forward (`neox_hf.objectives.rm`), which unshards only its own groups
+        for module in (core.base_model, head, getattr(core, "score", None)):
             if module is not None and module is not core:
                 fully_shard(module, mesh=mesh, mp_policy=policy)
         fully_shard(core, mesh=mesh, mp_policy=policy)
         _keep_checkpoint_key_renames(core)
         self.model, self._root = model, core
         self.optimizer = AcceleratedOptimizer(build_optimizer(model, recipe.train), device_placement=False)
+        if self.layout.cp > 1:
+            from neox_hf.ops.ring_attention import register_ring_attention
+
+            self.context_parallel_attention = register_ring_attention(self.context_parallel_mesh())
         return self.model, self.optimizer
 
     def before_micro_batch(self, last: bool) -> None:
@@ -156,6 +194,7 @@ class FSDP2Engine(ReplicaEngine):
 
         from neox_hf.parallel.mappings import gather_along_dim
 
+        self._reshard()
         if self.layout.tp == 1:
             return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         merged = {}
@@ -166,9 +205,23 @@ class FSDP2Engine(ReplicaEngine):
         return merged
 
     def named_full_parameters(self):
+        """(name, the sharded parameter, its TP dimension) of every trained parameter; resharded first."""
+        self._reshard()
         for name, param in self.model.named_parameters():
             if param.requires_grad:
                 yield name, param, partition_dim(name) if self.layout.tp > 1 else None
+
+    def _reshard(self) -> None:
+        """Every group's parameters back to their shards (DTensors). The objectives call the decoder, not the model
+        (`neox_hf.ops.loss`), so FSDP2 takes the first group a forward reaches for its root, and a root keeps its
+        parameters gathered after a forward for the backward that follows; after an eval forward no backward
+        follows, and a checkpoint taken then (eval and save on the same step) saw the gathered plain tensors, which
+        under TP broke the layout-free state."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def parameter_count(self) -> int:
         """A DTensor's numel is its data-parallel whole (this rank's TP slice); × TP counts replicated norms once per

@@ -33,7 +33,8 @@ from neox_hf.parallel.layout import StepResult, deepspeed_grad_norm, shard_sum
 class ReplicaEngine(Engine):
     """The shared step; subclasses give `parallelize`, the state and `clip_gradients` where Accelerate's differs."""
 
-    context_parallel_attention: str | None = None  # the attention a context-parallel chunk runs with (plain engine)
+    context_parallel_attention: str | None = None  # the attention a context-parallel chunk runs with
+    context_parallel_order: str = "contiguous"  # how a sequence is dealt over its ranks (`sequence_chunk`'s order)
 
     def local_chunks(self, batches: list[dict]) -> list[dict]:
         """This rank's chunk of every sequence of `batches` under context parallelism; the batches otherwise."""
@@ -43,7 +44,7 @@ class ReplicaEngine(Engine):
         from neox_hf.ops.context_parallel import sequence_chunk
 
         return [sequence_chunk(batch, ranks=layout.cp, rank=layout.cp_rank, attention=self.context_parallel_attention,
-                               group=layout.cp_group) for batch in batches]
+                               group=layout.cp_group, order=self.context_parallel_order) for batch in batches]
 
     def build_model(self, tokenizer):
         if self.recipe.train.objective == "rm":  # a scalar head on the decoder (GPTNeoXForSequenceClassification)

@@ -37,6 +37,11 @@ from neox_hf.errors import NeoXHFError
 from neox_hf.ops.loss import SEQUENCE_CHUNK, document_causal_mask
 
 ULYSSES = "neox_hf_ulysses_sdpa"
+# How a sequence is dealt over the context-parallel ranks: one contiguous chunk each (Ulysses: the all-to-all
+# regathers the whole sequence, so the order is free), or torch's head-tail load balancing (ring attention on the
+# FSDP2 engine, `neox_hf.ops.ring_attention`: 2N chunks, rank r holding r and 2N - 1 - r, so that every rank's
+# share of the causal triangle is equal).
+CONTIGUOUS, HEAD_TAIL = "contiguous", "head_tail"
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,12 @@ class SequenceChunk:
     rank: int = 0
     length: int = 0
     group: object = field(default=None, compare=False)  # None: the default group (a test's process of its own)
+    ranks: int = 1
+    order: str = CONTIGUOUS
+
+    def columns(self, width: int, device=None) -> torch.Tensor:
+        """[width] the columns of the (padded) whole sequence this chunk of `width` tokens holds, in its order."""
+        return chunk_columns(width * self.ranks, self.ranks, self.rank, self.order, device=device)
 
 
 def chunk_bounds(length: int, ranks: int, rank: int) -> tuple[int, int]:
@@ -61,10 +72,23 @@ def chunk_bounds(length: int, ranks: int, rank: int) -> tuple[int, int]:
     return rank * size, (rank + 1) * size
 
 
-def sequence_chunk(batch: dict, *, ranks: int, rank: int, attention: str = ULYSSES, group=None) -> dict:
-    """This rank's contiguous chunk of every sequence of `batch` (`input_ids`, `labels`, `attention_mask`), with the
-    whole sequence's position ids (0..T-1 when the batch has none) and the `SequenceChunk` the decoder reads; the
-    batch's other entries (per row or per batch: `ref_logps`, `pair_index`, KTO's `label`) as they are.
+def chunk_columns(length: int, ranks: int, rank: int, order: str = CONTIGUOUS, *, device=None) -> torch.Tensor:
+    """The columns of a sequence of `length` tokens that rank `rank` of `ranks` holds, in the order it holds them:
+    its contiguous chunk, or under HEAD_TAIL the chunks `rank` and 2·ranks − 1 − `rank` of 2·ranks equal ones
+    (torch's `_HeadTailLoadBalancer`, which its ring attention's causal block skipping assumes)."""
+    if order == CONTIGUOUS:
+        start, end = chunk_bounds(length, ranks, rank)
+        return torch.arange(start, end, device=device)
+    head, tail = chunk_bounds(length, 2 * ranks, rank), chunk_bounds(length, 2 * ranks, 2 * ranks - 1 - rank)
+    return torch.cat([torch.arange(*head, device=device), torch.arange(*tail, device=device)])
+
+
+def sequence_chunk(batch: dict, *, ranks: int, rank: int, attention: str = ULYSSES, group=None,
+                   order: str = CONTIGUOUS) -> dict:
+    """This rank's chunk of every sequence of `batch` (`input_ids`, `labels`, `attention_mask`; contiguous, or its
+    head and tail chunks under HEAD_TAIL), with the whole sequence's position ids at those columns (0..T-1 when the
+    batch has none) and the `SequenceChunk` the decoder reads; the batch's other entries (per row or per batch:
+    `ref_logps`, `pair_index`, KTO's `label`) as they are.
 
     A length that does not split into equal chunks (pad mode) is padded first at the right end: pad tokens carry
     label -100 and come after every real token, so under causal attention they change nothing a label reads."""
@@ -74,7 +98,7 @@ def sequence_chunk(batch: dict, *, ranks: int, rank: int, attention: str = ULYSS
     positions = (batch["position_ids"] if documents else torch.arange(length, device=ids.device)).expand(rows, length)
     padded = {"input_ids": ids, "labels": batch.get("labels"), "attention_mask": batch.get("attention_mask"),
               "position_ids": positions}
-    extra = (-length) % ranks
+    extra = (-length) % (ranks * (2 if order == HEAD_TAIL else 1))
     if extra:
         fill = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0}
         for key, value in list(padded.items()):
@@ -85,10 +109,11 @@ def sequence_chunk(batch: dict, *, ranks: int, rank: int, attention: str = ULYSS
             else:
                 tail = torch.full((rows, extra), fill[key], dtype=value.dtype, device=value.device)
             padded[key] = torch.cat([value, tail], dim=1)
-    start, end = chunk_bounds(length + extra, ranks, rank)
+    columns = chunk_columns(length + extra, ranks, rank, order, device=ids.device)
     chunk = {key: value for key, value in batch.items() if key not in padded}
-    chunk.update({key: value[:, start:end].contiguous() for key, value in padded.items() if value is not None})
-    chunk[SEQUENCE_CHUNK] = SequenceChunk(attention, documents, rank=rank, length=length, group=group)
+    chunk.update({key: value.index_select(1, columns) for key, value in padded.items() if value is not None})
+    chunk[SEQUENCE_CHUNK] = SequenceChunk(attention, documents, rank=rank, length=length, group=group, ranks=ranks,
+                                          order=order)
     return chunk
 
 
@@ -120,8 +145,8 @@ def last_token_value(values: torch.Tensor, batch: dict, pad_token_id) -> torch.T
     ids = batch["input_ids"]
     rows, width = ids.shape
     chunk = batch.get(SEQUENCE_CHUNK)
-    start, length = (chunk.rank * width, chunk.length) if chunk is not None else (0, width)
-    columns = start + torch.arange(width, device=ids.device)
+    columns = chunk.columns(width, ids.device) if chunk is not None else torch.arange(width, device=ids.device)
+    length = chunk.length if chunk is not None else width
     real = (ids != pad_token_id) & (columns < length) if pad_token_id is not None else (columns < length)
     last = (columns * real).amax(dim=-1) if pad_token_id is not None else torch.full((rows,), length - 1,
                                                                                      device=ids.device)
@@ -130,9 +155,9 @@ def last_token_value(values: torch.Tensor, batch: dict, pad_token_id) -> torch.T
     import torch.distributed as dist
 
     dist.all_reduce(last, op=dist.ReduceOp.MAX, group=chunk.group)
-    here = (last >= start) & (last < start + width)
-    picked = values[torch.arange(rows, device=ids.device), (last - start).clamp(0, width - 1)]
-    mask = here.view(-1, *([1] * (picked.dim() - 1)))
+    held = columns.unsqueeze(0) == last.unsqueeze(1)  # [rows, width]: where this chunk holds the row's last token
+    picked = values[torch.arange(rows, device=ids.device), held.int().argmax(dim=-1)]
+    mask = held.any(dim=-1).view(-1, *([1] * (picked.dim() - 1)))
     return sequence_total(torch.where(mask, picked, torch.zeros_like(picked)), batch)
 
 

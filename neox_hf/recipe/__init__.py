@@ -830,28 +830,24 @@ def _validate_sequence_parallel(recipe: Recipe) -> None:
 
 
 def _validate_context_parallel(recipe: Recipe) -> None:
-    """What `parallel.context_parallel` > 1 runs (DeepSpeed's Ulysses attention on the plain engine: every sequence in
-    contiguous chunks, heads exchanged by all-to-all), each refusal naming the key and the fix."""
+    """What `parallel.context_parallel` > 1 runs, each refusal naming the key and the fix: DeepSpeed's Ulysses
+    attention on the plain engine (every sequence in contiguous chunks, heads exchanged by all-to-all), or torch's
+    ring attention on the FSDP2 engine (head-tail chunks, key/value blocks passed round the ranks)."""
     m, p, d, t = recipe.model, recipe.parallel, recipe.data, recipe.train
     cp, tp = p.context_parallel, p.tensor_parallel
-    split = f"`parallel.context_parallel` ({cp})" + (f" × `parallel.tensor_parallel` ({tp})" if tp > 1 else "")
-    _require(p.backend != "fsdp2", "`parallel.context_parallel` > 1 with `parallel.backend: fsdp2` is refused: context "
-                                   "parallelism runs on the DeepSpeed engine; use `parallel.backend: deepspeed`")
+    ring = p.backend == "fsdp2"
     _require(p.pipeline_parallel == 1, "`parallel.context_parallel` > 1 with `parallel.pipeline_parallel` > 1 is "
                                        "refused (not wired into the pipeline stages); use pipeline_parallel: 1")
     _require(not p.sequence_parallel, "`parallel.context_parallel` > 1 with `parallel.sequence_parallel: true` is "
                                       "refused (the sequence is already split over the context-parallel ranks); "
                                       "set sequence_parallel: false")
-    _require(m.num_attention_heads % (cp * tp) == 0,
-             f"`model.num_attention_heads` ({m.num_attention_heads}) must be divisible by {split}: Ulysses gives each "
-             "rank whole heads; choose a context_parallel that divides the heads")
-    kv_heads = m.num_kv_heads or m.num_attention_heads
-    _require(kv_heads % (cp * tp) == 0,
-             f"`model.num_kv_heads` ({kv_heads}) must be divisible by {split}: Ulysses gives each rank whole key/value "
-             "heads; choose a context_parallel that divides them")
+    if ring:
+        _validate_ring_attention(recipe)
+    else:
+        _validate_ulysses(recipe)
     _require(m.attn_implementation == "sdpa",
              f"`model.attn_implementation: {m.attn_implementation}` with `parallel.context_parallel` > 1 is refused: "
-             "the context-parallel attention runs SDPA on the gathered sequence; use attn_implementation: sdpa")
+             "the context-parallel attention runs SDPA; use attn_implementation: sdpa")
     _require(m.sliding_window is None, "`model.sliding_window` with `parallel.context_parallel` > 1 is refused (the "
                                        "context-parallel attention is causal over the whole sequence); remove it")
     _require(t.objective in ("lm", "dpo", "rm", "kto"), f"`train.objective: {t.objective}` with "
@@ -861,8 +857,32 @@ def _validate_context_parallel(recipe: Recipe) -> None:
              "micro_batch` is refused (the group's first rank counts each pair's loss); use loss_normalization: token")
     _require(recipe.peft.method is None, "`peft.method` with `parallel.context_parallel` > 1 is refused (not tested); "
                                          "use context_parallel: 1")
-    _require(m.seq_length % cp == 0, f"`model.seq_length` ({m.seq_length}) must be divisible by "
-                                     f"`parallel.context_parallel` ({cp}): every rank trains an equal chunk")
+    chunks = 2 * cp if ring else cp
+    _require(m.seq_length % chunks == 0, f"`model.seq_length` ({m.seq_length}) must be divisible by {chunks} "
+                                         + ("(2 × `parallel.context_parallel`): every rank trains a head and a tail "
+                                            "chunk" if ring else "(`parallel.context_parallel`): every rank trains an "
+                                                                 "equal chunk"))
+
+
+def _validate_ulysses(recipe: Recipe) -> None:
+    m, p = recipe.model, recipe.parallel
+    cp, tp = p.context_parallel, p.tensor_parallel
+    split = f"`parallel.context_parallel` ({cp})" + (f" × `parallel.tensor_parallel` ({tp})" if tp > 1 else "")
+    _require(m.num_attention_heads % (cp * tp) == 0,
+             f"`model.num_attention_heads` ({m.num_attention_heads}) must be divisible by {split}: Ulysses gives each "
+             "rank whole heads; choose a context_parallel that divides the heads")
+    kv_heads = m.num_kv_heads or m.num_attention_heads
+    _require(kv_heads % (cp * tp) == 0,
+             f"`model.num_kv_heads` ({kv_heads}) must be divisible by {split}: Ulysses gives each rank whole key/value "
+             "heads; choose a context_parallel that divides them")
+
+
+def _validate_ring_attention(recipe: Recipe) -> None:
+    """torch's ring attention takes no mask: causal over the whole sequence only."""
+    _require(not recipe.data.isolate_documents,
+             "`data.isolate_documents: true` with `parallel.context_parallel` > 1 and `parallel.backend: fsdp2` is "
+             "refused: torch's ring attention is causal over the whole sequence and cannot keep packed documents "
+             "apart; set isolate_documents: false or use `parallel.backend: deepspeed` (Ulysses masks documents)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
