@@ -233,11 +233,13 @@ def word_tokenizer(folder: Path) -> Path:
     return path
 
 
-def context_parallel_recipe(cp: int, seq: int) -> dict:
+def context_parallel_recipe(cp: int, seq: int, ring: bool = False) -> dict:
+    parallel = ({"backend": "fsdp2", "context_parallel": cp} if ring else
+                {"zero_stage": 0, "use_deepspeed": cp > 1, "context_parallel": cp})
     return {
         "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8, "seq_length": seq},
         "tokenizer": {"path": str(word_tokenizer(Path(tempfile.mkdtemp())))},
-        "parallel": {"zero_stage": 0, "use_deepspeed": cp > 1, "context_parallel": cp},
+        "parallel": parallel,
         "train": {"micro_batch_size": 1, "precision": "fp32"},
         "output": {"dir": tempfile.mkdtemp(), "tensorboard": False},
     }
@@ -253,7 +255,7 @@ def context_parallel_worker(args) -> None:
     from neox_hf.parallel.layout import build_layout
     from neox_hf.recipe import recipe_from_dict
 
-    recipe = recipe_from_dict(context_parallel_recipe(args.cp, args.seq))
+    recipe = recipe_from_dict(context_parallel_recipe(args.cp, args.seq, ring=args.backend == "fsdp2"))
     accelerator = build_accelerator(recipe)
     layout = build_layout(recipe.parallel)
     engine = build_engine(recipe, accelerator, layout)
@@ -278,17 +280,25 @@ def context_parallel_worker(args) -> None:
     accelerator.wait_for_everyone()
 
 
-def run_context_parallel(cp: int, args) -> dict:
+def run_context_parallel(cp: int, args, ring: bool = False) -> dict:
+    """One row: Ulysses on DeepSpeed under accelerate launch, or (`ring`) torch's ring attention on FSDP2 under
+    torchrun (FSDP2 needs a process group even for one process)."""
     out = Path(tempfile.mkdtemp()) / "result.json"
-    worker_args = ["--worker", "--cp", str(cp), "--seq", str(args.seq), "--steps", str(args.steps), "--out", str(out)]
-    command = [sys.executable, __file__, *worker_args] if cp == 1 else [
-        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(cp), "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", "0",
-        "--main_process_port", str(free_port()), __file__, *worker_args]
+    worker_args = ["--worker", "--cp", str(cp), "--seq", str(args.seq), "--steps", str(args.steps), "--out", str(out),
+                   "--backend", "fsdp2" if ring else "deepspeed"]
+    if ring:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cp),
+                   __file__, *worker_args]
+    elif cp == 1:
+        command = [sys.executable, __file__, *worker_args]
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(cp), "--num_machines",
+                   "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", "0",
+                   "--main_process_port", str(free_port()), __file__, *worker_args]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
     done = subprocess.run(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"context parallel {cp} failed:\n{done.stderr[-4000:]}")
+        raise SystemExit(f"context parallel {cp}{' (ring)' if ring else ''} failed:\n{done.stderr[-4000:]}")
     return json.loads(out.read_text())
 
 
@@ -296,17 +306,24 @@ def print_context_parallel_table(results: dict, seq: int) -> None:
     base, mib = results[1], 2**20
     print(f"GPTNeoX 2 layers × hidden 64, 8 heads, vocab 128, micro batch 1 × {seq} tokens, fp32, CPU/gloo; "
           "the largest rank, MiB (ratio vs CP1)")
-    header = f"| {'layout':8} | {'tokens/rank':>11} | {'activations peak':>22} | {'step s':>6} |"
+    header = f"| {'layout':14} | {'tokens/rank':>11} | {'activations peak':>22} | {'step s':>6} |"
     print(header)
     print("|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|")
-    for cp, r in results.items():
+    for name, r in results.items():
         ratio = r["activations_peak"] / base["activations_peak"]
         cell = f"{r['activations_peak'] / mib:12.1f} ({ratio:5.2f})"
-        print(f"| {'CP' + str(cp):8} | {r['tokens_per_rank']:>11} | {cell:>22} | {r['step_s']:6.2f} |")
-    for cp, target in ((2, 0.6), (4, 0.35)):
-        if cp in results:
-            ratio = results[cp]["activations_peak"] / base["activations_peak"]
-            print(f"CP{cp} activations per rank ≤ {target}× CP1: {ratio:.2f} — {'met' if ratio <= target else 'NOT met'}")
+        print(f"| {_row_name(name):14} | {r['tokens_per_rank']:>11} | {cell:>22} | {r['step_s']:6.2f} |")
+    for name, r in results.items():
+        target = {2: 0.6, 4: 0.35}.get(name if isinstance(name, int) else name[1])
+        if target is not None:
+            ratio = r["activations_peak"] / base["activations_peak"]
+            print(f"{_row_name(name)} activations per rank ≤ {target}× CP1: {ratio:.2f} — "
+                  f"{'met' if ratio <= target else 'NOT met'}")
+
+
+def _row_name(name) -> str:
+    """CPn: Ulysses on DeepSpeed; ("ring", n): torch's ring attention on FSDP2."""
+    return f"CP{name}" if isinstance(name, int) else f"ring CP{name[1]} FSDP2"
 
 
 def _trainable(module) -> list:
@@ -562,7 +579,9 @@ def main() -> None:
     if args.context_parallel:
         seq = args.seq if args.seq != SEQ else CP_SEQ
         args.seq = seq
-        return print_context_parallel_table({cp: run_context_parallel(cp, args) for cp in CP_LAYOUTS}, seq)
+        rows = {cp: run_context_parallel(cp, args) for cp in CP_LAYOUTS}
+        rows.update({("ring", cp): run_context_parallel(cp, args, ring=True) for cp in CP_LAYOUTS if cp > 1})
+        return print_context_parallel_table(rows, seq)
     chosen = {n.strip() for n in args.layouts.split(",") if n.strip()}
     unknown = chosen - {layout[0] for layout in LAYOUTS}
     if unknown:

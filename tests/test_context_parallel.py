@@ -80,6 +80,43 @@ def test_head_tail_chunks_are_torchs_load_balanced_order_with_positions_and_labe
     assert [c[SEQUENCE_CHUNK].columns(16 // ranks).tolist() for c in chunks] == torch_order.view(ranks, -1).tolist()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="torch's CUDA ring kernels need a GPU; the cpu case is their twin"))])
+def test_the_ring_attention_runs_sdpa_through_torchs_context_parallel_dispatch_as_transformers_sdpa(device):
+    """The attention the FSDP2 engine registers, on a context-parallel mesh of one rank: query, key and value become
+    DTensors sharded on the sequence and SDPA dispatches to torch's templated ring (on CUDA torch's own kernel
+    handlers; on CPU the CPU flash kernel we route there, without which DTensor has no rule for it and this raises).
+    Output and gradients equal transformers' SDPA attention, grouped-query heads included. The ring over several
+    ranks is the distributed tier's (FSDP2 CP2/CP4 train as one process)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from neox_hf.ops.ring_attention import register_ring_attention
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert dist.get_world_size() == 1
+        ring = AttentionInterface()[register_ring_attention(DeviceMesh.from_group(dist.group.WORLD, device))]
+        module = torch.nn.Module().to(device)
+        module.is_causal, module.num_key_value_groups = True, 2  # what transformers' SDPA reads
+        torch.manual_seed(0)
+        q = torch.randn(2, 4, 16, 8, device=device, requires_grad=True)
+        k, v = (torch.randn(2, 2, 16, 8, device=device, requires_grad=True) for _ in range(2))
+        got, _ = ring(module, q, k, v, None, scaling=0.5)
+        want, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.5, is_causal=True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        grads = [torch.autograd.grad(out.square().sum(), (q, k, v)) for out in (got, want)]
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
 def test_head_tail_pads_a_length_to_twice_the_ranks_at_the_end_without_labels():
     from neox_hf.ops.context_parallel import HEAD_TAIL
 
