@@ -20,8 +20,9 @@ pipeline parallelism, activations or the loss. This module knows every part of o
   transformers' GPTNeoXLayer: 3 hidden-sized tensors replicated over tensor-parallel ranks — split by sequence
   parallelism — and 14 split by them; against LlamaDecoderLayer: `_llama_layer_bytes_per_token`), × layers of the
   stage × micro-batches in flight (1F1B: stage i holds up to p − i); with activation checkpointing one input per
-  layer plus one layer recomputed. Context parallelism (`parallel.context_parallel`, DeepSpeed's Ulysses) leaves a
-  rank seq / context positions of all of it, plus the all-to-all's buffers while a layer's attention runs;
+  layer plus one layer recomputed. Context parallelism (`parallel.context_parallel`) leaves a rank seq / context
+  positions of all of it, plus, while a layer's attention runs, DeepSpeed's Ulysses all-to-all buffers or (FSDP2)
+  torch's ring attention's: the whole sequence's keys and values all-gathered, and fp32 gradient buffers;
 - loss: the last stage's head + cross-entropy peak: the fused loss's logits chunk (`default_chunk_rows`) and the head's
   weight gradient it computes in the forward (or whole [tokens, vocab] logits unfused).
 
@@ -36,7 +37,8 @@ Step time: model FLOPs (`neox_hf.train.mfu.flops_per_token`, × 4/3 with activat
 at an assumed MFU of the GPU's datasheet peak, stretched by the pipeline bubble (p − 1)/(m + p − 1), plus
 data-parallel (ring all-reduce / reduce-scatter volume of the gradients over data × context ranks), tensor-parallel
 (four all-reduces of the layer's activations per layer and micro-batch) and context-parallel (Ulysses' four
-all-to-alls per layer, forward and backward) communication at stated bandwidths. Every assumption is printed.
+all-to-alls per layer, or the ring's key/value all-gathers and fp32 key/value gradient rotation; forward and
+backward) communication at stated bandwidths. Every assumption is printed.
 With a GPU memory, each listed layout also gets the longest sequence it fits (`longest_sequence`), and
 `--longest-sequence` ranks layouts by it.
 """
@@ -84,7 +86,7 @@ class Layout:
     sequence_parallel: bool
     backend: str = "deepspeed"  # `parallel.backend`; fsdp2 shards like ZeRO-3 (zero_stage is then 0)
     dp_replicate: int = 1  # FSDP2's HSDP replicas: each shards over data / dp_replicate ranks
-    context: int = 1  # `parallel.context_parallel`: each sequence split over this many ranks (Ulysses)
+    context: int = 1  # `parallel.context_parallel`: each sequence split over this many ranks (Ulysses or ring)
 
     @property
     def gpus(self) -> int:
@@ -94,8 +96,14 @@ class Layout:
     def sharding_ranks(self) -> int:
         """The ranks ZeRO partitions over and gradients are reduced over: DeepSpeed's sequence-data-parallel group
         (`groups._get_sequence_data_parallel_group`), data × context, since context-parallel ranks hold the same
-        weights and see different tokens."""
+        weights and see different tokens; FSDP2's mesh makes its context-parallel ranks shards the same way."""
         return self.data * self.context
+
+    @property
+    def ring(self) -> bool:
+        """Context parallelism by torch's ring attention (the FSDP2 engine's), not DeepSpeed's Ulysses: its memory,
+        traffic and divisibility rules differ."""
+        return self.backend == "fsdp2" and self.context > 1
 
 
 @dataclass
@@ -466,11 +474,13 @@ def pipeline_buffer_bytes(shape: ModelShape, layout: Layout, stage: int, element
 def layer_activation_bytes(shape: ModelShape, layout: Layout, element: int) -> int:
     """Bytes autograd keeps for one transformer layer and one micro-batch, per tensor- and context-parallel rank.
     Under context parallelism a rank keeps its seq / context positions of everything but attention's q, k, v and
-    output, which after the all-to-all are the whole sequence's for heads / context of the heads: as many elements,
-    so the whole layer falls by the context-parallel size."""
+    output, which after Ulysses' all-to-all are the whole sequence's for heads / context of the heads: as many
+    elements, so the whole layer falls by the context-parallel size. The ring keeps its own positions of all heads,
+    its keys and values repeated to the query heads (grouped-query attention expanded before the ring)."""
     t, tokens = layout.tensor, local_tokens(shape, layout)
     if shape.cache["family"] == "llama":
-        per_token = _llama_layer_bytes_per_token(shape, t, layout.sequence_parallel, element)
+        kv_heads = shape.heads if layout.ring else shape.kv_heads
+        per_token = _llama_layer_bytes_per_token(shape, t, layout.sequence_parallel, element, kv_heads)
     else:
         replicated = REPLICATED_PER_LAYER * shape.hidden / (t if layout.sequence_parallel else 1)
         per_token = (replicated + SPLIT_PER_LAYER * shape.hidden / t) * element
@@ -480,15 +490,18 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, element: int) -> i
     return int(per_token * tokens + scores)
 
 
-def _llama_layer_bytes_per_token(shape: ModelShape, tp: int, sequence_parallel: bool, element: int) -> float:
+def _llama_layer_bytes_per_token(shape: ModelShape, tp: int, sequence_parallel: bool, element: int,
+                                 kv_heads: int | None = None) -> float:
     """transformers' LlamaDecoderLayer (sdpa), measured by saved-tensor hooks (tests/test_plan.py holds it to a
     measurement): per RMSNorm its input in fp32 (the norm upcasts), the normalised value and its weighted output
     (replicated over tensor-parallel ranks, split by sequence parallelism) plus an fp32 rsqrt per token; split by
     tensor parallelism: q and the attention output (heads × head_dim), k and v (kv_heads × head_dim), sdpa's fp32
-    log-sum-exp per head, and four MLP tensors of the intermediate width (gate, its SiLU, up, their product)."""
+    log-sum-exp per head, and four MLP tensors of the intermediate width (gate, its SiLU, up, their product).
+    `kv_heads`: the key/value heads attention saves (default the model's)."""
     c = shape.cache
+    kv_heads = c["kv_heads"] if kv_heads is None else kv_heads
     replicated = 2 * ((4 + 2 * element) * c["hidden"] + 4) / (tp if sequence_parallel else 1)
-    split = (element * (2 * c["heads"] * c["head_dim"] + 2 * c["kv_heads"] * c["head_dim"] + 4 * c["intermediate"])
+    split = (element * (2 * c["heads"] * c["head_dim"] + 2 * kv_heads * c["head_dim"] + 4 * c["intermediate"])
              + 4 * c["heads"]) / tp
     return replicated + split
 
@@ -502,6 +515,28 @@ def all_to_all_bytes(shape: ModelShape, layout: Layout, element: int) -> int:
     c = shape.cache
     width = (2 * c["heads"] + 2 * c["kv_heads"]) * c["head_dim"] / layout.tensor
     return int(2 * width * local_tokens(shape, layout) * element)
+
+
+def ring_width(shape: ModelShape, layout: Layout) -> float:
+    """Elements per token of keys (or values) on a tensor-parallel rank in torch's ring: all query heads' worth,
+    since key/value heads are repeated to the query heads before the ring."""
+    return shape.heads * shape.cache["head_dim"] / layout.tensor
+
+
+def ring_buffer_bytes(shape: ModelShape, layout: Layout, element: int) -> int:
+    """torch's ring attention's transient buffers while one layer's attention runs (its backward, the larger): the
+    all-gather rotater materialises the whole sequence's keys and values (the forward does too), and the backward
+    adds fp32 gradients of the local q, k and v and the fp32 key/value gradients it passes round the ring."""
+    if layout.context == 1:
+        return 0
+    width, local = ring_width(shape, layout), local_tokens(shape, layout)
+    whole_kv = 2 * width * local * layout.context * element
+    return int(whole_kv + 3 * width * local * 4 + 2 * width * local * 4)
+
+
+def context_parallel_buffer_bytes(shape: ModelShape, layout: Layout, element: int) -> int:
+    """The context-parallel attention's transient bytes for one layer: the ring's under FSDP2, Ulysses' else."""
+    return (ring_buffer_bytes if layout.ring else all_to_all_bytes)(shape, layout, element)
 
 
 def stage_activation_bytes(shape: ModelShape, layout: Layout, layers: int, stage: int, element: int) -> int:
@@ -556,7 +591,7 @@ def stage_bytes(shape: ModelShape, layout: Layout, engine: Engine, fused_loss: b
         # the next runs its forward and loss; with one, the loss's moment precedes every gradient but the head's.
         accumulated = grads_at_backward if layout.gradient_accumulation_steps > 1 else 0
         one_layer = (layer_activation_bytes(shape, layout, engine.activation_bytes)
-                     + all_to_all_bytes(shape, layout, engine.activation_bytes))
+                     + context_parallel_buffer_bytes(shape, layout, engine.activation_bytes))
         gathered = zero3_gathered_bytes(shape, engine, largest_layer)  # + that layer's whole gradient in backward
         peak = max(accumulated + activations + max(loss, one_layer) + gathered,  # a backward's transients: ~one layer's
                    grads_at_backward + 2 * one_layer + 2 * gathered, states["grads"] - held_grads)
@@ -600,15 +635,29 @@ def step_seconds(shape: ModelShape, layout: Layout, engine: Engine, params_per_r
 def context_parallel_seconds(shape: ModelShape, layout: Layout, engine: Engine, assumptions: Assumptions) -> float:
     """Ulysses' four all-to-alls per layer (q, k and v in, the output back) in the forward, again for their
     gradients in the backward, and once more in checkpointing's recomputed forward: each rank sends (c − 1) / c of
-    its share; over NVLink while tensor × context fits in a node, over the network beyond it."""
+    its share. The ring's traffic per layer: `ring_bytes_per_layer`. Over NVLink while tensor × context fits in a
+    node, over the network beyond it."""
     c = layout.context
     if c == 1:
         return 0.0
-    passes = 3 if layout.activation_checkpointing else 2
-    per_layer = all_to_all_bytes(shape, layout, engine.activation_bytes) / 2 * (c - 1) / c
-    volume = per_layer * passes * shape.layers / layout.pipeline * layout.gradient_accumulation_steps
+    if layout.ring:
+        per_step = ring_bytes_per_layer(shape, layout, engine.activation_bytes)
+    else:
+        passes = 3 if layout.activation_checkpointing else 2
+        per_step = all_to_all_bytes(shape, layout, engine.activation_bytes) / 2 * (c - 1) / c * passes
+    volume = per_step * shape.layers / layout.pipeline * layout.gradient_accumulation_steps
     inside_node = layout.tensor * c <= GPUS_PER_NODE
     return volume / (assumptions.tp_bandwidth if inside_node else assumptions.dp_bandwidth)
+
+
+def ring_bytes_per_layer(shape: ModelShape, layout: Layout, element: int) -> float:
+    """Bytes a rank receives in one layer of one micro-batch under torch's ring attention: the other ranks' keys
+    and values all-gathered in each forward (twice with checkpointing's recompute) and again in the backward, and
+    the fp32 key/value gradients passed on at each of the backward's c − 1 steps."""
+    c, width, local = layout.context, ring_width(shape, layout), local_tokens(shape, layout)
+    gather = 2 * width * local * c * element * (c - 1) / c
+    forwards = 2 if layout.activation_checkpointing else 1
+    return gather * (forwards + 1) + 2 * width * local * 4 * (c - 1)
 
 
 def bubble(layout: Layout) -> float:
@@ -648,7 +697,9 @@ def recipe_layout(recipe, gpus: int | None = None) -> Layout:
 def engine_for(recipe, layout: Layout, precision: str) -> Engine:
     p = recipe.parallel
     if layout.backend == "fsdp2":
-        return Engine(precision, False, 0, layout.data, fsdp2=True, shard=max(1, layout.data // layout.dp_replicate))
+        # each HSDP replica shards over its data ranks × their context-parallel ranks (the engine's `dp_shard`)
+        shards = max(1, layout.sharding_ranks // layout.dp_replicate)
+        return Engine(precision, False, 0, layout.sharding_ranks, fsdp2=True, shard=shards)
     deepspeed = layout.gpus > 1 or layout.zero_stage > 0 or bool(p.use_deepspeed) or p.deepspeed_config is not None
     # ZeRO partitions over DeepSpeed's sequence-data-parallel group: data × context ranks
     return Engine(precision, deepspeed, layout.zero_stage, layout.sharding_ranks, p.offload_optimizer,
@@ -673,7 +724,7 @@ def longest_sequence(recipe, shape: ModelShape, layout: Layout, precision: str, 
     (LONGEST_SEQUENCE_CAP) when that fits. Memory only grows with the length, so doubling then bisecting finds it."""
     engine = engine_for(recipe, layout, precision)
     method, fused = recipe.parallel.pipe_partition_method, recipe.train.fused_cross_entropy
-    step = math.lcm(LONGEST_SEQUENCE_STEP, layout.context * (layout.tensor if layout.sequence_parallel else 1))
+    step = math.lcm(LONGEST_SEQUENCE_STEP, sequence_divisor(layout))
 
     def fits(multiple: int) -> bool:
         at = shape.at_length(multiple * step)
@@ -694,13 +745,21 @@ def longest_sequence(recipe, shape: ModelShape, layout: Layout, precision: str, 
     return low * step
 
 
+def sequence_divisor(layout: Layout) -> int:
+    """What seq_length must divide by: the ring's 2 × context head-tail chunks, Ulysses' context chunks, and the
+    tensor-parallel ranks that sequence parallelism splits it over."""
+    if layout.ring:
+        return 2 * layout.context
+    return layout.context * (layout.tensor if layout.sequence_parallel else 1)
+
+
 def candidate_layouts(recipe, shape: ModelShape, gpus: int, global_batch: int, micro_batches=None) -> list[Layout]:
     """Every pipeline × tensor × context × data factorisation of `gpus`, ZeRO stage — or FSDP2 without pipeline
     stages, with each HSDP replica count —, micro batch (accumulation keeping the global batch; `micro_batches`
     restricts them), activation checkpointing and sequence parallelism the recipe's validation would accept.
-    Context parallelism (Ulysses) goes with DeepSpeed and ZeRO 0–3 and tensor parallelism, not with pipeline stages,
-    FSDP2 or TP's sequence parallelism; query and key/value heads must divide by tensor × context and the sequence
-    by context."""
+    Context parallelism goes with tensor parallelism, not with pipeline stages or TP's sequence parallelism: with
+    DeepSpeed and ZeRO 0–3 it is Ulysses (query and key/value heads must divide by tensor × context, the sequence by
+    context), with FSDP2 torch's ring attention (heads must divide by tensor only, the sequence by 2 × context)."""
     heads = shape.heads
     layouts = []
     for pp in _divisors(gpus):
@@ -711,12 +770,9 @@ def candidate_layouts(recipe, shape: ModelShape, gpus: int, global_batch: int, m
                 continue
             for cp in _divisors(gpus // (pp * tp)):
                 dp = gpus // (pp * tp * cp)
-                if global_batch % dp or (cp > 1 and not _context_parallel_fits(shape, pp, tp, cp)):
+                if global_batch % dp:
                     continue
-                sharding = [("deepspeed", zero, 1) for zero in _zero_stages(pp, tp)]
-                if pp == 1 and cp == 1:
-                    sharding += [("fsdp2", 0, replicas) for replicas in _divisors(dp)]
-                for backend, zero, replicas in sharding:
+                for backend, zero, replicas in _sharding_options(shape, pp, tp, cp, dp):
                     for micro in _divisors(global_batch // dp):
                         if micro_batches is not None and micro not in micro_batches:
                             continue
@@ -728,9 +784,26 @@ def candidate_layouts(recipe, shape: ModelShape, gpus: int, global_batch: int, m
     return layouts
 
 
+def _sharding_options(shape: ModelShape, pp: int, tp: int, cp: int, dp: int) -> list[tuple[str, int, int]]:
+    """(backend, ZeRO stage, HSDP replicas) of the layouts a pp × tp × cp × dp split may take: DeepSpeed's ZeRO
+    stages where its context parallelism (Ulysses) fits, FSDP2 with every replica count where its (the ring) does."""
+    options = []
+    if cp == 1 or _context_parallel_fits(shape, pp, tp, cp):
+        options += [("deepspeed", zero, 1) for zero in _zero_stages(pp, tp)]
+    if pp == 1 and (cp == 1 or _ring_fits(shape, tp, cp)):
+        options += [("fsdp2", 0, replicas) for replicas in _divisors(dp)]
+    return options
+
+
 def _context_parallel_fits(shape: ModelShape, pp: int, tp: int, cp: int) -> bool:
+    """Ulysses: each rank takes whole query and key/value heads of the whole sequence."""
     return (pp == 1 and shape.heads % (tp * cp) == 0 and shape.kv_heads % (tp * cp) == 0
             and shape.seq_length % cp == 0)
+
+
+def _ring_fits(shape: ModelShape, tp: int, cp: int) -> bool:
+    """The ring: each rank keeps every head of its tensor-parallel split and two of the 2 × cp head-tail chunks."""
+    return shape.heads % tp == 0 and shape.kv_heads % tp == 0 and shape.seq_length % (2 * cp) == 0
 
 
 def _zero_stages(pp: int, tp: int) -> list[int]:
@@ -996,11 +1069,11 @@ def check_gpus_hold_layout(recipe, gpus: int | None) -> None:
 
 def describe_layout(layout: Layout) -> str:
     if layout.backend == "fsdp2":
-        r = layout.dp_replicate
-        sharding = f"FSDP2 HSDP {r} × {layout.data // r}" if r > 1 else "FSDP2"
+        r = layout.dp_replicate  # replicas × shards, the context-parallel ranks among the shards
+        sharding = f"FSDP2 HSDP {r} × {layout.sharding_ranks // r}" if r > 1 else "FSDP2"
     else:
         sharding = f"ZeRO-{layout.zero_stage}"
-    context = f" × context {layout.context}" if layout.context > 1 else ""
+    context = f" × context {layout.context}{' (ring)' if layout.ring else ''}" if layout.context > 1 else ""
     parts = [f"pipe {layout.pipeline} × tensor {layout.tensor}{context} × data {layout.data}", sharding,
              f"micro {layout.micro_batch} × accumulation {layout.gradient_accumulation_steps}"]
     if layout.activation_checkpointing:

@@ -344,11 +344,89 @@ def test_context_parallel_rows_by_arithmetic():
     assert h == 128
 
     layouts = candidate_layouts(recipe, shape, 8, 8)
-    contexts = {(l.tensor, l.context) for l in layouts}
+    contexts = {(l.tensor, l.context) for l in layouts if l.backend == "deepspeed"}
     assert (1, 2) in contexts and (2, 1) in contexts and (1, 4) not in contexts and (2, 2) not in contexts  # 2 KV heads
-    assert all(l.pipeline == 1 and l.backend == "deepspeed" and not l.sequence_parallel
-               for l in layouts if l.context > 1)
+    assert all(l.pipeline == 1 and not l.sequence_parallel for l in layouts if l.context > 1)
     assert all(l.gpus == 8 for l in layouts)
+
+
+TINY_LLAMA_RING = [*TINY_LLAMA, "--parallel.backend", "fsdp2", "--parallel.zero_stage", "0",
+                   "--parallel.context_parallel", "2"]
+
+
+def _ring_recipe(*more):
+    return _recipe(*(str(REPO / a) if a.endswith(".yaml") else a for a in [*TINY_LLAMA_RING, *more]))
+
+
+def test_ring_recipe_plans_and_its_activations_fall_by_the_context_parallel_size():
+    """A recipe of torch's ring attention (FSDP2 with context parallel 2) is planned as its own layout; at a long
+    sequence each ring rank keeps about half of what the same FSDP2 layout keeps without context parallelism (its
+    keys and values repeated to the query heads make it a little more than half), and FSDP2 shards over the
+    context-parallel ranks too."""
+    from dataclasses import replace
+
+    from neox_hf.plan import engine_for, model_shape, plan_for_recipe, stage_bytes
+
+    recipe = _ring_recipe("--model.seq_length", "8192", "--model.max_position_embeddings", "8192")
+    plan = plan_for_recipe(recipe, gpus=4, gpu_memory_bytes=80 * 2**30)
+    own = plan.recipe_layout.layout
+    assert (own.backend, own.context, own.data, own.ring) == ("fsdp2", 2, 2, True)
+    assert engine_for(recipe, own, "bf16").shard == 4
+    assert plan.recipe_layout.longest_sequence % 1024 == 0 and plan.recipe_layout.longest_sequence > 8192
+
+    shape = model_shape(recipe)
+    method = recipe.parallel.pipe_partition_method
+
+    def activations(layout):
+        return stage_bytes(shape, layout, engine_for(recipe, layout, "bf16"), True, method)[0].activations
+
+    whole = replace(own, context=1)
+    assert activations(own) <= 0.6 * activations(whole)
+
+
+def test_ring_layouts_need_heads_divisible_by_tensor_only():
+    """Heads that do not divide by tensor × context but do by tensor: the ring (FSDP2) layouts of that split are
+    candidates, Ulysses' (DeepSpeed) are not; a ring needs the sequence in 2 × context head-tail chunks."""
+    from neox_hf.plan import candidate_layouts, model_shape
+
+    shape = model_shape(_ring_recipe())  # 4 query, 2 key/value heads, 128 tokens
+    layouts = candidate_layouts(_ring_recipe(), shape, 8, 8)
+    tensor_2_context_2 = [l for l in layouts if (l.tensor, l.context) == (2, 2)]
+    assert tensor_2_context_2 and all(l.ring and l.backend == "fsdp2" for l in tensor_2_context_2)
+    assert {l.dp_replicate for l in tensor_2_context_2} == {1, 2}  # every HSDP replica count, as at context 1
+    assert any(l.ring for l in layouts if (l.tensor, l.context) == (1, 8))  # 128 tokens = 16 chunks
+    short = model_shape(_ring_recipe("--model.seq_length", "24", "--model.max_position_embeddings", "24"))
+    assert not any(l.context == 8 for l in candidate_layouts(_ring_recipe(), short, 8, 8))  # 24 % 16
+
+
+def test_ring_step_time_has_a_context_parallel_term_growing_with_the_sequence():
+    """The ring's key/value all-gathers and gradient rotation cost time, more at longer sequences and more again
+    with checkpointing (its recomputed forward all-gathers keys and values once more)."""
+    from neox_hf.plan import Assumptions, Layout, context_parallel_seconds, engine_for, model_shape
+
+    recipe, shape = _ring_recipe(), model_shape(_ring_recipe())
+    engine = engine_for(recipe, Layout(1, 1, 2, 0, 1, 4, False, False, "fsdp2", 1, 2), "bf16")
+
+    def seconds(seq, checkpointing=False):
+        at = Layout(1, 1, 2, 0, 1, 4, checkpointing, False, "fsdp2", 1, 2)
+        return context_parallel_seconds(shape.at_length(seq), at, engine, Assumptions())
+
+    assert 0 < seconds(1024) < seconds(4096)
+    assert seconds(1024, checkpointing=True) > seconds(1024)
+
+
+def test_plan_lists_ring_layouts_for_llama2_7b_at_32k(capsys):
+    """`neox_hf plan` names ring layouts apart from Ulysses' ("context 8 (ring)", FSDP2), in the ranking and as an
+    FSDP2 recipe's own layout."""
+    from neox_hf.cli import main
+
+    argv = ["plan", str(REPO / "recipes/llama2-7b-32k.yaml"), "--gpus", "8", "--gpu-memory", "80"]
+    assert main([*argv, "--longest-sequence", "--top", "40"]) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"\| pipe 1 × tensor 1 × context 8 \(ring\) × data 1, FSDP2, .*\|  yes \|", table)
+    assert re.search(r"\| pipe 1 × tensor 1 × context 8 × data 1, ZeRO-3, .*\|  yes \|", table)
+    assert main([*argv, "--parallel.backend", "fsdp2", "--parallel.zero_stage", "0", "--top", "1"]) == 0
+    assert "recipe: pipe 1 × tensor 1 × context 8 (ring) × data 1, FSDP2, micro 1" in capsys.readouterr().out
 
 
 def test_llama2_7b_at_32k_on_8_gpus_of_80_gb(capsys):
