@@ -1,18 +1,22 @@
-"""Context parallelism (`parallel.context_parallel`, neox_hf/ops/context_parallel.py): every sequence split into N
-contiguous chunks over N ranks, DeepSpeed's Ulysses all-to-all inside attention.
+"""Context parallelism (`parallel.context_parallel`): every sequence split over N ranks, DeepSpeed's Ulysses
+all-to-all inside attention on the DeepSpeed engine (neox_hf/ops/context_parallel.py, contiguous chunks), torch's ring
+attention on the FSDP2 engine (neox_hf/ops/ring_attention.py, head-tail chunks).
 
 Fast tier (no processes): the chunking (labels shifted before the split, positions of the whole sequence, pad-mode
-padding, per-row entries such as DPO's `ref_logps` kept), RM's last-token pooling as transformers', the loss of the chunks summed equal to the whole sequence's (never scaled by N), the rank order of the
-groups, and the recipe's refusals.
+padding, per-row entries such as DPO's `ref_logps` kept; head-tail chunks in torch's load-balanced order), RM's
+last-token pooling as transformers', the loss of the chunks summed equal to the whole sequence's (never scaled by N),
+the rank order of the groups, the recipe's refusals, and the registered ring attention on one rank equal to
+transformers' SDPA (CPU; CUDA in the GPU tier).
 
-Distributed tier, one 4-process launch (tests/workers/init_layouts.py) beside the one-process references in this
-process (fp32, gloo, 2 layers × hidden 32, a 100-word vocabulary, seq_length 1024, 6 steps): CP4 with packed
+Distributed tier, one 4-process torchrun launch (tests/workers/init_layouts.py) beside the one-process references in
+this process (fp32, gloo, 2 layers × hidden 32, a 100-word vocabulary, seq_length 1024, 6 steps): CP4 with packed
 documents kept apart, CP4 under ZeRO-3 in pad mode on prompt-masked SFT data, CP2 × DP2 under ZeRO-2, CP2 × TP2 and a
 Llama (GQA, full rotary) CP4 train as one process — losses within 1e-5, weights within 1e-4, eval losses equal; and
-the CP2 × DP2 checkpoint resumes on CP4 and on one process as the uninterrupted run. First in the same launch: DPO
-on CP2 × DP2 (the precomputed reference computed on the chunks too), RM on CP4 and KTO on CP4 (its frozen reference
-forwarded on the chunks) train as one process (tiny stock GPTNeoX, 64 tokens, 3 steps): losses, TRL's metrics and
-eval losses within 1e-5, weights within 1e-4.
+the CP2 × DP2 checkpoint resumes on CP4 and on one process as the uninterrupted run. The ring on FSDP2: CP2 × FSDP2
+DP2 and CP2 × TP2 (pack), CP4 (pad, prompt-masked SFT) the same. First in the same launch: DPO on CP2 × DP2 (the
+precomputed reference computed on the chunks too), RM on CP4 (Ulysses and the ring) and KTO on CP4 (its frozen
+reference forwarded on the chunks) train as one process (tiny stock GPTNeoX, 64 tokens, 3 steps): losses, TRL's
+metrics and eval losses within 1e-5, weights within 1e-4. Then a 2-process launch: CP2 alone, Ulysses and the ring.
 """
 
 from __future__ import annotations
@@ -80,8 +84,8 @@ def test_head_tail_chunks_are_torchs_load_balanced_order_with_positions_and_labe
     assert [c[SEQUENCE_CHUNK].columns(16 // ranks).tolist() for c in chunks] == torch_order.view(ranks, -1).tolist()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="torch's CUDA ring kernels need a GPU; the cpu case is their twin"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="torch's CUDA ring kernels need a GPU; the cpu case is their twin")])])
 def test_the_ring_attention_runs_sdpa_through_torchs_context_parallel_dispatch_as_transformers_sdpa(device):
     """The attention the FSDP2 engine registers, on a context-parallel mesh of one rank: query, key and value become
     DTensors sharded on the sequence and SDPA dispatches to torch's templated ring (on CUDA torch's own kernel
@@ -386,7 +390,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     for objective in ("dpo", "rm", "kto"):
         train_in_this_process([_preference_recipe(base, root / f"one_{objective}", objective)])
     finish_launch(launch, "the context-parallel layouts", timeout=900)
+    # CP2 on its own (2 processes): Ulysses, and torch's ring on FSDP2; the one-process resume meanwhile
+    launch = start_torchrun_layouts(root, {name: shlex.join(args(name, *spec)) for name, spec in {
+        "cp2": ("neox", *_cp(2)), "fsdp2_cp2": ("neox", *_ring(2))}.items()}, num_processes=2)
     train_in_this_process(args("cp2_dp2_to_one", "neox", *resume("cp2_dp2_zero2")))
+    finish_launch(launch, "CP2 alone", timeout=600)
     return {path.name: path for path in root.iterdir() if path.is_dir()}
 
 
@@ -440,6 +448,13 @@ def test_cp4_under_zero3_in_pad_mode_on_prompt_masked_sft_data_trains_as_one_pro
     by step 6 here (lr 2e-3, with or without clipping; measured on the Llama run), which context parallelism cannot
     remove. A loss scaled by the chunk count or a wrong document mask is orders of magnitude further."""
     _assert_same_run(runs["one_sft_pad"], runs["cp4_sft_pad_zero3"], loss_tol=1e-4, weight_tol=3e-4)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["cp2", "fsdp2_cp2"])
+def test_cp2_alone_trains_as_one_process(runs, name):
+    """Every sequence over the 2 ranks and nothing else split: Ulysses on DeepSpeed, and torch's ring on FSDP2."""
+    _assert_same_run(runs["one_neox"], runs[name])
 
 
 @pytest.mark.distributed
