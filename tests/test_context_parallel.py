@@ -12,11 +12,12 @@ Distributed tier, one 4-process torchrun launch (tests/workers/init_layouts.py) 
 this process (fp32, gloo, 2 layers × hidden 32, a 100-word vocabulary, seq_length 1024, 6 steps): CP4 with packed
 documents kept apart, CP4 under ZeRO-3 in pad mode on prompt-masked SFT data, CP2 × DP2 under ZeRO-2, CP2 × TP2 and a
 Llama (GQA, full rotary) CP4 train as one process — losses within 1e-5, weights within 1e-4, eval losses equal; and
-the CP2 × DP2 checkpoint resumes on CP4 and on one process as the uninterrupted run. The ring on FSDP2: CP2 × FSDP2
-DP2 and CP2 × TP2 (pack), CP4 (pad, prompt-masked SFT) the same. First in the same launch: DPO on CP2 × DP2 (the
-precomputed reference computed on the chunks too), RM on CP4 (Ulysses and the ring) and KTO on CP4 (its frozen
-reference forwarded on the chunks) train as one process (tiny stock GPTNeoX, 64 tokens, 3 steps): losses, TRL's
-metrics and eval losses within 1e-5, weights within 1e-4. Then a 2-process launch: CP2 alone, Ulysses and the ring.
+the CP2 × DP2 checkpoint resumes on CP4, on one process and on the ring's CP2 as the uninterrupted run. The ring on
+FSDP2: CP2 × FSDP2 DP2 and CP2 × TP2 (pack), CP4 (pad, prompt-masked SFT) the same. First in the same launch: DPO on
+CP2 × DP2 (the precomputed reference computed on the chunks too), RM on CP4 (Ulysses and the ring) and KTO on CP4 (its
+frozen reference forwarded on the chunks) train as one process (tiny stock GPTNeoX, 64 tokens, 3 steps): losses,
+TRL's metrics and eval losses within 1e-5, weights within 1e-4. Then a 2-process launch: CP2 alone (Ulysses and the
+ring) and the ring's resume.
 """
 
 from __future__ import annotations
@@ -390,9 +391,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     for objective in ("dpo", "rm", "kto"):
         train_in_this_process([_preference_recipe(base, root / f"one_{objective}", objective)])
     finish_launch(launch, "the context-parallel layouts", timeout=900)
-    # CP2 on its own (2 processes): Ulysses, and torch's ring on FSDP2; the one-process resume meanwhile
+    # CP2 on its own (2 processes): Ulysses, and torch's ring on FSDP2, which also resumes the CP2 × DP2 ZeRO-2
+    # checkpoint; the one-process resume meanwhile
     launch = start_torchrun_layouts(root, {name: shlex.join(args(name, *spec)) for name, spec in {
-        "cp2": ("neox", *_cp(2)), "fsdp2_cp2": ("neox", *_ring(2))}.items()}, num_processes=2)
+        "cp2": ("neox", *_cp(2)), "fsdp2_cp2": ("neox", *_ring(2)),
+        "cp2_dp2_to_fsdp2_cp2": ("neox", *_ring(2), *resume("cp2_dp2_zero2"))}.items()}, num_processes=2)
     train_in_this_process(args("cp2_dp2_to_one", "neox", *resume("cp2_dp2_zero2")))
     finish_launch(launch, "CP2 alone", timeout=600)
     return {path.name: path for path in root.iterdir() if path.is_dir()}
@@ -473,12 +476,15 @@ def test_llama_gqa_cp4_trains_as_one_process(runs):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("resumed", ["cp2_dp2_to_cp4", "cp2_dp2_to_one"])
-def test_a_cp2_checkpoint_resumes_exactly_on_cp4_and_on_one_process(runs, resumed):
+@pytest.mark.parametrize("resumed", ["cp2_dp2_to_cp4", "cp2_dp2_to_one", "cp2_dp2_to_fsdp2_cp2"])
+def test_a_cp2_checkpoint_resumes_exactly_on_cp4_on_one_process_and_on_the_ring(runs, resumed):
     _assert_same_run(runs["cp2_dp2_zero2"], runs[resumed], steps=(4, 5, 6))
     if resumed == "cp2_dp2_to_cp4":  # (the one-process resume runs in this process: its output is not kept)
         assert ("resuming step 3 written by DeepSpeed ZeRO-2 on 4 processes (2 data-parallel × context parallel 2) "
                 "on DeepSpeed ZeRO-1 on 4 processes (1 data-parallel × context parallel 4)") in _printed(runs, resumed)
+    if resumed == "cp2_dp2_to_fsdp2_cp2":
+        assert ("resuming step 3 written by DeepSpeed ZeRO-2 on 4 processes (2 data-parallel × context parallel 2) "
+                "on FSDP2 on 2 processes (1 data-parallel × context parallel 2)") in _printed(runs, resumed)
 
 
 @pytest.mark.distributed

@@ -411,8 +411,12 @@ def run_description(accelerator, engine=None) -> dict:
     data / tensor / pipeline sizes of a prepared run (what `save_checkpoint` records as the trainer state's
     `writer`); None where unknown."""
     backend = {"backend": engine.backend} if engine is not None else {}
-    context_parallel = getattr(getattr(engine, "layout", None), "cp", 1)
-    return {**backend, **_launch_description(accelerator, context_parallel)}
+    layout = getattr(engine, "layout", None)
+    if engine is not None and engine.backend == "fsdp2":  # not DeepSpeed: the sizes are the layout's
+        return {**backend, "deepspeed": False, "zero_stage": None, "processes": accelerator.num_processes,
+                "data_parallel": layout.dp, "tensor_parallel": layout.tp, "pipeline_parallel": layout.pp,
+                "context_parallel": layout.cp}
+    return {**backend, **_launch_description(accelerator, getattr(layout, "cp", 1))}
 
 
 def _launch_description(accelerator, context_parallel: int = 1) -> dict:
@@ -553,16 +557,17 @@ def _comparable(key: str, value):
 
 def describe_run(run: dict) -> str:
     """E.g. 'DeepSpeed ZeRO-1 on 2 processes', '1 process without DeepSpeed', 'DeepSpeed ZeRO-1 on 4 processes
-    (2 data-parallel × tensor parallel 2)'."""
+    (2 data-parallel × tensor parallel 2)', 'FSDP2 on 2 processes (1 data-parallel × context parallel 2)'."""
     count = run.get("processes")
     processes = f"{count} process{'es' if count != 1 else ''}" if count else "an unknown number of processes"
-    if run.get("backend") == "fsdp2":
-        return f"FSDP2 on {processes}"
     if run.get("backend") == "gpt-neox":  # a GPT-NeoX run's state, imported by `neox_hf continue-neox`
         return f"GPT-NeoX ({describe_run({**run, 'backend': 'deepspeed'})})"
-    if not run.get("deepspeed"):
+    if run.get("backend") != "fsdp2" and not run.get("deepspeed"):
         return f"{processes} without DeepSpeed"
-    stage = f"DeepSpeed ZeRO-{run['zero_stage']}" if run.get("zero_stage") is not None else "DeepSpeed"
+    if run.get("backend") == "fsdp2":
+        stage = "FSDP2"
+    else:
+        stage = f"DeepSpeed ZeRO-{run['zero_stage']}" if run.get("zero_stage") is not None else "DeepSpeed"
     tp, pp, cp = run.get("tensor_parallel") or 1, run.get("pipeline_parallel") or 1, run.get("context_parallel") or 1
     if tp == 1 and pp == 1 and cp == 1:
         return f"{stage} on {processes}"
