@@ -13,11 +13,11 @@ this process (fp32, gloo, 2 layers × hidden 32, a 100-word vocabulary, seq_leng
 documents kept apart, CP4 under ZeRO-3 in pad mode on prompt-masked SFT data, CP2 × DP2 under ZeRO-2, CP2 × TP2 and a
 Llama (GQA, full rotary) CP4 train as one process — losses within 1e-5, weights within 1e-4, eval losses equal; and
 the CP2 × DP2 checkpoint resumes on CP4, on one process and on the ring's CP2 as the uninterrupted run. The ring on
-FSDP2: CP2 × FSDP2 DP2 and CP2 × TP2 (pack), CP4 (pad, prompt-masked SFT) the same. First in the same launch: DPO on
-CP2 × DP2 (the precomputed reference computed on the chunks too), RM on CP4 (Ulysses and the ring) and KTO on CP4 (its
-frozen reference forwarded on the chunks) train as one process (tiny stock GPTNeoX, 64 tokens, 3 steps): losses,
-TRL's metrics and eval losses within 1e-5, weights within 1e-4. Then a 2-process launch: CP2 alone (Ulysses and the
-ring) and the ring's resume.
+FSDP2: CP2 × FSDP2 DP2 and CP2 × TP2 (pack), CP4 (pad, prompt-masked SFT) and a Llama CP4 (pack) the same. First in
+the same launch: DPO on CP2 × DP2 (the precomputed reference computed on the chunks too), RM on CP4 (Ulysses and the
+ring) and KTO on CP4 (its frozen reference forwarded on the chunks) train as one process (tiny stock GPTNeoX, 64
+tokens, 3 steps): losses, TRL's metrics and eval losses within 1e-5, weights within 1e-4. Then a 2-process launch:
+CP2 alone (Ulysses and the ring) and the ring's resume.
 """
 
 from __future__ import annotations
@@ -376,6 +376,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         "fsdp2_cp2_dp2": ("neox", *_ring(2, micro=1)),
         "fsdp2_cp2_tp2": ("neox", *_ring(2, tp=2)),
         "fsdp2_cp4_sft_pad": ("sft", *_ring(4)),
+        "llama_fsdp2_cp4": ("neox", *LLAMA, *_ring(4)),  # grouped-query heads repeated before the ring
         "cp2_dp2_zero2": ("neox", *_cp(2, zero=2, micro=1)),
         "cp2_dp2_to_cp4": ("neox", *_cp(4, zero=1), *resume("cp2_dp2_zero2")),
         "cp4_documents": ("documents", *_cp(4)),
@@ -386,7 +387,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         "cp4_sft_pad_zero3": ("sft", *_cp(4, zero=3)),
     }.items()}}, num_processes=4)
     for name, mode, *extra in (("one_neox", "neox"), ("one_documents", "documents"), ("one_sft_pad", "sft"),
-                               ("one_llama", "documents", *LLAMA)):
+                               ("one_llama", "documents", *LLAMA), ("one_llama_neox", "neox", *LLAMA)):
         train_in_this_process(args(name, mode, *extra))
     for objective in ("dpo", "rm", "kto"):
         train_in_this_process([_preference_recipe(base, root / f"one_{objective}", objective)])
@@ -489,11 +490,12 @@ def test_a_cp2_checkpoint_resumes_exactly_on_cp4_on_one_process_and_on_the_ring(
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name,reference", [("fsdp2_cp2_dp2", "one_neox"), ("fsdp2_cp2_tp2", "one_neox"),
-                                            ("fsdp2_cp4_sft_pad", "one_sft_pad")])
+                                            ("fsdp2_cp4_sft_pad", "one_sft_pad"), ("llama_fsdp2_cp4", "one_llama_neox")])
 def test_torchs_ring_attention_on_fsdp2_trains_as_one_process(runs, name, reference):
     """FSDP2 with torch's context parallelism (ring attention; on CPU with CPU's flash kernel in torch's ring) over
     head-tail chunks: CP2 × FSDP2 DP2 and CP2 × TP2 in pack mode (GPT-NeoX's order), CP4 in pad mode on prompt-masked
-    SFT data. Losses within 1e-5, eval losses equal, weights within 1e-4."""
+    SFT data, a Llama (8 heads, 4 key/value heads, full rotary) CP4 in pack mode. Losses within 1e-5, eval losses
+    equal, weights within 1e-4."""
     _assert_same_run(runs[reference], runs[name])
     if name == "fsdp2_cp4_sft_pad":
         printed = _printed(runs, name)
