@@ -14,10 +14,10 @@ documents kept apart, CP4 under ZeRO-3 in pad mode on prompt-masked SFT data, CP
 Llama (GQA, full rotary) CP4 train as one process — losses within 1e-5, weights within 1e-4, eval losses equal; and
 the CP2 × DP2 checkpoint resumes on CP4, on one process and on the ring's CP2 as the uninterrupted run. The ring on
 FSDP2: CP2 × FSDP2 DP2 and CP2 × TP2 (pack), CP4 (pad, prompt-masked SFT) and a Llama CP4 (pack) the same. First in
-the same launch: DPO on CP2 × DP2 (the precomputed reference computed on the chunks too), RM on CP4 (Ulysses and the
-ring) and KTO on CP4 (its frozen reference forwarded on the chunks) train as one process (tiny stock GPTNeoX, 64
-tokens, 3 steps): losses, TRL's metrics and eval losses within 1e-5, weights within 1e-4. Then a 2-process launch:
-Ulysses CP2 alone from scratch, the ring's CP2 alone resuming CP2 × DP2's checkpoint.
+the same launch: DPO on CP2 × DP2 (the precomputed reference computed on the chunks too), RM on CP4 and KTO on CP4
+(its frozen reference forwarded on the chunks), each with Ulysses and with the ring, train as one process (tiny
+stock GPTNeoX, 64 tokens, 3 steps): losses, TRL's metrics and eval losses within 1e-5, weights within 1e-4. Then a
+2-process launch: Ulysses CP2 alone from scratch, the ring's CP2 alone resuming CP2 × DP2's checkpoint.
 """
 
 from __future__ import annotations
@@ -315,6 +315,8 @@ def _ring(cp: int, *, tp: int = 1, micro: int = 2) -> list[str]:
 # Preference objectives (tests/test_objective_layouts.py's tiny stock GPTNeoX and pairs): name → (objective,
 # data-parallel, context-parallel). One process runs 2 micro-batches of 2 pairs (KTO: examples) per step, DP2 one.
 OBJECTIVE_LAYOUTS = {"dpo_cp2_dp2": ("dpo", 2, 2), "rm_cp4": ("rm", 1, 4), "kto_cp4": ("kto", 1, 4)}
+# the same on torch's ring (FSDP2, head-tail chunks)
+RING_OBJECTIVE_LAYOUTS = {f"fsdp2_{name}": spec for name, spec in OBJECTIVE_LAYOUTS.items()}
 
 
 def _preference_base(root: Path) -> Path:
@@ -368,8 +370,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     base = _preference_base(root / "preference")
     preference = {name: shlex.quote(_preference_recipe(base, root / name, objective, dp=dp, cp=cp))
                   for name, (objective, dp, cp) in OBJECTIVE_LAYOUTS.items()}
-    preference["fsdp2_rm_cp4"] = shlex.join([_preference_recipe(base, root / "fsdp2_rm_cp4", "rm", cp=4),
-                                             "--parallel.backend", "fsdp2", "--parallel.use_deepspeed", "false"])
+    preference.update({name: shlex.join([_preference_recipe(base, root / name, objective, dp=dp, cp=cp),
+                                         "--parallel.backend", "fsdp2", "--parallel.use_deepspeed", "false",
+                                         "--parallel.zero_stage", "0"])
+                       for name, (objective, dp, cp) in RING_OBJECTIVE_LAYOUTS.items()})
     # One launch (torchrun: it holds FSDP2 runs): the global batch is 2 sequences everywhere (CP2 × DP2: 1 per
     # data-parallel rank); ZeRO-3 last.
     launch = start_torchrun_layouts(root, {**preference, **{name: shlex.join(args(name, *spec)) for name, spec in {
@@ -505,14 +509,14 @@ def test_torchs_ring_attention_on_fsdp2_trains_as_one_process(runs, name, refere
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", [*OBJECTIVE_LAYOUTS, "fsdp2_rm_cp4"])
+@pytest.mark.parametrize("name", [*OBJECTIVE_LAYOUTS, *RING_OBJECTIVE_LAYOUTS])
 def test_dpo_rm_and_kto_under_context_parallelism_train_as_one_process(runs, name):
     """Each rank holds a chunk of every sequence: DPO's / KTO's summed log-probabilities (policy and reference) and
     KTO's KL estimate are summed over the context-parallel group, RM's score comes from the rank holding the last
     token; counted once per group. Losses and metrics within 1e-5 of one process, weights within 1e-4."""
     from safetensors.torch import load_file
 
-    objective = OBJECTIVE_LAYOUTS[name][0] if name in OBJECTIVE_LAYOUTS else "rm"  # fsdp2_rm_cp4: head-tail chunks
+    objective = {**OBJECTIVE_LAYOUTS, **RING_OBJECTIVE_LAYOUTS}[name][0]
     logged = lambda folder: {e["step"]: e for e in map(json.loads, (folder / "train_log.jsonl").read_text().splitlines())  # noqa: E731
                              if "lr" in e}
     want, got = logged(runs[f"one_{objective}"]), logged(runs[name])
