@@ -38,6 +38,7 @@ from neox_hf.parallel.layout import (check_launch, cp_group_ranks, dp_cp_group_r
                                      pp_group_ranks, tp_group_ranks)
 from neox_hf.recipe import recipe_from_dict
 from tests.conftest import REPO, finish_launch, start_torchrun_layouts, train_in_this_process
+from tests.test_fsdp2 import _without_key_bias
 
 # -- fast tier -------------------------------------------------------------------------------------------------------
 
@@ -429,13 +430,8 @@ def _assert_same_run(want: Path, got: Path, steps=range(1, 7), loss_tol: float =
     a, b = load_file(want / "model.safetensors"), load_file(got / "model.safetensors")
     assert a.keys() == b.keys()
     heads = json.loads((want / "config.json").read_text())["num_attention_heads"]
-
-    def compared(tensor, name):
-        if name.endswith("attention.query_key_value.bias"):
-            return tensor.view(heads, 3, -1)[:, [0, 2]]
-        return tensor
-
-    worst_weight = max((compared(a[k], k) - compared(b[k], k)).abs().max().item() for k in a)
+    worst_weight = max((_without_key_bias(a[k], k, heads) - _without_key_bias(b[k], k, heads)).abs().max().item()
+                       for k in a)
     assert worst_weight <= weight_tol, worst_weight
 
 
@@ -544,8 +540,6 @@ def test_dpo_rm_and_kto_under_context_parallelism_train_as_one_process(runs, nam
     # Left out, as in `_assert_same_run`, where the gradient is zero in exact arithmetic and Adam turns
     # reduction-order noise into ±lr steps: GPT-NeoX's key bias, and for RM the final norm's bias (the score head is
     # linear, so its gradient is score.weight × Σ over rows of ∂loss/∂reward, and a pair's two terms cancel)
-    heads = 4
-    worst = max((a[k].view(heads, 3, -1)[:, [0, 2]] - b[k].view(heads, 3, -1)[:, [0, 2]]).abs().max().item()
-                if k.endswith("attention.query_key_value.bias") else (a[k] - b[k]).abs().max().item()
+    worst = max((_without_key_bias(a[k], k, 4) - _without_key_bias(b[k], k, 4)).abs().max().item()
                 for k in a if not (objective == "rm" and k == "gpt_neox.final_layer_norm.bias"))
     assert worst <= 1e-4, worst

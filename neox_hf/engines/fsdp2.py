@@ -37,6 +37,8 @@ from neox_hf.engines.optimizer import build_optimizer
 from neox_hf.engines.replica import ReplicaEngine, enable_activation_checkpointing, tensor_parallel_once
 from neox_hf.errors import LaunchError, RecipeError
 from neox_hf.ops.context_parallel import HEAD_TAIL
+from neox_hf.ops.ring_attention import register_ring_attention
+from neox_hf.parallel.layout import cp_group_ranks
 from neox_hf.parallel.tp_plan import partition_dim
 
 
@@ -98,8 +100,6 @@ class FSDP2Engine(ReplicaEngine):
         """The 1-D mesh of this rank's context-parallel group (the layout's group), which the ring runs over."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        from neox_hf.parallel.layout import cp_group_ranks
-
         layout = self.layout
         ranks = next(group for group in cp_group_ranks(layout.pp, layout.dp, layout.tp, layout.cp)
                      if layout.rank in group)
@@ -150,8 +150,6 @@ class FSDP2Engine(ReplicaEngine):
         self.model, self._root = model, core
         self.optimizer = AcceleratedOptimizer(build_optimizer(model, recipe.train), device_placement=False)
         if self.layout.cp > 1:
-            from neox_hf.ops.ring_attention import register_ring_attention
-
             self.context_parallel_attention = register_ring_attention(self.context_parallel_mesh())
         return self.model, self.optimizer
 

@@ -11,6 +11,7 @@ import contextlib
 from neox_hf.engines.compile import compile_decoder_layers, compiles
 from neox_hf.engines.optimizer import build_optimizer
 from neox_hf.engines.replica import ReplicaEngine, enable_activation_checkpointing, tensor_parallel_once
+from neox_hf.ops.context_parallel import register_context_parallel_attention
 from neox_hf.parallel.tensor_parallel import gather_full_state_dict
 from neox_hf.parallel.tp_groups import DeepSpeedMPU, deepspeed_initialize_with_mpu
 from neox_hf.parallel.tp_plan import partition_dim
@@ -61,8 +62,6 @@ class PlainEngine(ReplicaEngine):
         with deepspeed_initialize_with_mpu(DeepSpeedMPU(layout)) if distributed else contextlib.nullcontext():
             self.model, self.optimizer = accelerator.prepare(model, optimizer)
         if layout.cp > 1:
-            from neox_hf.ops.context_parallel import register_context_parallel_attention
-
             self.context_parallel_attention = register_context_parallel_attention(model.config, layout.cp_group,
                                                                                   tensor_parallel=layout.tp)
         return self.model, self.optimizer

@@ -25,6 +25,7 @@ from neox_hf.engines.base import Engine
 from neox_hf.engines.build import build_model_from_recipe
 from neox_hf.engines.scaler import loss_scale, step_was_skipped
 from neox_hf.objectives.rm import build_reward_model
+from neox_hf.ops.context_parallel import sequence_chunk
 from neox_hf.ops.weighting import backward_scale, step_loss
 from neox_hf.parallel.accelerator import uses_deepspeed
 from neox_hf.parallel.layout import StepResult, deepspeed_grad_norm, shard_sum
@@ -41,8 +42,6 @@ class ReplicaEngine(Engine):
         layout = self.layout
         if layout.cp == 1:
             return batches
-        from neox_hf.ops.context_parallel import sequence_chunk
-
         return [sequence_chunk(batch, ranks=layout.cp, rank=layout.cp_rank, attention=self.context_parallel_attention,
                                group=layout.cp_group, order=self.context_parallel_order) for batch in batches]
 

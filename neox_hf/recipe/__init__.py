@@ -833,9 +833,8 @@ def _validate_context_parallel(recipe: Recipe) -> None:
     """What `parallel.context_parallel` > 1 runs, each refusal naming the key and the fix: DeepSpeed's Ulysses
     attention on the plain engine (every sequence in contiguous chunks, heads exchanged by all-to-all), or torch's
     ring attention on the FSDP2 engine (head-tail chunks, key/value blocks passed round the ranks)."""
-    m, p, d, t = recipe.model, recipe.parallel, recipe.data, recipe.train
-    cp, tp = p.context_parallel, p.tensor_parallel
-    ring = p.backend == "fsdp2"
+    m, p, t = recipe.model, recipe.parallel, recipe.train
+    cp, ring = p.context_parallel, p.backend == "fsdp2"
     _require(p.pipeline_parallel == 1, "`parallel.context_parallel` > 1 with `parallel.pipeline_parallel` > 1 is "
                                        "refused (not wired into the pipeline stages); use pipeline_parallel: 1")
     _require(not p.sequence_parallel, "`parallel.context_parallel` > 1 with `parallel.sequence_parallel: true` is "
