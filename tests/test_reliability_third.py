@@ -203,6 +203,22 @@ def test_resume_with_another_model_shape_names_the_first_differing_tensor(lm_run
     assert_one_line_error(code, err, needle)  # was "(Error(s) in loading state_dict for NeoXForCausalLM:)"
 
 
+def test_a_resume_under_another_global_batch_says_what_it_changes(lm_run, tmp_path, capsys, fresh_accelerate_state):
+    """Issue 49: a resume that changed the global batch was accepted without a word (GPT-NeoX's too)."""
+    from neox_hf.cli import train_main
+
+    shutil.copytree(lm_run.parent / "out", tmp_path / "out")  # the module's run stays as it was
+    code = train_main([str(lm_run), "--resume", "--output.dir", str(tmp_path / "out"), "--train.train_iters", "3",
+                       "--train.gradient_accumulation_steps", "2"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed[-2000:]
+    notes = [line for line in printed.splitlines() if "global batch" in line]
+    assert notes == ["note: the global batch changes from the checkpoint's 2 to 4 samples per step (micro 2 × "
+                     "accumulation 2 × 1 data-parallel): the LR schedule continues at step 2 of 3 (it counts steps: "
+                     "its 1 remaining steps train 4 samples where 2 were planned), and the data continues after the "
+                     "4 samples already trained, 4 per step"], printed[-2000:]
+
+
 def test_plan_on_a_billion_gpus_is_quick_and_says_when_nothing_fits(capsys):
     import time
 

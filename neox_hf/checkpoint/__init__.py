@@ -54,6 +54,7 @@ class TrainState:
     consumed_samples: int = 0  # over all data-parallel ranks
     consumed_tokens: int = 0  # real (non-padding) tokens over all ranks
     skipped_steps: int = 0  # fp16 overflows: counted as iterations (as GPT-NeoX does), no update, LR held
+    global_batch: int | None = None  # samples per step (micro × accumulation × data-parallel); None: not recorded
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:

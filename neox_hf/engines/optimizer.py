@@ -17,6 +17,10 @@ one GPT-NeoX builds for its `optimizer.type` where it runs here:
   sm3       pytorch-optimizer's SM3 (Anil et al. 2019), the algorithm of GPT-NeoX's own copy: lr, momentum, beta, eps,
             and no weight decay (GPT-NeoX passes none to SM3).
   adam8bit  bitsandbytes' Adam8bit (GPT-NeoX's `use_bnb_optimizer`): CUDA only, refused on CPU.
+
+Each optimizer's hyperparameters are checked at recipe validation in its library's ranges
+(`neox_hf.recipe.checks.OPTIMIZER_RANGES`), and its library and device before the model is built
+(`check_optimizer_runs_here`, from `neox_hf.train.guards`).
 """
 
 from __future__ import annotations
@@ -60,12 +64,36 @@ def build_optimizer(model, train) -> torch.optim.Optimizer:
     raise RecipeError(f"`train.optimizer: {kind}` is not one of {', '.join(OPTIMIZERS)}")
 
 
+# `train.optimizer` → (the module it imports, the sentence naming the package to install)
+_LIBRARIES = {
+    "lion": ("lion_pytorch", "`train.optimizer: lion` needs lion-pytorch (GPT-NeoX's Lion is its algorithm): "
+                             "`pip install lion-pytorch`, or use `train.optimizer: adamw`"),
+    "sm3": ("pytorch_optimizer", "`train.optimizer: sm3` needs pytorch-optimizer: `pip install pytorch-optimizer`, "
+                                 "or use `train.optimizer: adamw`"),
+    "adam8bit": ("bitsandbytes", "`train.optimizer: adam8bit` (GPT-NeoX use_bnb_optimizer) needs bitsandbytes: "
+                                 "`pip install bitsandbytes`, or use `train.optimizer: adamw`"),
+}
+_ADAM8BIT_ON_CPU = ("`train.optimizer: adam8bit` (GPT-NeoX use_bnb_optimizer) is bitsandbytes' 8-bit Adam, which runs "
+                    "on CUDA GPUs only; on CPU use `train.optimizer: adamw` (remove use_bnb_optimizer)")
+
+
+def check_optimizer_runs_here(kind: str, device_type: str) -> None:
+    """`train.optimizer` on this machine, before the model is built: its library is installed (looked up, not
+    imported) and, for adam8bit, the device is a CUDA GPU. `build_optimizer` says the same if reached."""
+    import importlib.util
+
+    if kind == "adam8bit" and device_type != "cuda":
+        raise RecipeError(_ADAM8BIT_ON_CPU)
+    module, missing = _LIBRARIES.get(kind, (None, ""))
+    if module is not None and importlib.util.find_spec(module) is None:
+        raise RecipeError(missing)
+
+
 def _lion(groups, *, lr: float, betas) -> torch.optim.Optimizer:
     try:
         from lion_pytorch import Lion
     except ImportError as err:
-        raise RecipeError("`train.optimizer: lion` needs lion-pytorch (GPT-NeoX's Lion is its algorithm): "
-                          "`pip install lion-pytorch`, or use `train.optimizer: adamw`") from err
+        raise RecipeError(_LIBRARIES["lion"][1]) from err
     return Lion(groups, lr=lr, betas=betas)
 
 
@@ -73,22 +101,18 @@ def _sm3(groups, *, lr: float, momentum: float, beta: float, eps: float) -> torc
     try:
         from pytorch_optimizer import SM3
     except ImportError as err:
-        raise RecipeError("`train.optimizer: sm3` needs pytorch-optimizer: `pip install pytorch-optimizer`, or use "
-                          "`train.optimizer: adamw`") from err
+        raise RecipeError(_LIBRARIES["sm3"][1]) from err
     # SM3 reads no weight decay: the groups' `weight_decay` is ignored, as in GPT-NeoX
     return SM3([{"params": g["params"]} for g in groups], lr=lr, momentum=momentum, beta=beta, eps=eps)
 
 
 def _adam8bit(groups, params, *, lr: float, betas, eps: float) -> torch.optim.Optimizer:
     if not params or any(p.device.type != "cuda" for p in params):
-        raise RecipeError("`train.optimizer: adam8bit` (GPT-NeoX use_bnb_optimizer) is bitsandbytes' 8-bit Adam, "
-                          "which runs on CUDA GPUs only; on CPU use `train.optimizer: adamw` (remove "
-                          "use_bnb_optimizer)")
+        raise RecipeError(_ADAM8BIT_ON_CPU)
     try:
         import bitsandbytes as bnb
     except ImportError as err:
-        raise RecipeError("`train.optimizer: adam8bit` (GPT-NeoX use_bnb_optimizer) needs bitsandbytes: "
-                          "`pip install bitsandbytes`, or use `train.optimizer: adamw`") from err
+        raise RecipeError(_LIBRARIES["adam8bit"][1]) from err
     return bnb.optim.Adam8bit(groups, lr=lr, betas=betas, eps=eps)
 
 

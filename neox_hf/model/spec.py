@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from neox_hf.errors import RecipeError
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -56,12 +58,22 @@ def spec_for_family(family: str) -> ModelSpec:
 
 def spec_for_config(config) -> ModelSpec:
     """The spec of a transformers config (by `model_type`)."""
-    model_type = getattr(config, "model_type", None)
+    return spec_for_model_type(getattr(config, "model_type", None))
+
+
+def spec_for_model_type(model_type: str | None, where: str = "") -> ModelSpec:
+    """The spec registered for a config.json `model_type`; a RecipeError listing the registered ones otherwise
+    (`where`: the folder, for the message)."""
     for spec in SPECS.values():
         if model_type in spec.model_types:
             return spec
-    known = ", ".join(t for spec in SPECS.values() for t in spec.model_types)
-    raise ValueError(f"model_type {model_type!r} is not a family neox_hf trains (known: {known})")
+    raise RecipeError(f"{where or 'the model'} is a {model_type!r} model (config.json model_type), which neox_hf does "
+                      f"not train; it trains {trained_model_types()}: give a model of one of those")
+
+
+def trained_model_types() -> str:
+    """The registered families and their model_types, for messages: `gpt_neox (gpt_neox), llama (llama, mistral)`."""
+    return ", ".join(f"{spec.family} (model_type {' / '.join(spec.model_types)})" for spec in SPECS.values())
 
 
 def spec_for_model(model) -> ModelSpec:

@@ -22,6 +22,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from neox_hf.errors import RecipeError
+from neox_hf.recipe.checks import check_optimizer_hyperparameters
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -550,13 +551,9 @@ def validate(recipe: Recipe) -> None:
              f"`train.max_skipped_steps_in_a_row` must be ≥ 1, got {t.max_skipped_steps_in_a_row}")
     _require(t.eval_iters >= 0, f"`train.eval_iters` must be ≥ 0, got {t.eval_iters}")
     _require(t.lr > 0, f"`train.lr` must be > 0, got {t.lr}")
-    for name in ("adam_beta1", "adam_beta2"):
-        _require(0.0 <= getattr(t, name) < 1.0, f"`train.{name}` must be in [0, 1), got {getattr(t, name)}")
-    _require(t.adam_eps > 0, f"`train.adam_eps` must be > 0, got {t.adam_eps}")
+    check_optimizer_hyperparameters(t)  # each optimizer's keys in its library's range (recipe/checks.py)
     if t.precision == "fp8":
         _validate_fp8(recipe)
-    _require(t.momentum >= 0, f"`train.momentum` must be ≥ 0, got {t.momentum}")
-    _require(0 <= t.sm3_beta < 1, f"`train.sm3_beta` must be in [0, 1), got {t.sm3_beta}")
     _require(not t.nesterov or (t.optimizer == "sgd" and t.momentum > 0),
              "`train.nesterov: true` is SGD's Nesterov momentum: it needs `train.optimizer: sgd` and `train.momentum` > 0")
     _require(t.weight_decay >= 0, f"`train.weight_decay` must be ≥ 0, got {t.weight_decay}")

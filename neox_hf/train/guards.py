@@ -27,7 +27,7 @@ import shutil
 import socket
 from pathlib import Path
 
-from neox_hf.errors import DataError, RecipeError, TrainingDiverged
+from neox_hf.errors import CheckpointError, DataError, LaunchError, RecipeError, TrainingDiverged
 from neox_hf.io import remove_stale_staging
 from neox_hf.recipe import Recipe
 from neox_hf.checkpoint.run_log import RUN_STATE
@@ -160,6 +160,146 @@ def check_before_build(recipe: Recipe) -> None:
     check_hub_token(recipe)
     check_resume_path(recipe)
     check_loss_kernel(recipe)
+    check_layout_before_build(recipe)
+
+
+def check_layout_before_build(recipe: Recipe, *, world_size: int | None = None, device_type: str | None = None) -> None:
+    """What the engines would refuse only once the model is built (minutes for a real one), decided here from the
+    recipe, the pretrained folder's config.json, the launch's process count and this machine's device: the
+    optimizer's library and device, the folder's model family, FSDP2's tied embeddings and HSDP replicas, a frozen
+    reference under a sharded layout, the pipeline's partition. The engines keep their own checks (a run built
+    another way still meets them); these say the same thing first."""
+    import torch
+
+    from neox_hf.engines.optimizer import check_optimizer_runs_here
+    from neox_hf.parallel.layout import launch_world_size, required_model_parallel
+
+    from neox_hf.finetune import check_peft_recipe
+
+    world = launch_world_size() if world_size is None else world_size
+    device = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_optimizer_runs_here(recipe.train.optimizer, device)
+    check_peft_recipe(recipe)
+    config = model_config_before_build(recipe)
+    check_tensor_parallel_before_build(recipe, config)
+    check_fsdp2_before_build(recipe, config, world // required_model_parallel(recipe.parallel) or 1)
+    check_reference_before_build(recipe)
+    check_pipeline_before_build(recipe, config)
+
+
+def model_config_before_build(recipe: Recipe):
+    """The transformers config the run will build: the local `model.from_pretrained` folder's, or the recipe's
+    (its vocabulary a placeholder: the tokenizer sets it); None for a Hub id or an unreadable config.json (the
+    load reads and reports those)."""
+    if recipe.model.from_pretrained:
+        return pretrained_config(recipe.model.from_pretrained)
+    from neox_hf.model.spec import config_from_recipe
+
+    m = recipe.model
+    return config_from_recipe(m, vocab_size=m.vocab_size or m.make_vocab_size_divisible_by, bos_token_id=None,
+                              eos_token_id=None, pad_token_id=None)
+
+
+def check_tensor_parallel_before_build(recipe: Recipe, config) -> None:
+    """`parallel.tensor_parallel` must divide the attention heads, key/value heads and MLP width of the model to be
+    built (a pretrained folder's are not the recipe's), as `check_tp_divisibility` says once it is built."""
+    tp = recipe.parallel.tensor_parallel
+    if tp == 1 or config is None:
+        return
+    where = f"{recipe.model.from_pretrained}'s config.json" if recipe.model.from_pretrained else "the model"
+    heads = config.num_attention_heads
+    sizes = {"num_attention_heads": heads,
+             "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+             "intermediate_size": config.intermediate_size}
+    for name, size in sizes.items():
+        if size % tp:
+            choices = [k for k in range(1, size + 1) if size % k == 0]
+            raise RecipeError(f"`parallel.tensor_parallel: {tp}` does not divide {where}'s {name} {size}: each rank "
+                              f"holds whole heads and an equal MLP slice; choose tensor_parallel from {choices}")
+
+
+def pretrained_config(path: str | None):
+    """The transformers config of a local `model.from_pretrained` folder, by its registered family (a model_type
+    neox_hf does not train is refused here, naming the families it does); None from scratch or for a Hub id (read
+    when the model is), or where config.json cannot be read (the load says why)."""
+    import json
+
+    if not path or not (Path(path).expanduser() / "config.json").is_file():
+        return None
+    folder = Path(path).expanduser()
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    from transformers import AutoConfig
+
+    from neox_hf.model.spec import spec_for_model_type
+
+    spec_for_model_type(raw.get("model_type"), where=f"`model.from_pretrained` {folder}")
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def check_fsdp2_before_build(recipe: Recipe, config, data_parallel: int) -> None:
+    """`parallel.backend: fsdp2`: tied input and output embeddings (the recipe's, or the folder's config.json), and
+    `dp_replicate` HSDP replicas that do not divide this launch's data-parallel processes."""
+    from neox_hf.parallel.layout import required_model_parallel
+
+    p = recipe.parallel
+    if p.backend != "fsdp2":
+        return
+    tied = config is not None and config.tie_word_embeddings
+    if tied and recipe.train.objective != "rm":  # a reward model's score head is not the embedding
+        where = f"{recipe.model.from_pretrained}'s config.json" if recipe.model.from_pretrained else "the recipe"
+        raise RecipeError(f"tied input and output embeddings ({where}: tie_word_embeddings true) with "
+                          "`parallel.backend: fsdp2` are refused: the head is sharded as its own group for the fused "
+                          "loss; set `model.tie_word_embeddings: false` or use `parallel.backend: deepspeed`")
+    if data_parallel % p.dp_replicate:
+        raise LaunchError(f"`parallel.dp_replicate: {p.dp_replicate}` must divide the {data_parallel} data-parallel "
+                          f"processes of this launch (HSDP: replicas × shards); launch a multiple of "
+                          f"{p.dp_replicate * required_model_parallel(p)} processes, or lower `parallel.dp_replicate`")
+
+
+def check_reference_before_build(recipe: Recipe) -> None:
+    """DPO's frozen reference and KTO's keep a whole copy of the model on every rank: refused under tensor
+    parallelism, pipelines and ZeRO-3 (what `train.preference.frozen_reference` refuses once the model exists)."""
+    t, p = recipe.train, recipe.parallel
+    kto = t.objective == "kto"
+    if not kto and (t.objective != "dpo" or t.dpo_reference != "frozen"):
+        return
+    if p.tensor_parallel > 1 or p.pipeline_parallel > 1 or p.zero_stage == 3:
+        if kto:
+            raise RecipeError("`train.objective: kto` keeps a frozen copy of the starting model on every rank as its "
+                              "reference, which tensor parallelism and ZeRO-3 do not shard; use ZeRO-1/2 or one "
+                              "process")
+        raise RecipeError("`train.dpo_reference: frozen` keeps a whole copy of the model on every rank; with tensor "
+                          "parallelism or ZeRO-3 use `train.dpo_reference: precompute` (the default)")
+    if t.dpo_reference_model and not kto:
+        raise RecipeError("`train.dpo_reference_model` is read by `train.dpo_reference: precompute`; a frozen "
+                          "reference is the starting model (model.from_pretrained)")
+
+
+def check_pipeline_before_build(recipe: Recipe, config) -> None:
+    """Pipeline stages: a pretrained folder they can read layer by layer (safetensors), and a
+    `pipe_partition_method` that gives every stage a layer, from the model's config (no weights)."""
+    p, m = recipe.parallel, recipe.model
+    if p.pipeline_parallel == 1:
+        return
+    if m.from_pretrained and Path(m.from_pretrained).expanduser().is_dir() and not any(
+            (Path(m.from_pretrained).expanduser() / name).is_file()
+            for name in ("model.safetensors", "model.safetensors.index.json")):
+        raise CheckpointError(f"`model.from_pretrained: {m.from_pretrained}`: pipeline stages read their layers from a "
+                              "local safetensors folder (model.safetensors or model.safetensors.index.json); download "
+                              "or re-save it with save_pretrained(safe_serialization=True) first")
+    if config is None:
+        return
+    from neox_hf.engines.pipeline.partition import partition_stages
+
+    partition_stages(config, p.pipeline_parallel, p.pipe_partition_method)
 
 
 def check_loss_kernel(recipe: Recipe) -> None:
@@ -217,6 +357,24 @@ def check_resume_matches_recipe(recipe: Recipe) -> None:
                           f"`train.objective: {recipe.train.objective}`: resume with `--train.objective {objective}` "
                           f"(and the data it was trained on), {restart} (export this checkpoint with `neox_hf export` "
                           "and start from it with `model.from_pretrained`)")
+
+
+def global_batch_change_note(state, train, data_parallel: int) -> str | None:
+    """The note for a resume whose global batch (samples per optimizer step: micro × accumulation × data-parallel)
+    is not the checkpoint's, naming both and what the change does; None when it is the same or the checkpoint
+    recorded none. The LR schedule counts steps, so it continues at the checkpoint's step and its remaining steps see
+    another number of samples; the data continues after the samples already trained. Gap filled: GPT-NeoX
+    (iteration-based schedule, consumed-samples data position) and accelerate accept the change without a word."""
+    saved = state.global_batch
+    now = train.micro_batch_size * train.gradient_accumulation_steps * data_parallel
+    if saved is None or saved == now or state.step == 0:
+        return None
+    left = max(train.train_iters - state.step, 0)
+    return (f"the global batch changes from the checkpoint's {saved} to {now} samples per step (micro "
+            f"{train.micro_batch_size} × accumulation {train.gradient_accumulation_steps} × {data_parallel} "
+            f"data-parallel): the LR schedule continues at step {state.step} of {train.train_iters} (it counts steps: "
+            f"its {left} remaining steps train {left * now} samples where {left * saved} were planned), and the data "
+            f"continues after the {state.consumed_samples} samples already trained, {now} per step")
 
 
 def check_hub_token(recipe: Recipe) -> None:

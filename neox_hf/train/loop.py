@@ -33,6 +33,7 @@ from neox_hf.train.guards import (
     check_resume_step,
     check_skipped_documents,
     claim_output_dir,
+    global_batch_change_note,
 )
 from neox_hf.hardware import Peak, device_peak
 from neox_hf.train.mfu import flops_per_token, mfu
@@ -152,6 +153,10 @@ def build_run(recipe: Recipe, startup_warnings=None) -> tuple["TrainingRun", Tra
                                 engine=_layout_free_engine(engine, recipe))
         check_resume_step(state.step, recipe.train.train_iters, resume_from)
         accelerator.print(f"resumed from {resume_from} at step {state.step}")
+    global_batch = t.micro_batch_size * t.gradient_accumulation_steps * layout.dp
+    for note in filter(None, [global_batch_change_note(state, t, layout.dp)]):  # a resume under another batch
+        accelerator.print(f"note: {note}")
+    state.global_batch = global_batch  # recorded by every checkpoint, for the next resume's note
     if recipe.train.resume is not None and accelerator.is_main_process:
         truncate_train_log(recipe.output.dir, state.step)  # steps after the resume point are redone
     run = TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, tokenizer, layout,
