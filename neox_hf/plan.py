@@ -183,9 +183,11 @@ class Plan:
     leanest: LayoutPlan | None = None  # of the layouts considered, the one whose largest stage needs least memory
     by_longest_sequence: bool = False  # `ranked` ordered by the longest sequence each fits, not by step time
     seq_length: int = 0  # the recipe's
+    note: str | None = None  # why the recipe's row is not on `gpus` (its layout does not divide them)
 
     def to_dict(self) -> dict:
         return {"gpus": self.gpus, "gpu_memory_bytes": self.gpu_memory_bytes, "precision": self.precision,
+                "note": self.note,
                 "ranked_by": "longest_sequence" if self.by_longest_sequence else "step_seconds",
                 "assumptions": asdict(self.assumptions), "layouts_considered": self.considered,
                 "layouts_fitting": self.fitting,
@@ -832,10 +834,11 @@ def plan_for_recipe(recipe, gpus: int | None = None, gpu_memory_bytes: int | Non
     assumptions = assumptions or Assumptions()
     shape = model_shape(recipe)
     precision = recipe.train.precision if recipe.train.precision != "auto" else precision or recipe_precision(recipe)
-    own_layout = recipe_layout(recipe, gpus)
+    note = recipe_layout_off_gpus(recipe, gpus)
+    own_layout = recipe_layout(recipe, None if note else gpus)
     own = plan_layout(recipe, shape, own_layout, precision, assumptions, gpu_memory_bytes)
     plan = Plan(own, gpus=gpus, gpu_memory_bytes=gpu_memory_bytes, assumptions=assumptions, precision=precision,
-                deepspeed=engine_for(recipe, own_layout, precision).deepspeed)
+                deepspeed=engine_for(recipe, own_layout, precision).deepspeed, note=note)
     if gpus is not None:
         global_batch = (recipe.train.train_batch_size  # a GPT-NeoX config's batch: every layout proposed keeps it
                         or own_layout.micro_batch * own_layout.gradient_accumulation_steps * own_layout.data)
@@ -1052,10 +1055,8 @@ def check_gpus_hold_layout(recipe, gpus: int | None) -> None:
 
     p = recipe.parallel
     need = p.pipeline_parallel * p.tensor_parallel * p.context_parallel
-    if gpus is not None and gpus % need:
-        context = f" × context {p.context_parallel}" if p.context_parallel > 1 else ""
-        raise UsageError(f"--gpus {gpus} cannot hold the recipe's layout (pipeline {p.pipeline_parallel} "
-                         f"× tensor {p.tensor_parallel}{context} = {need} per replica); give a multiple of {need}")
+    if gpus is None or gpus % need:
+        return  # the recipe's layout does not divide the GPUs: the plan ranks what they allow (recipe_layout_off_gpus)
     t = recipe.train
     if gpus is not None and t.train_batch_size is not None and accumulation_for_train_batch(t, gpus // need) is None:
         dp, per_replica = gpus // need, f" (× {need} per replica)" if need > 1 else ""
@@ -1065,6 +1066,23 @@ def check_gpus_hold_layout(recipe, gpus: int | None) -> None:
                          f"{data_parallel_for_train_batch(t) * need} (a data-parallel size dividing "
                          f"{t.train_batch_size // t.micro_batch_size}{per_replica}), or another "
                          "--train.micro_batch_size")
+
+
+def recipe_layout_off_gpus(recipe, gpus: int | None) -> str | None:
+    """None where the recipe's pipeline × tensor × context size divides `gpus`; else the one line saying so: the plan
+    then shows the recipe's layout on its own GPU count and ranks the layouts `gpus` allow, at its global batch."""
+    if gpus is None:
+        return None
+    p, t = recipe.parallel, recipe.train
+    need = p.pipeline_parallel * p.tensor_parallel * p.context_parallel
+    if gpus % need == 0:
+        return None
+    own = recipe_layout(recipe, None)
+    batch = t.train_batch_size or own.micro_batch * own.gradient_accumulation_steps * own.data
+    context = f" × context {p.context_parallel}" if p.context_parallel > 1 else ""
+    return (f"--gpus {gpus} is not a multiple of the recipe's layout (pipeline {p.pipeline_parallel} × tensor "
+            f"{p.tensor_parallel}{context} = {need} per replica): the recipe's row is its layout on {own.gpus} GPUs; "
+            f"ranked below, the layouts {gpus} GPUs allow, each at its global batch of {batch}")
 
 
 def describe_layout(layout: Layout) -> str:
@@ -1101,6 +1119,7 @@ def plan_table(plan: Plan) -> list[str]:
              "micro batch as listed, still fits", header,
              "|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|"]
     own = plan.recipe_layout
+    lines += [f"note: {plan.note}"] if plan.note else []
     lines += _rows(own, "recipe: ", every_stage=True)
     if plan.gpus is not None:
         memory = f" in {_gib(plan.gpu_memory_bytes)} GiB" if plan.gpu_memory_bytes else ""

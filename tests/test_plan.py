@@ -187,11 +187,30 @@ def test_plan_table_and_bad_input(capsys):
     assert main(["plan", str(REPO / "recipes/tiny.yaml"), "--train.micro_batch_size", "2", "--gpus", "2"]) == 0
     table = capsys.readouterr().out
     assert "recipe: pipe 1 × tensor 1 × data 2" in table and "micro 2" in table and "MFU 40%" in table
-    for argv in (["recipes/20b.yaml", "--gpus", "12"], ["recipes/tiny.yaml", "--train.lrr", "1"],
-                 ["recipes/tiny.yaml", "--gpus", "two"]):
+    for argv in (["recipes/tiny.yaml", "--train.lrr", "1"], ["recipes/tiny.yaml", "--gpus", "two"]):
         assert main(["plan", *(str(REPO / a) if a.endswith(".yaml") else a for a in argv)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_gpus_the_recipe_s_layout_does_not_divide_are_planned_and_the_plan_says_so(capsys):
+    """Issue 49: `--gpus 12` for the 20B's pipeline 4 × tensor 2 was refused; now the recipe's row is its layout on
+    its own 8 GPUs, one line says so, and the layouts ranked are the factorisations of 12, at the recipe's batch.
+    (A GPT-NeoX train_batch_size that the layout's data-parallel size on N cannot keep is still refused, naming the
+    counts that keep it: tests/test_neox_fidelity.py.)"""
+    from neox_hf.cli import main
+
+    assert main(["plan", str(REPO / "recipes/20b.yaml"), "--gpus", "12"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    notes = [line for line in lines if line.startswith("note:")]
+    assert notes == ["note: --gpus 12 is not a multiple of the recipe's layout (pipeline 4 × tensor 2 = 8 per "
+                     "replica): the recipe's row is its layout on 8 GPUs; ranked below, the layouts 12 GPUs allow, "
+                     "each at its global batch of 128"]
+    assert any(line.startswith("| recipe: pipe 4 × tensor 2 × data 1, ZeRO-1, micro 4 × accumulation 32") for line in lines)
+    ranked = [re.match(r"\| pipe (\d+) × tensor (\d+) × data (\d+),.* micro (\d+) × accumulation (\d+)", line)
+              for line in lines[lines.index(next(l for l in lines if "layouts on 12 GPUs" in l)) + 1:]]
+    assert ranked and all(m and int(m[1]) * int(m[2]) * int(m[3]) == 12 for m in ranked)
+    assert all(int(m[4]) * int(m[5]) * int(m[3]) == 128 for m in ranked)
 
 
 def test_startup_lines_name_each_stage_over_the_device():

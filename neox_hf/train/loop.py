@@ -153,10 +153,10 @@ def build_run(recipe: Recipe, startup_warnings=None) -> tuple["TrainingRun", Tra
                                 engine=_layout_free_engine(engine, recipe))
         check_resume_step(state.step, recipe.train.train_iters, resume_from)
         accelerator.print(f"resumed from {resume_from} at step {state.step}")
-    global_batch = t.micro_batch_size * t.gradient_accumulation_steps * layout.dp
-    for note in filter(None, [global_batch_change_note(state, t, layout.dp)]):  # a resume under another batch
-        accelerator.print(f"note: {note}")
-    state.global_batch = global_batch  # recorded by every checkpoint, for the next resume's note
+    batch_note = global_batch_change_note(state, t, layout.dp)  # a resume under another global batch
+    if batch_note:
+        accelerator.print(f"note: {batch_note}")
+    state.global_batch = t.micro_batch_size * t.gradient_accumulation_steps * layout.dp  # for the next resume's note
     if recipe.train.resume is not None and accelerator.is_main_process:
         truncate_train_log(recipe.output.dir, state.step)  # steps after the resume point are redone
     run = TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader, eval_batches, tokenizer, layout,
