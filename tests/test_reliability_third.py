@@ -219,6 +219,14 @@ def test_a_resume_under_another_global_batch_says_what_it_changes(lm_run, tmp_pa
                      "4 samples already trained, 4 per step"], printed[-2000:]
 
 
+def test_a_checkpoint_past_train_iters_is_refused_before_the_model_is_built(lm_run, capsys, fresh_accelerate_state):
+    from accelerate.state import PartialState
+
+    code, err = run_train([str(lm_run), "--resume", "--train.train_iters", "1"], capsys)
+    assert_one_line_error(code, err, "is at step 2, past `train.train_iters` 1: pass `--train.train_iters 2` or more")
+    assert not PartialState._shared_state  # was: after the Accelerator, the model and the data
+
+
 def test_plan_on_a_billion_gpus_is_quick_and_says_when_nothing_fits(capsys):
     import time
 

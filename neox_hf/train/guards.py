@@ -8,6 +8,7 @@ line naming the problem and the fix) or returns what the loop needs:
   (`--overwrite`); a lock file stops a second run on the same folder and names the holder.
 - `check_before_build`: every setting that can be checked without the model (precision, paths, data sources,
   `from_pretrained`) is, before minutes are spent building it.
+- `global_batch_change_note`: a resume under another global batch says what that changes.
 - `check_finite(step, loss, grad_norm)`: a non-finite loss or gradient norm stops the run before anything of that
   step is logged or saved.
 - `OverflowGuard`: fp16 overflow-skipped steps go on, a loss scale at its floor or too many skips in a row stop.
@@ -27,7 +28,7 @@ import shutil
 import socket
 from pathlib import Path
 
-from neox_hf.errors import CheckpointError, DataError, LaunchError, RecipeError, TrainingDiverged
+from neox_hf.errors import CheckpointError, DataError, LaunchError, NeoXHFError, RecipeError, TrainingDiverged
 from neox_hf.io import remove_stale_staging
 from neox_hf.recipe import Recipe
 from neox_hf.checkpoint.run_log import RUN_STATE
@@ -159,6 +160,7 @@ def check_before_build(recipe: Recipe) -> None:
     check_data_sources(recipe)
     check_hub_token(recipe)
     check_resume_path(recipe)
+    check_resume_step_before_build(recipe)
     check_loss_kernel(recipe)
     check_layout_before_build(recipe)
 
@@ -172,9 +174,8 @@ def check_layout_before_build(recipe: Recipe, *, world_size: int | None = None, 
     import torch
 
     from neox_hf.engines.optimizer import check_optimizer_runs_here
-    from neox_hf.parallel.layout import launch_world_size, required_model_parallel
-
     from neox_hf.finetune import check_peft_recipe
+    from neox_hf.parallel.layout import launch_world_size, required_model_parallel
 
     world = launch_world_size() if world_size is None else world_size
     device = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -196,8 +197,13 @@ def model_config_before_build(recipe: Recipe):
     from neox_hf.model.spec import config_from_recipe
 
     m = recipe.model
-    return config_from_recipe(m, vocab_size=m.vocab_size or m.make_vocab_size_divisible_by, bos_token_id=None,
-                              eos_token_id=None, pad_token_id=None)
+    try:
+        return config_from_recipe(m, vocab_size=m.vocab_size or m.make_vocab_size_divisible_by, bos_token_id=None,
+                                  eos_token_id=None, pad_token_id=None)
+    except NeoXHFError:
+        raise
+    except Exception:  # noqa: BLE001 — what a pre-check cannot decide, the build reports as it did
+        return None
 
 
 def check_tensor_parallel_before_build(recipe: Recipe, config) -> None:
@@ -231,16 +237,14 @@ def pretrained_config(path: str | None):
         raw = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(raw, dict):
+    if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
         return None
-    from transformers import AutoConfig
+    from neox_hf.model.spec import config_class_for_folder, spec_for_model_type
 
-    from neox_hf.model.spec import spec_for_model_type
-
-    spec_for_model_type(raw.get("model_type"), where=f"`model.from_pretrained` {folder}")
+    spec_for_model_type(raw["model_type"], where=f"`model.from_pretrained` {folder}")
     try:
-        return AutoConfig.from_pretrained(str(folder))
-    except (OSError, ValueError, TypeError, KeyError):
+        return config_class_for_folder(str(folder)).from_pretrained(str(folder))  # the class the build reads it with
+    except Exception:  # noqa: BLE001 — a config transformers cannot read: the load reports it, as before
         return None
 
 
@@ -299,7 +303,12 @@ def check_pipeline_before_build(recipe: Recipe, config) -> None:
         return
     from neox_hf.engines.pipeline.partition import partition_stages
 
-    partition_stages(config, p.pipeline_parallel, p.pipe_partition_method)
+    try:
+        partition_stages(config, p.pipeline_parallel, p.pipe_partition_method)
+    except NeoXHFError:
+        raise
+    except Exception:  # noqa: BLE001 — what a pre-check cannot decide, the pipeline engine reports as it did
+        return
 
 
 def check_loss_kernel(recipe: Recipe) -> None:
@@ -323,6 +332,24 @@ def check_resume_step(step: int, train_iters: int, checkpoint) -> None:
         raise RecipeError(f"the checkpoint {checkpoint} is at step {step}, past `train.train_iters` {train_iters}: "
                           f"pass `--train.train_iters {step}` or more to continue it, or start a new run in another "
                           "--output.dir")
+
+
+def check_resume_step_before_build(recipe: Recipe) -> None:
+    """`check_resume_step` from the checkpoint's recorded step (rank 0's trainer state, no tensor of the model), so a
+    checkpoint past `train.train_iters` is refused before the model is built; an unreadable state is left to the
+    resume, which names the file."""
+    from neox_hf.checkpoint import resume_candidate
+    from neox_hf.io import load_torch_safely
+
+    folder = resume_candidate(recipe.train.resume, recipe.output.dir)
+    if folder is None:
+        return
+    try:
+        step = load_torch_safely(folder / "trainer_state_rank0.pt")["train_state"]["step"]
+    except Exception:  # noqa: BLE001 — missing or damaged: `load_checkpoint` reports it, naming the file
+        return
+    if isinstance(step, int):
+        check_resume_step(step, recipe.train.train_iters, folder)
 
 
 def check_resume_path(recipe: Recipe) -> None:
