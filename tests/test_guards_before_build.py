@@ -146,6 +146,11 @@ BEFORE_BUILD = {
                                             "--model.from_pretrained", _folder(tmp / "lm", **_neox_config()),
                                             "--data.sources", f"[{{path: {_pairs(tmp)}}}]"],
                                "`train.objective: kto` keeps a frozen copy"),
+    "dpo-reference-model-not-the-start": (lambda tmp: ["--train.objective", "dpo", *PAD, "--model.from_pretrained",
+                                                       _folder(tmp / "start", **_neox_config()),
+                                                       "--train.dpo_reference_model", _folder(tmp / "other", **_neox_config()),
+                                                       "--data.sources", f"[{{path: {_pairs(tmp)}}}]"],
+                                          "`train.dpo_reference_model` differing from `model.from_pretrained`"),
     "pipeline-partition": (lambda tmp: ["--parallel.pipeline_parallel", "2", "--parallel.pipe_partition_method",
                                         "type:nothing"], "matches none of the pipeline layers"),
 }
@@ -155,6 +160,7 @@ BEFORE_BUILD = {
 def test_what_is_decidable_before_the_model_is_refused_before_it(case, tmp_path, capsys, fresh_accelerate_state):
     from accelerate.state import PartialState
 
+    import neox_hf.train.loop  # noqa: F401 — imported before the clock starts: the refusal is timed, not the imports
     from tests.conftest import reset_accelerate_state
 
     arguments, needle = BEFORE_BUILD[case]

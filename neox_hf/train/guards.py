@@ -270,9 +270,15 @@ def check_fsdp2_before_build(recipe: Recipe, config, data_parallel: int) -> None
 
 def check_reference_before_build(recipe: Recipe) -> None:
     """DPO's frozen reference and KTO's keep a whole copy of the model on every rank: refused under tensor
-    parallelism, pipelines and ZeRO-3 (what `train.preference.frozen_reference` refuses once the model exists)."""
+    parallelism, pipelines and ZeRO-3 (what `train.preference.frozen_reference` refuses once the model exists); a
+    precomputed DPO reference is the starting model (`with_reference_logps` refuses another after the build)."""
     t, p = recipe.train, recipe.parallel
     kto = t.objective == "kto"
+    if t.objective == "dpo" and t.dpo_reference == "precompute" and t.dpo_reference_model \
+            and t.dpo_reference_model != recipe.model.from_pretrained:  # `with_reference_logps` refuses it after
+        raise RecipeError("`train.dpo_reference_model` differing from `model.from_pretrained` is not supported yet: "
+                          "the reference is the starting model; set `model.from_pretrained` to the reference (SFT) "
+                          "folder")
     if not kto and (t.objective != "dpo" or t.dpo_reference != "frozen"):
         return
     if p.tensor_parallel > 1 or p.pipeline_parallel > 1 or p.zero_stage == 3:
