@@ -212,7 +212,7 @@ def check_tensor_parallel_before_build(recipe: Recipe, config) -> None:
     tp = recipe.parallel.tensor_parallel
     if tp == 1 or config is None:
         return
-    where = f"{recipe.model.from_pretrained}'s config.json" if recipe.model.from_pretrained else "the model"
+    where = f"{Path(recipe.model.from_pretrained) / 'config.json'}" if recipe.model.from_pretrained else "the model"
     heads = config.num_attention_heads
     sizes = {"num_attention_heads": heads,
              "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
@@ -220,7 +220,7 @@ def check_tensor_parallel_before_build(recipe: Recipe, config) -> None:
     for name, size in sizes.items():
         if size % tp:
             choices = [k for k in range(1, size + 1) if size % k == 0]
-            raise RecipeError(f"`parallel.tensor_parallel: {tp}` does not divide {where}'s {name} {size}: each rank "
+            raise RecipeError(f"`parallel.tensor_parallel: {tp}` does not divide {name} {size} of {where}: each rank "
                               f"holds whole heads and an equal MLP slice; choose tensor_parallel from {choices}")
 
 
