@@ -398,3 +398,51 @@ def test_reference_free_dpo_compares_with_zero(tokenizer):
     expected = -torch.nn.functional.logsigmoid(0.5 * (logps[:2] - logps[2:])).sum()
     torch.testing.assert_close(out.loss_sum, expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out.metric_sums["rewards/chosen"], 0.5 * logps[:2].sum().detach())
+
+
+def write_neox_pairs(rows: list[dict], tokenizer, prefix: Path) -> dict:
+    """prompt / chosen / rejected rows as GPT-NeoX pairwise files (PREFIX_{chosen,rejected}[_label]_document, int32),
+    tokenised as the jsonl path tokenises them (TRL's rule), labels on the completion: the `DataSource` fields that
+    read them. For a launch that must see the same pairs from both forms (tests/test_objective_layouts.py)."""
+    import numpy as np
+
+    from neox_hf.data.indexed import index_bytes
+    from neox_hf.data.preference import tokenize_dpo_pairs
+
+    tokenised = tokenize_dpo_pairs([(r["prompt"], r["chosen"], r["rejected"]) for r in rows], tokenizer)
+    fields = {}
+    for side, index in (("chosen", 1), ("rejected", 2)):
+        docs = [(list(t[0]) + list(t[index]), [-100] * len(t[0]) + list(t[index])) for t in tokenised]
+        for kind, column in (("", 0), ("_label", 1)):
+            name = f"{prefix}_{side}{kind}_document"
+            items = [np.asarray(doc[column], dtype=np.int32) for doc in docs]
+            Path(f"{name}.bin").write_bytes(b"".join(item.tobytes() for item in items))
+            Path(f"{name}.idx").write_bytes(index_bytes([len(item) for item in items], np.int32))
+        fields["path" if side == "chosen" else "rejected_path"] = f"{prefix}_{side}_document"
+        fields["label_path" if side == "chosen" else "rejected_label_path"] = f"{prefix}_{side}_label_document"
+    return {"format": "indexed", **fields}
+
+
+def test_bin_idx_pairs_batch_as_the_jsonl_they_came_from(tokenizer, tmp_path):
+    """The evidence the layouts rest on: the .bin/.idx form of a jsonl file gives the preference loader the same
+    DPO micro-batches on every data-parallel rank (tests/test_objective_layouts.py then trains a DP2 layout from it;
+    RM reads `--for-rm` files, whose equality the rm config test shows)."""
+    objective = "dpo"
+    import torch
+
+    from neox_hf.data.preference import PreferenceLoader
+    from neox_hf.recipe import DataConfig, DataSource
+
+    rows = [{"prompt": f"Question {i}: which colour?\nAnswer: ", "chosen": "blue " * (1 + i % 3),
+             "rejected": "red " * (2 + i % 2)} for i in range(10)]
+    _jsonl(tmp_path / "pairs.jsonl", rows)
+    neox = DataSource(**write_neox_pairs(rows, tokenizer, tmp_path / "p"))
+    for rank in (0, 1):
+        batches = []
+        for source in (DataSource(path=str(tmp_path / "pairs.jsonl")), neox):
+            cfg = DataConfig(sources=[source], mode="pad", seed=7)
+            loader = PreferenceLoader(cfg, tokenizer, cfg.sources, objective=objective, seq_length=64,
+                                      micro_batch_size=2, dp_rank=rank, dp_size=2, seed=7, role="all", cycle=True)
+            batches.append([next(loader) for _ in range(6)])
+        for a, b in zip(*batches):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -73,13 +73,14 @@ class EmptyPairs(DataError):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _raw_rows(source: DataSource) -> Iterator[Optional[dict]]:
+def _raw_rows(source: DataSource, unpaired: bool = False) -> Iterator[Optional[dict]]:
     """The rows of one source as dicts (None for an undecodable jsonl line)."""
     fmt = source_format(source)
     if fmt in ("text", "indexed"):
-        raise DataError(f"data source `{source.path}`: preference pairs need rows with `{source.prompt_key}`, "
-                        f"`{source.chosen_key}` and `{source.rejected_key}` fields; give a .jsonl/.json/.parquet file "
-                        "or a Hub dataset (not .txt or .bin/.idx)")
+        what = "KTO examples need rows" if unpaired else "preference pairs need rows"
+        raise DataError(f"data source `{source.path}`: {what} with {_columns(source, unpaired)} fields; give a "
+                        ".jsonl/.json/.parquet file or a Hub dataset (not .txt), or GPT-NeoX's .bin/.idx files "
+                        "(`neox_hf preprocess --chat-template`)")
     if fmt == "jsonl":
         for path in resolve_files(source):
             for line in file_lines(path):
@@ -163,7 +164,7 @@ def read_pairs(sources: list[DataSource], *, role: str = "all", fraction: float 
                             "column names")
         found = identical = 0
         bad_label = None
-        for row in _raw_rows(source):
+        for row in _raw_rows(source, unpaired):
             texts = example_texts(source, row) if unpaired else pair_texts(source, row)
             if texts is None:
                 stats["skipped_undecodable"] = stats.get("skipped_undecodable", 0) + 1
