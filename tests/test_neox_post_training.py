@@ -124,17 +124,36 @@ def workdir(tmp_path_factory, tok_dir):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("prefix", sorted(SCRIPT_RUNS))
-def test_preprocess_chat_template_writes_gpt_neox_scripts_bytes(tok_dir, tmp_path, capsys, prefix):
-    source, options = SCRIPT_RUNS[prefix]
-    tok = tok_dir
-    code, err = run_cli(["preprocess", "--chat-template", str(DATA / f"{source}.jsonl"), "--tokenizer", str(tok),
-                         "--output-prefix", str(tmp_path / prefix), *options], capsys)
-    assert code == 0, err
+def _assert_script_files(folder: Path, prefix: str) -> None:
     expected = sorted(p.name for p in DATA.glob(f"{prefix}_*_document.*"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == expected
+    assert sorted(p.name for p in folder.glob(f"{prefix}_*")) == expected
     for name in expected:
-        assert (tmp_path / name).read_bytes() == (DATA / name).read_bytes(), name
+        assert (folder / name).read_bytes() == (DATA / name).read_bytes(), name
+
+
+def test_preprocess_chat_template_writes_gpt_neox_scripts_bytes(tok_dir, tmp_path, capsys):
+    """Every option of GPT-NeoX's script, byte for byte: `neox_hf preprocess --chat-template` for --only-last on two
+    keys, and the function it calls (one tokenizer load) for the other option sets."""
+    from neox_hf.data.neox_post_training import write_chat_documents
+    from neox_hf.data.tokenizer import load_tokenizer
+
+    source, options = SCRIPT_RUNS["dpo"]
+    code, err = run_cli(["preprocess", "--chat-template", str(DATA / f"{source}.jsonl"), "--tokenizer", str(tok_dir),
+                         "--output-prefix", str(tmp_path / "dpo"), *options], capsys)
+    assert code == 0, err
+    _assert_script_files(tmp_path, "dpo")
+    tokenizer = load_tokenizer(str(tok_dir))
+    flags = {"--only-last": "only_last", "--for-rm": "for_rm", "--binary-reward": "binary_reward"}
+    for prefix, (source, options) in SCRIPT_RUNS.items():
+        if prefix == "dpo":
+            continue
+        keys = options[1: next((i for i, o in enumerate(options[1:], 1) if o.startswith("--")), len(options))]
+        kwargs = {name: True for flag, name in flags.items() if flag in options}
+        for flag, name in (("--reward-key", "reward_key"), ("--generation-role", "generation_role")):
+            if flag in options:
+                kwargs[name] = options[options.index(flag) + 1]
+        write_chat_documents([str(DATA / f"{source}.jsonl")], tokenizer, str(tmp_path / prefix), keys=keys, **kwargs)
+        _assert_script_files(tmp_path, prefix)
 
 
 def test_preprocess_no_mask_and_bad_rows(tok_dir, tmp_path, capsys):
@@ -224,8 +243,36 @@ def test_kto_config_trains_on_gpt_neox_rewards_as_on_the_same_jsonl(workdir):
 
 @pytest.mark.distributed
 def test_sft_config_trains_on_label_documents(workdir):
-    steps, _, printed = _train(workdir, "sft", "--train.eval_iters", "0")
+    """The SFT config (train_label_data_paths, pack_impl: unpacked, GPT-NeoX's sample order): the first step's loss
+    is stock transformers' cross-entropy of the starting model over the tokens whose label is not -100, averaged
+    per token (the batch as `data.order: gpt-neox` reads it: the label documents, -100 on the prompt turns)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from neox_hf.data import build_train_loader
+    from neox_hf.data.tokenizer import load_tokenizer
+    from neox_hf.recipe.args import parse_run_args
+
+    steps, _, _ = _train(workdir, "sft", "--train.eval_iters", "0")
     assert len(steps) == 4 and steps[-1]["loss"] < steps[0]["loss"]
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        recipe = parse_run_args([str(CONFIGS / "llama3-8b-sft.yml"), "--model.from_pretrained", str(workdir / "start"),
+                                 *TINY]).recipe
+        loader = build_train_loader(recipe.data, load_tokenizer(str(workdir / "start")), seq_length=128,
+                                    micro_batch_size=2, seed=recipe.data.seed, train_iters=4)
+        batch = next(loader)
+    finally:
+        os.chdir(cwd)
+    labels = batch["labels"]
+    assert 0 < int((labels != -100).sum()) < int((batch["input_ids"] != 0).sum()) // 2  # the prompts are masked
+    model = AutoModelForCausalLM.from_pretrained(workdir / "start", dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits
+    expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    assert steps[0]["loss"] == pytest.approx(float(expected), rel=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------------------------
