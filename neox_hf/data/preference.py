@@ -406,7 +406,7 @@ class PreferenceLoader:
                             f"{self.max_length}); raise data.max_length or check the files")
         self._emitted = 0
         self.stats = dict.fromkeys(STAT_KEYS, 0)
-        if objective == "kto" and cycle:
+        if objective == "kto" and cycle and _first_process():
             _warn_one_sided(self.pairs, self.sources)
 
     @property
@@ -536,6 +536,13 @@ def _read_indexed(sources, objective: str, max_length: int, allow_chopped: bool,
             items += read_indexed_pairs(source, objective=objective, max_length=max_length,
                                         allow_chopped=allow_chopped, role=role, fraction=fraction, stats=stats)
     return items
+
+
+def _first_process() -> bool:
+    """The launch's first process (or no launch): where a start-up warning is printed once."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _warn_one_sided(examples: list[tuple], sources: list[DataSource]) -> None:
