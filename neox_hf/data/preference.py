@@ -18,6 +18,11 @@ rows; the tests compare with TRL's own code):
        `prompt + completion` tokenised, the completion starting where they stop agreeing; an example whose prompt
        alone fills `max_length` is dropped, a longer sequence keeps its start.
 
+GPT-NeoX's post-training files (`format: indexed` sources with `rejected_path` / `label_path` /
+`rejected_label_path`, or `label_path` / `reward_path` for kto; `neox_hf.data.neox_post_training`) are read already
+tokenised: each pair's sequences and labels are its documents' (GPT-NeoX's sample of seq_length + 1 tokens), and
+from there batching, order, shards and resume are the same as for rows.
+
 A preference micro-batch of P pairs is one dict of 2P rows (TRL's concatenated forward): rows 0..P-1 the chosen
 sequences, rows P..2P-1 the rejected ones, right-padded with the tokenizer's pad id to the longest row rounded up to
 `data.pad_to_multiple_of` (dynamic padding; never past max_length):
