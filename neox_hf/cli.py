@@ -134,6 +134,18 @@ def _add_preprocess(parser):
     parser.add_argument("--text-key", default="text")
     parser.add_argument("--append-eod", action="store_true")
     parser.add_argument("--workers", type=int, default=1)
+    chat = parser.add_argument_group("chat template (GPT-NeoX's preprocess_data_with_chat_template.py)")
+    chat.add_argument("--chat-template", action="store_true",
+                      help="render each conversation with the tokenizer's chat template and write PREFIX_KEY_document "
+                           "(+ _label_document, + _reward_document) per --jsonl-keys KEY, as GPT-NeoX's script does")
+    chat.add_argument("--jsonl-keys", nargs="+", default=["conversation"],
+                      help="fields holding a list of {role, content} turns (default: conversation)")
+    chat.add_argument("--generation-role", default="assistant", help="the role whose turns are trained")
+    chat.add_argument("--only-last", action="store_true", help="train on the last turn only")
+    chat.add_argument("--for-rm", action="store_true", help="label only a final EOS (reward-model data)")
+    chat.add_argument("--no-mask", action="store_true", help="no label file: every token trained")
+    chat.add_argument("--reward-key", default=None, help="field with a reward per conversation (KTO data)")
+    chat.add_argument("--binary-reward", action="store_true", help="the reward as 1 (truthy) or -1 (falsy)")
 
 
 def _run_preprocess(args) -> int:
@@ -141,6 +153,8 @@ def _run_preprocess(args) -> int:
     from neox_hf.errors import UsageError
     from neox_hf.data.tokenizer import load_tokenizer
 
+    if args.chat_template:
+        return _run_preprocess_chat(args)
     if args.workers < 1:
         raise UsageError(f"--workers must be ≥ 1, got {args.workers}")
     missing = [path for path in args.inputs if not Path(path).is_file()]
@@ -152,6 +166,23 @@ def _run_preprocess(args) -> int:
                                                counts=counts)
     print(f"wrote {bin_path} and {idx_path}: {counts.get('documents', 0)} documents"
           + (f", {counts['skipped']} skipped (no string {args.text_key!r} field)" if counts.get("skipped") else ""))
+    return 0
+
+
+def _run_preprocess_chat(args) -> int:
+    from neox_hf.data.neox_post_training import write_chat_documents
+    from neox_hf.data.tokenizer import load_tokenizer
+    from neox_hf.errors import UsageError
+
+    missing = [path for path in args.inputs if not Path(path).is_file()]
+    if missing:
+        raise UsageError(f"input file not found: {missing[0]}; give .jsonl files of conversations")
+    written = write_chat_documents(args.inputs, load_tokenizer(args.tokenizer), args.output_prefix,
+                                   keys=args.jsonl_keys, generation_role=args.generation_role,
+                                   mask=not args.no_mask, only_last=args.only_last, for_rm=args.for_rm,
+                                   reward_key=args.reward_key, binary_reward=args.binary_reward)
+    print(f"wrote {len(written['files'])} files for {written['documents']} conversations: "
+          + ", ".join(Path(f).name for f in written["files"] if f.endswith(".bin")))
     return 0
 
 

@@ -339,6 +339,7 @@ def translate_neox_args(args: dict) -> NeoXTranslation:
     handled |= _translate_sequence_parallel(args, recipe, notices)
     data_defaults: dict = {}
     handled |= _translate_data(args, recipe, notices, data_defaults)
+    handled |= _translate_post_training_data(args, recipe, notices)
     handled |= _translate_logging(args, recipe, notices)
     handled |= set(_MUST_BE_FALSY)
     ignored = sorted(k for k in args if k not in handled)
@@ -486,34 +487,36 @@ _KTO_KEYS = ("kto_beta", "kto_desirable_weight", "kto_undesirable_weight")
 
 
 def _translate_objective(args: dict, recipe: dict, notices: list[str]) -> set[str]:
-    """GPT-NeoX's `train_impl` and its DPO and KTO keys; REINFORCE and GPT-NeoX's tokenized pair / reward files are
-    refused."""
+    """GPT-NeoX's `train_impl` and its DPO and KTO keys (their data files: `_translate_post_training_data`);
+    REINFORCE and the online data server are refused."""
     impl = args.get("train_impl") or "normal"
+    if impl == "reinforce":
+        raise _refuse("train_impl", impl, "REINFORCE needs GPT-NeoX's online generation loop, which neox_hf does not "
+                      "have; generate and score completions offline, then train on them with train_impl: kto "
+                      "(`neox_hf preprocess --chat-template --reward-key`) or dpo (pairs), or use TRL's online "
+                      "trainers")
     if impl not in _OBJECTIVES:
-        raise _refuse("train_impl", impl, "train.objective is lm (normal), dpo, rm or kto; REINFORCE is not "
-                                          "implemented")
+        raise _refuse("train_impl", impl, "train.objective is lm (normal), dpo, rm or kto")
+    if args.get("dataset_impl") == "online":
+        raise _refuse("dataset_impl", "online", "GPT-NeoX's online data server sends pickled batches over a socket, "
+                      "which neox_hf never unpickles; write the data to files (`neox_hf preprocess --chat-template`) "
+                      "and use dataset_impl gpt2 or pairwise")
     _put(recipe, "train.objective", _OBJECTIVES[impl])
     if args.get("dpo_beta") is not None:
         _put(recipe, "train.dpo_beta", _convert("dpo_beta", args["dpo_beta"], float))
-    if args.get("dpo_reference_free"):
-        raise _refuse("dpo_reference_free", True, "DPO here always compares with a reference model "
-                                                   "(train.dpo_reference: precompute or frozen)")
-    if args.get("precompute_model_name"):
-        raise _refuse("precompute_model_name", args["precompute_model_name"], "reference log-probabilities stored "
-                      "beside GPT-NeoX's tokenized pairs are not read; `train.dpo_reference: precompute` computes them "
-                      "from the reference model (model.from_pretrained or train.dpo_reference_model) at start-up")
+    if impl == "dpo" and _bool(args.get("dpo_reference_free") or False):
+        _put(recipe, "train.dpo_reference", "none")
+    elif impl == "dpo" and args.get("precompute_model_name"):
+        _put(recipe, "train.dpo_reference", "precompute")
+        notices.append(f"precompute_model_name: {args['precompute_model_name']} → train.dpo_reference: precompute (the "
+                       "reference's log-probabilities computed once at start-up from model.from_pretrained; the "
+                       f"`…_{args['precompute_model_name']}` files GPT-NeoX stores beside the pairs are not read)")
+    elif args.get("precompute_model_name"):
+        notices.append("precompute_model_name has no effect here: " + (
+            "KTO's reference is a frozen copy of the starting model (its KL sequences change every micro-batch)"
+            if impl == "kto" else "it names reference log-probabilities for train_impl dpo / kto"))
     if args.get("dpo_fp32") is False:
         notices.append("dpo_fp32: false has no effect: DPO log-probabilities are computed in fp32 here")
-    pairs = sorted(k for k in args if k.startswith(("pos_train", "pos_valid", "pos_test", "neg_train", "neg_valid", "neg_test")) and args[k])
-    if pairs:
-        raise _refuse(pairs[0], args[pairs[0]], "GPT-NeoX's tokenized chosen/rejected .bin/.idx files are not read; "
-                      "give preference pairs as jsonl/parquet/Hub sources with prompt/chosen/rejected columns "
-                      "(data.sources, data.mode: pad, data.order: stream)")
-    rewards = sorted(k for k in args if k.endswith("_reward_data_paths") and args[k])
-    if rewards:
-        raise _refuse(rewards[0], args[rewards[0]], "GPT-NeoX's tokenized .bin/.idx reward files are not read; give "
-                      "KTO's examples as jsonl/parquet/Hub sources with prompt/completion/label columns (TRL's "
-                      "unpaired format; data.sources, data.mode: pad, data.order: stream)")
     if impl == "kto":
         for key in _KTO_KEYS:
             if args.get(key) is not None:
@@ -525,8 +528,7 @@ def _translate_objective(args: dict, recipe: dict, notices: list[str]) -> set[st
     if unused:
         notices.append("no effect without train_impl kto / reinforce: " + ", ".join(unused))
     kto = [k for k in args if k.startswith("kto_")]
-    return {"train_impl", "dpo_beta", "dpo_reference_free", "precompute_model_name", "dpo_fp32", *kto, *unused,
-            *pairs, *rewards}
+    return {"train_impl", "dpo_beta", "dpo_reference_free", "precompute_model_name", "dpo_fp32", *kto, *unused}
 
 
 # Integer options read outside _DIRECT's converters, converted once (and their sign checked) before translation.
@@ -923,3 +925,101 @@ def load_neox_recipe_dict(paths: list[str | Path]) -> NeoXTranslation:
     return translate_neox_args(read_neox_files(paths))
 
 
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPT-NeoX's post-training data files (`preprocess_data_with_chat_template.py`): pairs for dpo / rm, rewarded
+# documents for kto, read by neox_hf.data.preference through neox_hf.data.neox_post_training
+# ----------------------------------------------------------------------------------------------------------------
+
+_PAIR_KEYS = tuple(f"{side}_{split}_{kind}data_paths" for side in ("pos", "neg") for split in ("train", "valid", "test")
+                   for kind in ("", "label_"))
+_REWARD_KEYS = ("train_reward_data_paths", "valid_reward_data_paths", "test_reward_data_paths")
+
+
+def _paths_of(args: dict, key: str) -> list:
+    value = args.get(key) or []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _refuse(key, value, "a list of .bin/.idx prefixes")
+    return value
+
+
+def _aligned_paths(args: dict, keys: dict[str, str], anchor: str) -> list[dict]:
+    """One source per path of `args[anchor]`, each `keys` field taken from the list of the same position."""
+    lists = {field: _paths_of(args, key) for field, key in keys.items()}
+    count = len(lists["path"])
+    for field, values in lists.items():
+        if values and len(values) != count:
+            raise RecipeError(f"{keys[field]} has {len(values)} entries but {anchor} has {count}; give one per path")
+    return [{"format": "indexed", **{f: v[i] for f, v in lists.items() if v}} for i in range(count)]
+
+
+def _post_training_sources(args: dict, impl: str, split: str) -> list[dict]:
+    if impl in ("dpo", "rm"):
+        keys = {"path": f"pos_{split}_data_paths", "rejected_path": f"neg_{split}_data_paths",
+                "label_path": f"pos_{split}_label_data_paths", "rejected_label_path": f"neg_{split}_label_data_paths"}
+        sources = _aligned_paths(args, keys, f"pos_{split}_data_paths")
+        if len(_paths_of(args, keys["rejected_path"])) != len(sources):
+            raise RecipeError(f"neg_{split}_data_paths must name one rejected prefix per pos_{split}_data_paths entry")
+        return sources
+    keys = {"path": f"{split}_data_paths", "label_path": f"{split}_label_data_paths",
+            "reward_path": f"{split}_reward_data_paths"}
+    return _aligned_paths(args, keys, f"{split}_data_paths")
+
+
+def _translate_post_training_data(args: dict, recipe: dict, notices: list[str]) -> set[str]:
+    """`dataset_impl`, the pos_/neg_ pair paths (dpo, rm) and the reward paths (kto) → `data.sources` /
+    `data.validation` of GPT-NeoX .bin/.idx prefixes, read one pair / example per row (`data.mode: pad`, `data.order:
+    stream`). What GPT-NeoX itself refuses (packed pairs or rewards, pairs without pairwise data) is refused here too."""
+    impl = args.get("train_impl") or "normal"
+    dataset_impl = args.get("dataset_impl") or "gpt2"
+    if dataset_impl not in ("gpt2", "pairwise"):
+        raise _refuse("dataset_impl", dataset_impl, "gpt2 (documents, KTO's rewarded documents) or pairwise (dpo, rm)")
+    pair_keys = [k for k in _PAIR_KEYS if args.get(k)]
+    reward_keys = [k for k in _REWARD_KEYS if args.get(k)]
+    handled = {"dataset_impl", *_PAIR_KEYS, *_REWARD_KEYS, "valid_label_data_paths", "test_label_data_paths"}
+    if impl in ("dpo", "rm") and not args.get("pos_train_data_paths"):
+        return handled  # pairs come from data.sources on the command line or in a recipe
+    if impl in ("dpo", "rm") and dataset_impl != "pairwise":
+        raise _refuse("dataset_impl", dataset_impl, f"train_impl {impl} reads chosen / rejected pairs: GPT-NeoX needs "
+                      "dataset_impl: pairwise with pos_/neg_train_data_paths (its preprocess_data_with_chat_template.py "
+                      "files), and so does neox_hf; or give jsonl pairs as data.sources")
+    if impl not in ("dpo", "rm") and (dataset_impl == "pairwise" or pair_keys):
+        raise _refuse("dataset_impl" if dataset_impl == "pairwise" else pair_keys[0], dataset_impl if
+                      dataset_impl == "pairwise" else args[pair_keys[0]], "pairwise data is read by train_impl dpo or "
+                      "rm")
+    if impl == "kto" and args.get("train_data_paths") and not args.get("train_reward_data_paths"):
+        raise RecipeError("train_impl: kto with train_data_paths needs train_reward_data_paths (one reward per "
+                          "document: `neox_hf preprocess --chat-template --reward-key KEY --binary-reward`)")
+    if impl not in ("dpo", "rm", "kto"):
+        if reward_keys:
+            notices.append(f"{', '.join(reward_keys)}: no effect without train_impl kto")
+        labels = _paths_of(args, "valid_label_data_paths")
+        validation = (recipe.get("data") or {}).get("validation") or []
+        if labels and len(labels) == len(validation):
+            for source, label in zip(validation, labels):
+                source["label_path"] = label
+        return handled
+    if impl == "kto" and not args.get("train_data_paths"):
+        if reward_keys:
+            raise _refuse(reward_keys[0], args[reward_keys[0]], "a reward file goes with the documents it scores: "
+                          "give train_data_paths (and train_label_data_paths) beside it")
+        return handled  # KTO rows come from data.sources on the command line or in a recipe
+    pack = args.get("pack_impl") or "packed"
+    if pack != "unpacked":
+        raise _refuse("pack_impl", pack, "one pair or rewarded document per sample: GPT-NeoX refuses packed "
+                      "pairwise and reward data, and pack_until_overflow would sum several pairs' log-probabilities "
+                      "into one; set pack_impl: unpacked")
+    data = recipe.setdefault("data", {})
+    data["sources"] = _post_training_sources(args, impl, "train")
+    data["validation"] = _post_training_sources(args, impl, "valid")
+    data.update({"mode": "pad", "order": "stream", "split": None})
+    if args.get("pos_test_data_paths"):
+        notices.append("test data paths are not used during training (evaluate afterwards with `neox_hf eval`)")
+    notices.append(f"train_impl {impl}: GPT-NeoX's {'pairs' if impl != 'kto' else 'rewarded documents'} read one "
+                   "per row, padded (data.mode: pad); the order is neox_hf's preference order (every "
+                   f"{'pair' if impl != 'kto' else 'example'} once per epoch, shuffled by data.seed), not GPT-NeoX's "
+                   "unpacked index")
+    return handled

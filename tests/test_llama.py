@@ -85,8 +85,9 @@ def test_every_gpt_neox_llama_config_resolves_to_what_gpt_neox_builds(name):
     ('{"num_layers": 2, "use_bias_in_mlp": false}', "use_bias_in_mlp"),
     ('{"num_layers": 2, "train_impl": "reinforce"}', "train_impl"),
     ('{"num_layers": 2, "train_impl": "kto", "train_reward_data_paths": ["r"]}', "train_reward_data_paths"),
-    ('{"num_layers": 2, "train_impl": "dpo", "dpo_reference_free": true}', "dpo_reference_free"),
-    ('{"num_layers": 2, "precompute_model_name": "ref"}', "precompute_model_name"),
+    ('{"num_layers": 2, "dataset_impl": "online"}', "dataset_impl"),
+    ('{"num_layers": 2, "train_impl": "dpo", "pos_train_data_paths": ["c"], "neg_train_data_paths": ["r"]}',
+     "dataset_impl"),  # GPT-NeoX reads pos_/neg_ paths with dataset_impl: pairwise only
     ('{"num_layers": 2, "pos_train_data_paths": ["chosen"]}', "pos_train_data_paths"),
 ])
 def test_what_neither_model_expresses_is_refused_naming_the_key(tmp_path, text, key):

@@ -2,7 +2,7 @@
 and data-parallel ranks, ZeRO's partitions and tensor parallelism do not change the losses, through the real entry
 point `run_clm_neox.py` calls (`neox_hf.cli.train_main`).
 
-Layouts: DPO on DP2 ZeRO-1, DP2 ZeRO-3 and TP2; RM on DP2 ZeRO-0, DP2 ZeRO-2 and TP2 — every ZeRO stage and TP for
+Layouts: DPO on DP2 ZeRO-1 (reading the pairs as GPT-NeoX pairwise .bin/.idx files), DP2 ZeRO-3 and TP2; RM on DP2 ZeRO-0, DP2 ZeRO-2 and TP2 — every ZeRO stage and TP for
 each step path the objectives share (the plain engine's step is the same code for both; one objective per stage) —
 and DPO, RM and KTO on FSDP2 DP2 (`parallel.backend: fsdp2`: the same step over sharded DTensors, DPO's reference
 log-probabilities precomputed through the sharded model, KTO's frozen reference a whole copy per rank). One
@@ -33,7 +33,7 @@ STEPS, LOSS_TOL = 3, 1e-5
 # name: (objective, dp, tp, ZeRO stage or "fsdp2"), in the tests' order; the launch runs them in this order with ZeRO-3
 # moved last
 LAYOUTS = {
-    "dpo-zero1": ("dpo", 2, 1, 1), "dpo-zero3": ("dpo", 2, 1, 3), "dpo-tp2": ("dpo", 1, 2, 1),
+    "dpo-zero1": ("dpo", 2, 1, 1),  # reads the pairs as GPT-NeoX .bin/.idx files (NEOX_FILES) "dpo-zero3": ("dpo", 2, 1, 3), "dpo-tp2": ("dpo", 1, 2, 1),
     "rm-zero0": ("rm", 2, 1, 0), "rm-zero2": ("rm", 2, 1, 2), "rm-tp2": ("rm", 1, 2, 0),
     "kto-zero1": ("kto", 2, 1, 1),
     "dpo-fsdp2": ("dpo", 2, 1, "fsdp2"), "rm-fsdp2": ("rm", 2, 1, "fsdp2"), "kto-fsdp2": ("kto", 2, 1, "fsdp2"),
@@ -60,18 +60,29 @@ def base(tmp_path_factory):
             pair = json.loads(line)
             f.write(json.dumps({"prompt": pair["prompt"], "completion": pair["chosen"], "label": True}) + "\n")
             f.write(json.dumps({"prompt": pair["prompt"], "completion": pair["rejected"], "label": False}) + "\n")
+    # the same pairs as GPT-NeoX pairwise files (tests/test_neox_post_training.py: equal micro-batches)
+    from neox_hf.data.tokenizer import load_tokenizer
+    from tests.test_neox_post_training import write_neox_pairs
+
+    rows = [json.loads(line) for line in (root / "pairs.jsonl").read_text().splitlines()]
+    source = write_neox_pairs(rows, load_tokenizer(str(BUNDLED_TOKENIZER)), root / "neox_pairs")
+    (root / "neox_pairs.json").write_text(json.dumps(source))
     return root
 
 
+NEOX_FILES = {"dpo-zero1"}  # the layouts reading GPT-NeoX's pairwise .bin/.idx form of pairs.jsonl
+
+
 def recipe(base, out, objective: str, *, dp: int, tp: int = 1, zero: int | str = 0) -> list[str]:
+    source = ({"path": str(base / ("unpaired.jsonl" if objective == "kto" else "pairs.jsonl"))}
+              if out.name not in NEOX_FILES else json.loads((base / "neox_pairs.json").read_text()))
     parallel = ({"backend": "fsdp2"} if zero == "fsdp2" else
                 {"tensor_parallel": tp, "zero_stage": zero, "use_deepspeed": dp * tp > 1})
     path = out.parent / f"{out.name}.yaml"
     path.write_text(json.dumps({
         "model": {"from_pretrained": str(base / "model"), "seq_length": 64, "num_attention_heads": 4},
         "tokenizer": {"path": str(BUNDLED_TOKENIZER)},
-        "data": {"sources": [{"path": str(base / ("unpaired.jsonl" if objective == "kto" else "pairs.jsonl"))}],
-                 "mode": "pad", "seed": 7},
+        "data": {"sources": [source], "mode": "pad", "seed": 7},
         "train": {"objective": objective, "train_iters": STEPS, "micro_batch_size": 2,
                   "gradient_accumulation_steps": 2 // dp, "lr": 1e-3, "min_lr": 1e-4, "warmup": 0.0,
                   "precision": "fp32", "log_interval": 1, "eval_interval": 100, "eval_iters": 0, "clip_grad": 1.0},

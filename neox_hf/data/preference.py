@@ -18,6 +18,11 @@ rows; the tests compare with TRL's own code):
        `prompt + completion` tokenised, the completion starting where they stop agreeing; an example whose prompt
        alone fills `max_length` is dropped, a longer sequence keeps its start.
 
+GPT-NeoX's post-training files (`format: indexed` sources with `rejected_path` / `label_path` /
+`rejected_label_path`, or `label_path` / `reward_path` for kto; `neox_hf.data.neox_post_training`) are read already
+tokenised: each pair's sequences and labels are its documents' (GPT-NeoX's sample of seq_length + 1 tokens), and
+from there batching, order, shards and resume are the same as for rows.
+
 A preference micro-batch of P pairs is one dict of 2P rows (TRL's concatenated forward): rows 0..P-1 the chosen
 sequences, rows P..2P-1 the rejected ones, right-padded with the tokenizer's pad id to the longest row rounded up to
 `data.pad_to_multiple_of` (dynamic padding; never past max_length):
@@ -50,11 +55,12 @@ import numpy as np
 import torch
 
 from neox_hf.data.loader import validation_sources
+from neox_hf.data.neox_post_training import LabelledTokens, read_indexed_examples, read_indexed_pairs
 from neox_hf.data.padding import IGNORE_INDEX, padded_length
 from neox_hf.data.files import is_unicode_text
 from neox_hf.data.sources import file_lines, is_held_out, resolve_files, source_format
 from neox_hf.data.state import changed_data_setting
-from neox_hf.errors import DataError
+from neox_hf.errors import DataError, print_to_stderr
 from neox_hf.recipe import DataConfig, DataSource
 
 STATE_VERSION = 1
@@ -72,13 +78,14 @@ class EmptyPairs(DataError):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _raw_rows(source: DataSource) -> Iterator[Optional[dict]]:
+def _raw_rows(source: DataSource, unpaired: bool = False) -> Iterator[Optional[dict]]:
     """The rows of one source as dicts (None for an undecodable jsonl line)."""
     fmt = source_format(source)
     if fmt in ("text", "indexed"):
-        raise DataError(f"data source `{source.path}`: preference pairs need rows with `{source.prompt_key}`, "
-                        f"`{source.chosen_key}` and `{source.rejected_key}` fields; give a .jsonl/.json/.parquet file "
-                        "or a Hub dataset (not .txt or .bin/.idx)")
+        what = "KTO examples need rows" if unpaired else "preference pairs need rows"
+        raise DataError(f"data source `{source.path}`: {what} with {_columns(source, unpaired)} fields; give a "
+                        ".jsonl/.json/.parquet file or a Hub dataset (not .txt), or GPT-NeoX's .bin/.idx files "
+                        "(`neox_hf preprocess --chat-template`)")
     if fmt == "jsonl":
         for path in resolve_files(source):
             for line in file_lines(path):
@@ -109,12 +116,26 @@ def pair_texts(source: DataSource, row) -> Optional[tuple[str, str, str]]:
 
 def example_texts(source: DataSource, row) -> Optional[tuple[str, str, bool]]:
     """(prompt, completion, label) of one unpaired row (TRL's format), or None when a field is missing, a text is not
-    a string or the label is not a boolean."""
+    a string or the label is not a boolean (`label_problem` says which)."""
     if not isinstance(row, dict):
         return None
     prompt, completion, label = (row.get(key) for key in (source.prompt_key, source.completion_key, source.label_key))
     ok = isinstance(prompt, str) and isinstance(completion, str) and isinstance(label, bool)
     return (prompt, completion, label) if ok else None
+
+
+def label_problem(source: DataSource, row) -> Optional[str]:
+    """Why an unpaired row with its texts in place is not an example: its `label` missing or not a boolean (TRL's
+    KTO format); None when the label is fine."""
+    if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in (source.prompt_key,
+                                                                                  source.completion_key)):
+        return None
+    label = row.get(source.label_key)
+    if isinstance(label, bool):
+        return None
+    if source.label_key not in row:
+        return f"no `{source.label_key}` field"
+    return f"`{source.label_key}` is {type(label).__name__} {label!r}, not true / false"
 
 
 def _columns(source: DataSource, unpaired: bool) -> str:
@@ -147,10 +168,12 @@ def read_pairs(sources: list[DataSource], *, role: str = "all", fraction: float 
                             "nothing learnt); set `prompt_key` / `chosen_key` / `rejected_key` on the source to its "
                             "column names")
         found = identical = 0
-        for row in _raw_rows(source):
+        bad_label = None
+        for row in _raw_rows(source, unpaired):
             texts = example_texts(source, row) if unpaired else pair_texts(source, row)
             if texts is None:
                 stats["skipped_undecodable"] = stats.get("skipped_undecodable", 0) + 1
+                bad_label = bad_label or (label_problem(source, row) if unpaired else None)
                 continue
             found += 1
             if not unpaired and texts[1] == texts[2]:
@@ -159,6 +182,10 @@ def read_pairs(sources: list[DataSource], *, role: str = "all", fraction: float 
             held = is_held_out("\x00".join(map(str, texts)).encode("utf-8", "surrogatepass"), fraction)
             if role == "all" or (role == "validation") == held:
                 pairs.append(texts)
+        if not found and bad_label:
+            raise DataError(f"data source `{source.path}`: KTO's `{source.label_key}` says whether a completion is "
+                            f"desirable and must be true or false; the rows have {bad_label} (set `label_key` on the "
+                            "source to the boolean column)")
         if not found:
             names = "`prompt_key` / `completion_key` / `label_key`" if unpaired else \
                 "`prompt_key` / `chosen_key` / `rejected_key`"
@@ -172,20 +199,22 @@ def read_pairs(sources: list[DataSource], *, role: str = "all", fraction: float 
                             "source to its column names")
         stats["documents_read"] = stats.get("documents_read", 0) + found
         stats["skipped_identical"] = stats.get("skipped_identical", 0) + identical
-    _check_skipped_rows(sources, stats, max_skipped_fraction)
+    _check_skipped_rows(sources, stats, max_skipped_fraction, unpaired)
     return pairs
 
 
-def _check_skipped_rows(sources: list[DataSource], stats: dict, max_fraction: float) -> None:
+def _check_skipped_rows(sources: list[DataSource], stats: dict, max_fraction: float, unpaired: bool = False) -> None:
     """DataError when the rows skipped (unreadable, or chosen == rejected) are above `max_fraction` of those read."""
     bad, identical = stats.get("skipped_undecodable", 0), stats.get("skipped_identical", 0)
     read = stats.get("documents_read", 0) + bad
     skipped = bad + identical
     if skipped <= max_fraction * read:
         return
+    s = sources[0]
+    fields = (f"string fields `{s.prompt_key}`, `{s.completion_key}` and a boolean `{s.label_key}`" if unpaired else
+              f"string fields `{s.prompt_key}`, `{s.chosen_key}`, `{s.rejected_key}`")
     raise DataError(f"data sources {[s.path for s in sources]}: {skipped} of {read} rows skipped ({bad} invalid JSON "
-                    f"or without string fields `{sources[0].prompt_key}`, `{sources[0].chosen_key}`, "
-                    f"`{sources[0].rejected_key}`; {identical} with chosen == rejected): {skipped / read:.1%} is above "
+                    f"or without {fields}; {identical} with chosen == rejected): {skipped / read:.1%} is above "
                     f"`data.max_skipped_fraction` ({max_fraction:g}); fix the data or the source's keys, or raise "
                     "`data.max_skipped_fraction` to accept it")
 
@@ -283,13 +312,28 @@ def tokenize_pairs(pairs, tokenizer, objective: str, max_length: int, stats: Opt
 
 def _sequence(prompt, completion, max_length: int, labelled: bool) -> tuple[np.ndarray, np.ndarray]:
     """(ids, labels) of prompt + completion cut to max_length (keep_start); labels[t] = ids[t + 1] where that token is
-    part of the completion."""
+    part of the completion. A `LabelledTokens` completion (GPT-NeoX's label document) gives its own targets, and a
+    sequence cut at max_length keeps the label of token max_length (GPT-NeoX's sample of seq_length + 1)."""
+    if isinstance(completion, LabelledTokens):
+        return _labelled_sequence(prompt, completion, max_length, labelled)
     ids = np.asarray(list(prompt) + list(completion), dtype=np.int64)[:max_length]
     labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
     if labelled:
         start = max(len(prompt) - 1, 0)  # the position that predicts the completion's first token
         labels[start: len(ids) - 1] = ids[start + 1:]
     return ids, labels
+
+
+def _labelled_sequence(prompt, completion: LabelledTokens, max_length: int,
+                       labelled: bool) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.concatenate([np.asarray(prompt, dtype=np.int64), completion.ids])
+    targets = np.concatenate([np.full(len(prompt), IGNORE_INDEX, dtype=np.int64), completion.targets])
+    n = min(len(ids), max_length)
+    labels = np.full(n, IGNORE_INDEX, dtype=np.int64)
+    if labelled:
+        shifted = targets[1: n + 1]
+        labels[: len(shifted)] = shifted
+    return ids[:n], labels
 
 
 def pad_pairs(pairs: list[tuple], pair_index: list[int], *, pad_id: int, multiple: int, max_length: int,
@@ -353,9 +397,13 @@ class PreferenceLoader:
         self.shuffle = data_cfg.shuffle and cycle
         self.pad_id = tokenizer.pad_token_id
         self.read_stats = dict.fromkeys(STAT_KEYS, 0)
-        texts = read_pairs(self.sources, role=role, fraction=data_cfg.validation_fraction, stats=self.read_stats,
-                           max_skipped_fraction=data_cfg.max_skipped_fraction, unpaired=objective == "kto")
-        self.pairs = tokenize_pairs(texts, tokenizer, objective, self.max_length, self.read_stats)
+        if _indexed_sources(self.sources):
+            texts = self.pairs = _read_indexed(self.sources, objective, self.max_length, data_cfg.allow_chopped, role,
+                                               data_cfg.validation_fraction, self.read_stats)
+        else:
+            texts = read_pairs(self.sources, role=role, fraction=data_cfg.validation_fraction, stats=self.read_stats,
+                               max_skipped_fraction=data_cfg.max_skipped_fraction, unpaired=objective == "kto")
+            self.pairs = tokenize_pairs(texts, tokenizer, objective, self.max_length, self.read_stats)
         if not self.pairs:
             raise EmptyPairs(f"data sources {[s.path for s in self.sources]}: no usable preference pair "
                             f"({len(texts)} read for {role!r}; {self.read_stats['skipped_undecodable']} undecodable, "
@@ -363,6 +411,8 @@ class PreferenceLoader:
                             f"{self.max_length}); raise data.max_length or check the files")
         self._emitted = 0
         self.stats = dict.fromkeys(STAT_KEYS, 0)
+        if objective == "kto" and cycle and _first_process():
+            _warn_one_sided(self.pairs, self.sources)
 
     @property
     def num_pairs(self) -> int:
@@ -445,10 +495,16 @@ class PreferenceLoader:
     def describe(self) -> str:
         dropped = self.read_stats["skipped_empty"] + self.read_stats["truncated"]
         note = f", {dropped} dropped as longer than max_length {self.max_length}" if dropped else ""
+        if _indexed_sources(self.sources):  # GPT-NeoX's two reasons, apart
+            long, empty = self.read_stats["truncated"], self.read_stats["skipped_empty"]
+            note = (f", {long} dropped as longer than max_length + 1 = {self.max_length + 1} (allow_chopped: false)"
+                    if long else "") + (f", {empty} skipped with no labelled token" if empty else "")
         bad = self.read_stats["skipped_undecodable"]
         note += f", {bad} rows without the pair's string fields skipped" if bad else ""
         same = self.read_stats.get("skipped_identical", 0)
         note += f", {same} pairs with chosen == rejected skipped" if same else ""
+        zero = self.read_stats.get("reward_zero", 0)
+        note += f", {zero} with reward 0 skipped (GPT-NeoX gives them no loss)" if zero else ""
         order = "shuffled each epoch" if self.shuffle else "in file order"
         if self.objective == "kto":
             desirable = sum(1 for _, _, label in self.pairs if label)
@@ -459,6 +515,51 @@ class PreferenceLoader:
         return (f"preference pairs ({self.objective}): {len(self.pairs):,} pairs{note}; {self.batch_size} pairs "
                 f"({2 * self.batch_size} sequences) per micro-batch, {order}, padded to multiples of "
                 f"{self.cfg.pad_to_multiple_of}")
+
+
+def _indexed_sources(sources: list[DataSource]) -> bool:
+    """True when the sources are GPT-NeoX post-training .bin/.idx prefixes; DataError when they mix with rows."""
+    kinds = {source_format(s) == "indexed" for s in sources}
+    if len(kinds) > 1:
+        raise DataError("data sources mix GPT-NeoX .bin/.idx prefixes with jsonl/parquet/Hub rows: preference data "
+                        "comes from one kind; tokenize the rows with `neox_hf preprocess --chat-template` or give "
+                        "rows only")
+    return kinds == {True}
+
+
+def _read_indexed(sources, objective: str, max_length: int, allow_chopped: bool, role: str, fraction: float,
+                  stats: dict) -> list[tuple]:
+    items = []
+    for source in sources:
+        if source.weight != 1.0:
+            raise DataError(f"data source `{source.path}`: `weight` {source.weight} is not used for preference pairs "
+                            "(sources are read one after the other, each pair once per epoch); drop `weight`")
+        if objective == "kto":
+            items += read_indexed_examples(source, max_length=max_length, allow_chopped=allow_chopped, role=role,
+                                           fraction=fraction, stats=stats)
+        else:
+            items += read_indexed_pairs(source, objective=objective, max_length=max_length,
+                                        allow_chopped=allow_chopped, role=role, fraction=fraction, stats=stats)
+    return items
+
+
+def _first_process() -> bool:
+    """The launch's first process (or no launch): where a start-up warning is printed once."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _warn_one_sided(examples: list[tuple], sources: list[DataSource]) -> None:
+    """One line when every KTO example is desirable (or every one undesirable): the loss then only pushes one way
+    and the other weight (kto_undesirable_weight / kto_desirable_weight) does nothing."""
+    labels = {label for _, _, label in examples}
+    if len(labels) != 1:
+        return
+    side, key = ("desirable", "true") if labels == {True} else ("undesirable", "false")
+    print_to_stderr(f"warning: every one of the {len(examples):,} KTO examples of "
+                    f"{', '.join(s.path for s in sources)} is {side} (`{sources[0].label_key}` / reward all {key}): "
+                    "the loss pushes one way only; add examples of the other kind")
 
 
 # ----------------------------------------------------------------------------------------------------------------

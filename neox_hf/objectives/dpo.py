@@ -10,7 +10,9 @@ Metrics (TRL's names), per pair: rewards/chosen = β(π_c − ref_c), rewards/re
 difference), rewards/accuracies (chosen reward > rejected reward), logps/chosen, logps/rejected.
 
 The reference: `batch["ref_logps"]` ([2P], chosen rows first; precomputed once by `reference_logps` and added by
-`attach_reference_logps`), else a frozen model set as `DPOObjective.reference_model` (forwarded with no grad).
+`attach_reference_logps`), else a frozen model set as `DPOObjective.reference_model` (forwarded with no grad); none
+with `reference_free` (`train.dpo_reference: none`, GPT-NeoX's `dpo_reference_free`): ref = 0, the loss
+−log σ(β(π_c − π_r)) and the rewards β·π.
 """
 
 from __future__ import annotations
@@ -46,14 +48,17 @@ class DPOObjective(Objective):
 
     @classmethod
     def from_train(cls, train_config) -> "DPOObjective":
-        return cls(beta=train_config.dpo_beta, loss_type=train_config.dpo_loss_type)
+        return cls(beta=train_config.dpo_beta, loss_type=train_config.dpo_loss_type,
+                   reference_free=train_config.dpo_reference == "none")
 
-    def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", reference_model=None):
+    def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", reference_model=None,
+                 reference_free: bool = False):
         if beta <= 0:
             raise ValueError(f"train.dpo_beta must be > 0, got {beta}")
         dpo_losses(torch.zeros(1), torch.zeros(1), beta=beta, loss_type=loss_type,
                    chosen_tokens=torch.ones(1), rejected_tokens=torch.ones(1))  # refuses an unknown loss type now
         self.beta, self.loss_type, self.reference_model = beta, loss_type, reference_model
+        self.reference_free = reference_free
 
     def units(self, batch: dict) -> torch.Tensor:
         """Pairs of the batch; 0 on a context-parallel rank other than its group's first (`counts_sequences`)."""
@@ -80,6 +85,8 @@ class DPOObjective(Objective):
                              metric_sums={k: v.detach() * counted for k, v in metrics.items()})
 
     def _reference(self, batch: dict, fused: bool) -> torch.Tensor:
+        if self.reference_free:
+            return torch.zeros(batch["input_ids"].shape[0], device=batch["input_ids"].device)
         return reference_logps_for(batch, self.reference_model, fused=fused, missing=(
             "a DPO batch needs `ref_logps` (attach_reference_logps with a precomputed table) or "
             "DPOObjective.reference_model (a frozen reference)"))

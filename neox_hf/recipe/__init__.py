@@ -101,6 +101,16 @@ class DataSource:
     # train.objective kto: TRL's unpaired preference format (a completion and whether it is desirable)
     completion_key: str = "completion"
     label_key: str = "label"
+    # GPT-NeoX's post-training files (`format: indexed`, train.objective dpo / rm / kto)
+    rejected_path: Optional[str] = field(default=None, metadata={
+        "help": "dpo / rm: the .bin/.idx prefix of the rejected sequences, item for item with `path` (the chosen).",
+        "neox": "neg_train_data_paths"})
+    rejected_label_path: Optional[str] = field(default=None, metadata={
+        "help": "dpo / rm: the label .bin/.idx of the rejected sequences (-100 = no loss), aligned with "
+                "`rejected_path`.", "neox": "neg_train_label_data_paths"})
+    reward_path: Optional[str] = field(default=None, metadata={
+        "help": "kto: the .bin/.idx of one reward per item (> 0 desirable, < 0 undesirable), aligned with `path`.",
+        "neox": "train_reward_data_paths"})
 
 
 @dataclass
@@ -269,7 +279,8 @@ class TrainConfig:
     dpo_loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
     # precompute: the reference model's log-probabilities in one pass over the pairs before training (the starting
     # model; no second model in memory); frozen: a frozen copy of the reference beside the trained model
-    dpo_reference: Literal["precompute", "frozen"] = "precompute"
+    # none: no reference, log-ratios against 0 (GPT-NeoX `dpo_reference_free: true`)
+    dpo_reference: Literal["precompute", "frozen", "none"] = "precompute"
     dpo_reference_model: Optional[str] = None  # default: model.from_pretrained (the starting model)
     kto_beta: float = 0.1  # KTO's β (GPT-NeoX `kto_beta`, TRL `beta`)
     kto_desirable_weight: float = 1.0  # λ_D on desirable completions' losses (GPT-NeoX / TRL `desirable_weight`)
@@ -499,7 +510,7 @@ def _validate_objective(recipe: Recipe) -> None:
         _require(recipe.model.from_pretrained is not None,
                  "`train.objective: kto` needs a reference model: set `model.from_pretrained` (a frozen copy of the "
                  "starting model is the reference)")
-    if t.objective == "dpo" and not (t.dpo_reference_model or recipe.model.from_pretrained):
+    if t.objective == "dpo" and t.dpo_reference != "none" and not (t.dpo_reference_model or recipe.model.from_pretrained):
         raise RecipeError("`train.objective: dpo` needs a reference model: set `model.from_pretrained` (the "
                           "reference defaults to the starting model) or `train.dpo_reference_model`")
 
@@ -744,7 +755,7 @@ def _validate_data_order(recipe: Recipe) -> None:
         _require(d.order == "gpt-neox", "`data.split` splits documents as GPT-NeoX does; it needs `data.order: gpt-neox` "
                                          "(or remove it: `--data.split null`, and hold out with data.validation_fraction)")
     for s in d.sources + d.validation:
-        _require(s.label_path is None or d.order == "gpt-neox",
+        _require(s.label_path is None or d.order == "gpt-neox" or recipe.train.objective != "lm",
                  f"data source `{s.path}`: `label_path` needs `data.order: gpt-neox`")
     _require(d.weighted_sampler_alpha > 0, f"`data.weighted_sampler_alpha` must be > 0, got {d.weighted_sampler_alpha}")
     c = d.curriculum
