@@ -34,7 +34,7 @@ def _nav_pages(nav) -> list[str]:
 
 def test_nav_lists_every_page():
     nav = _nav_pages(yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"])
-    pages = sorted(p.name for p in DOCS.glob("*.md"))
+    pages = sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md"))
     assert sorted(nav) == pages, f"mkdocs.yml nav {sorted(nav)} vs docs/ {pages}"
 
 
@@ -57,7 +57,7 @@ def _anchors(page: Path) -> set[str]:
 
 def test_every_relative_link_points_at_a_file():
     broken = []
-    for source in [REPO / "README.md", *sorted(DOCS.glob("*.md"))]:
+    for source in [REPO / "README.md", REPO / "CHANGELOG.md", *sorted(DOCS.rglob("*.md"))]:
         for target in re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", _prose(source.read_text())):
             if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto: …
                 continue
@@ -68,3 +68,56 @@ def test_every_relative_link_points_at_a_file():
             elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
                 broken.append(f"{source.relative_to(REPO)}: {target} (no heading #{anchor} in {path or source.name})")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The generated reference: every key described, the pages current, --help listing every key
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_every_recipe_key_has_a_description():
+    from neox_hf.recipe.reference import recipe_keys, undescribed_keys
+
+    assert len(recipe_keys()) > 100
+    assert undescribed_keys() == [], "recipe fields without metadata={'help': ...}: " + ", ".join(undescribed_keys())
+
+
+def test_the_neox_column_names_every_key_the_translation_maps_there():
+    """neox_yaml's one-to-one table (GPT-NeoX key → recipe key) and the fields' `neox` metadata agree."""
+    from neox_hf.neox_yaml import _DIRECT
+    from neox_hf.recipe.reference import recipe_keys
+
+    neox_of = {k.name: {n.strip() for n in k.neox.split(",")} for k in recipe_keys()}
+    missing = [f"{path} lacks {key}" for key, (path, _) in _DIRECT.items() if key not in neox_of[path]]
+    assert not missing, missing
+
+
+def test_every_cli_option_has_help_text():
+    import argparse
+
+    from neox_hf.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bare = [f"neox_hf {name} {action.option_strings or action.dest}" for name, parser in sub.choices.items()
+            for action in parser._actions if not (action.help or "").strip()]
+    assert not bare, bare
+
+
+def test_generated_reference_pages_are_current():
+    sys.path.insert(0, str(REPO / "tools"))
+    from generate_docs import stale_pages
+
+    stale = [str(p.relative_to(REPO)) for p in stale_pages()]
+    assert not stale, f"regenerate with `python tools/generate_docs.py`: {stale}"
+
+
+def test_train_help_lists_every_recipe_key(capsys):
+    from neox_hf.cli import train_main
+    from neox_hf.recipe.reference import recipe_keys
+
+    assert train_main(["--help"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("usage: run_clm_neox.py RECIPE.yaml")
+    absent = [k.name for k in recipe_keys() if k.type != "mapping" and "[]" not in k.name
+              and f"--{k.name} " not in printed]
+    assert not absent, absent
