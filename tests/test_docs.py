@@ -121,3 +121,62 @@ def test_train_help_lists_every_recipe_key(capsys):
     absent = [k.name for k in recipe_keys() if k.type != "mapping" and "[]" not in k.name
               and f"--{k.name} " not in printed]
     assert not absent, absent
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Readability: short sentences, short bullets, no history or issue numbers on user pages
+# ----------------------------------------------------------------------------------------------------------------
+
+MAX_MEAN_SENTENCE_WORDS = 25  # accelerate's docs average 15-20
+MAX_BULLET_WORDS = 80
+
+
+def _readable_text(text: str) -> str:
+    """A page's prose: no code blocks, HTML comments or tags, headings or table rows; a code span counts as one
+    word and a link as its text."""
+    text = _without_fences(text)
+    text = re.sub(r"<!--.*?-->", " ", text, flags=re.S)
+    text = re.sub(r"<[^>]+>", " ", text)
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith(("|", "#"))]
+    text = re.sub(r"``.*?``|`[^`\n]*`", "CODE", "\n".join(lines))
+    return re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
+
+
+def _blocks(text: str) -> list[tuple[bool, str]]:
+    """(is a bullet, its text) for each paragraph and each list item."""
+    blocks = re.split(r"\n\s*\n|\n(?=\s*(?:[-*]|\d+\.) )", _readable_text(text))
+    return [(bool(re.match(r"\s*(?:[-*]|\d+\.) ", b)), " ".join(b.split())) for b in blocks if b.strip()]
+
+
+def _words(text: str) -> int:
+    return len(re.findall(r"\w[\w'’./-]*", text))
+
+
+def sentence_lengths(text: str) -> list[int]:
+    """Words per sentence; a sentence ends at . ! ? or ; followed by a space (a semicolon joins two sentences)."""
+    lengths = []
+    for _, block in _blocks(text):
+        lengths += [n for n in map(_words, re.split(r"(?<=[.!?;])\s+", block)) if n]
+    return lengths
+
+
+def user_pages() -> list[Path]:
+    return [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def test_every_page_has_short_sentences_and_bullets():
+    long_pages, long_bullets = [], []
+    for page in user_pages():
+        text = page.read_text()
+        lengths = sentence_lengths(text)
+        if lengths and sum(lengths) / len(lengths) > MAX_MEAN_SENTENCE_WORDS:
+            long_pages.append(f"{page.relative_to(REPO)}: {sum(lengths) / len(lengths):.1f} words per sentence")
+        long_bullets += [f"{page.relative_to(REPO)}: {_words(b)} words: {b[:80]}…" for is_bullet, b in _blocks(text)
+                         if is_bullet and _words(b) > MAX_BULLET_WORDS]
+    assert not long_pages and not long_bullets, "\n".join(long_pages + long_bullets)
+
+
+def test_user_pages_name_no_issues_and_keep_history_in_the_changelog():
+    found = [f"{page.relative_to(REPO)}: {m.group(0)}" for page in user_pages()
+             for m in re.finditer(r"\bissue #?\d+|\bbefore this (fix|change)|\bBefore, the run\b", page.read_text())]
+    assert not found, found
