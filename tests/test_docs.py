@@ -180,3 +180,16 @@ def test_user_pages_name_no_issues_and_keep_history_in_the_changelog():
     found = [f"{page.relative_to(REPO)}: {m.group(0)}" for page in user_pages()
              for m in re.finditer(r"\bissue #?\d+|\bbefore this (fix|change)|\bBefore, the run\b", page.read_text())]
     assert not found, found
+
+
+def test_benchmarks_page_shows_the_published_results():
+    """docs/benchmarks.md's results section is `python benchmarks/publish.py --render` of benchmarks/results/: every
+    published table with its machine and date, the unmeasured benchmarks named, and no claim about GPT-NeoX."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from publish import BENCHMARKS, rendered_page
+
+    page = (DOCS / "benchmarks.md").read_text()
+    assert page == rendered_page(), "run `python benchmarks/publish.py --render`"
+    assert sorted(BENCHMARKS) == sorted(p.stem for p in (REPO / "benchmarks").glob("*.py")
+                                        if p.stem not in ("bench_common", "publish"))
+    assert "GPT-NeoX itself has not been measured" in page
