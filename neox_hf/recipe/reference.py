@@ -118,6 +118,8 @@ def _yaml_scalar(value) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if value == "":
+        return '""'
     if isinstance(value, list):
         return "[" + ", ".join(_yaml_scalar(v) for v in value) + "]"
     return str(value)
@@ -134,6 +136,7 @@ def render_recipe_reference() -> str:
         "Set a key in a recipe file under its section, or on the command line as `--section.key VALUE`.",
         "The GPT-NeoX column names the config key that `run_clm_neox.py` translates into it; a blank means GPT-NeoX has",
         "no such key. [Coming from GPT-NeoX](../coming-from-gpt-neox.md) lists the keys that are refused or ignored.",
+        "A source of `data.validation` takes the same keys as one of `data.sources`.",
         "",
     ]
     keys = recipe_keys()
