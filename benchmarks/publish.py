@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,10 +66,12 @@ def publish(name: str, args: list[str]) -> Path:
     if done.returncode != 0:
         raise SystemExit(f"error: benchmarks/{name}.py exited {done.returncode}:\n{done.stderr[-2000:]}")
     shown = " ".join(["python", f"benchmarks/{name}.py", *args])
+    # DeepSpeed's start-up warnings are log lines, not the table
+    table = "\n".join(line for line in done.stdout.splitlines() if not re.match(r"\[\d{4}-\d\d-\d\d ", line))
     day = datetime.date.today().isoformat()
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.md"
-    path.write_text(f"command: `{shown}`\n\nmachine: {machine()}\n\ndate: {day}\n\n```\n{done.stdout.strip()}\n```\n")
+    path.write_text(f"command: `{shown}`\n\nmachine: {machine()}\n\ndate: {day}\n\n```\n{table.strip()}\n```\n")
     return path
 
 
