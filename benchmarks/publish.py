@@ -71,7 +71,9 @@ def publish(name: str, args: list[str]) -> Path:
     day = datetime.date.today().isoformat()
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.md"
-    path.write_text(f"command: `{shown}`\n\nmachine: {machine()}\n\ndate: {day}\n\n```\n{table.strip()}\n```\n")
+    load = os.getloadavg()[0]  # a shared machine's load stretches every timing of the table
+    path.write_text(f"command: `{shown}`\n\nmachine: {machine()}, load average {load:.1f} at the end of the run\n\n"
+                    f"date: {day}\n\n```\n{table.strip()}\n```\n")
     return path
 
 
