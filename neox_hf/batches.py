@@ -28,7 +28,7 @@ def add_batches_arguments(parser) -> None:
     parser.add_argument("--order", choices=["gpt-neox", "preshuffled"], default=None,
                         help="gpt-neox (default): GPT-NeoX's index; preshuffled: Pythia's pre-shuffled rows in order")
     parser.add_argument("--data-parallel", type=int, required=True, help="data-parallel size of the run")
-    parser.add_argument("--start-step", type=int, required=True)
+    parser.add_argument("--start-step", type=int, required=True, help="first step written")
     parser.add_argument("--end-step", type=int, required=True, help="first step not written")
     parser.add_argument("--output", required=True, help=".npy file: int64 [steps × global batch, seq_length + 1]")
     parser.add_argument("--decode", action="store_true", help="also print every row as text")

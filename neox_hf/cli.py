@@ -102,10 +102,10 @@ def _run_continue_neox(args) -> int:
 
 
 def _add_export_neox(parser):
-    parser.add_argument("hf_folder")
-    parser.add_argument("out")
+    parser.add_argument("hf_folder", help="the HF model folder to export (a GPTNeoX model)")
+    parser.add_argument("out", help="the GPT-NeoX checkpoint folder to write")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the GPT-NeoX run that will load it")
-    parser.add_argument("--step", type=int, default=0)
+    parser.add_argument("--step", type=int, default=0, help="the iteration the checkpoint records (global_stepN)")
 
 
 def _run_export_neox(args) -> int:
@@ -117,7 +117,7 @@ def _run_export_neox(args) -> int:
 
 def _add_export(parser):
     parser.add_argument("checkpoint", help="a checkpoints/step_* folder (or checkpoints/ itself for the latest)")
-    parser.add_argument("out")
+    parser.add_argument("out", help="the HF model folder to write")
 
 
 def _run_export(args) -> int:
@@ -129,11 +129,12 @@ def _run_export(args) -> int:
 
 def _add_preprocess(parser):
     parser.add_argument("inputs", nargs="+", help=".jsonl / .jsonl.gz / .jsonl.zst files")
-    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--tokenizer", required=True, help="tokenizers JSON file or HF tokenizer folder")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
-    parser.add_argument("--text-key", default="text")
-    parser.add_argument("--append-eod", action="store_true")
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--text-key", default="text", help="the JSON field holding each document's text")
+    parser.add_argument("--append-eod", action="store_true",
+                        help="end each document with the tokenizer's eos token (as GPT-NeoX's --append-eod)")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (order is kept)")
     chat = parser.add_argument_group("chat template (GPT-NeoX's preprocess_data_with_chat_template.py)")
     chat.add_argument("--chat-template", action="store_true",
                       help="render each conversation with the tokenizer's chat template and write PREFIX_KEY_document "
@@ -212,11 +213,13 @@ def train_main(argv: list[str] | None = None) -> int:
     """`run_clm_neox.py` and `neox_hf train`: parse → (print config | train). Bad input exits 2 with the message; a run
     stopped by SIGTERM / SIGUSR1 exits 75 after its checkpoint (neox_hf.train.preemption). A rank of a multi-process
     run that fails says so in one line naming itself and exits at once (docs/reliability.md)."""
-    from neox_hf.recipe.args import USAGE, parse_run_args
+    from neox_hf.recipe.args import parse_run_args
 
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
-        print(f"usage: {USAGE}")
+        from neox_hf.recipe.reference import render_train_help
+
+        print(render_train_help(), end="")
         return 0
     try:
         args = parse_run_args(argv)

@@ -123,7 +123,7 @@ def add_eval_arguments(parser) -> None:
     parser.add_argument("--prompt-template", default=None,
                         help='prompt part, masked for the answer-only loss, e.g. "Question: {question}\\nAnswer: "')
     parser.add_argument("--seq-length", type=int, default=None, help="truncate documents (default: model context)")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8, help="documents per forward pass")
     parser.add_argument("--max-batches", type=int, default=None, help="evaluate only the first N batches")
     parser.add_argument("--output", default=None, help="also write the results to this JSON file")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",

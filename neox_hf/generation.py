@@ -114,7 +114,7 @@ def add_generate_arguments(parser) -> None:
     parser.add_argument("--output-file", help="jsonl of {context, text, length, finished} "
                                               "(default for --input-file: INPUT.samples.jsonl)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer JSON or folder (default: the model folder's)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")

@@ -24,6 +24,7 @@ LAUNCH = REPO / "examples" / "launch"
 DOCUMENTED = {
     "one_gpu.yaml": (DistributedType.NO, 1, 1, None),
     "8gpu_zero1_tp2.yaml": (DistributedType.DEEPSPEED, 8, 1, 1),
+    "8gpu_deepspeed.yaml": (DistributedType.DEEPSPEED, 8, 1, None),  # names no stage: the recipe's runs
     "2x8gpu_pipeline.yaml": (DistributedType.DEEPSPEED, 16, 2, 1),
     "cpu_2proc_deepspeed.yaml": (DistributedType.DEEPSPEED, 2, 1, 2),
     "cpu_2proc_fsdp2.yaml": (DistributedType.FSDP, 2, 1, None),
@@ -41,6 +42,8 @@ def test_launch_config_loads_with_accelerate_and_gives_the_documented_layout(nam
     assert (config.distributed_type, config.num_processes, config.num_machines) == (distributed_type, processes, machines)
     if zero_stage is not None:
         assert config.deepspeed_config["zero_stage"] == zero_stage
+    elif distributed_type == DistributedType.DEEPSPEED:
+        assert "zero_stage" not in config.deepspeed_config
     if machines > 1:  # every node runs its own launcher: no pdsh/hostfile
         assert config.deepspeed_config["deepspeed_multinode_launcher"] == "standard"
     # Each file shows the command that uses it.
@@ -131,6 +134,22 @@ def test_single_node_gpu_launch_file_trains_tp2_with_only_the_process_count_over
     assert done.returncode == 0, done.stderr[-3000:]
     assert "layout: 1 data-parallel × tensor parallel 2 = 2 process(es), ZeRO stage 1" in done.stdout
     assert "note: the accelerate config `zero_stage: 1` agrees with the recipe's `parallel.zero_stage`" in done.stdout
+    _assert_trained(out)
+
+
+@pytest.mark.distributed
+def test_node_launch_file_without_a_stage_trains_the_recipes_zero3(tmp_path):
+    """8gpu_deepspeed.yaml names no ZeRO stage: the recipe's stage 3 runs (2 processes here, the count overridden),
+    and the start-up report does not say the accelerate config decided it."""
+    out = tmp_path / "run"
+    done = subprocess.run(
+        _accelerate_launch("--config_file", LAUNCH / "8gpu_deepspeed.yaml", "--num_processes", 2,
+                           "--main_process_port", free_port(), "run_clm_neox.py", "recipes/tiny.yaml", *SMALL_RUN,
+                           "--parallel.zero_stage", 3, "--output.dir", out),
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "layout: 2 data-parallel = 2 process(es), ZeRO stage 3" in done.stdout
+    assert "comes from the accelerate config (`zero_stage" not in done.stdout
     _assert_trained(out)
 
 

@@ -381,7 +381,7 @@ def add_push_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("repo_id", metavar="REPO_ID", help="Hub repo, e.g. my-org/my-model (created if missing)")
     parser.add_argument("--revision", default=None, help="branch to push to, e.g. step1000 (default: main)")
     parser.add_argument("--private", action="store_true", help="create the repo as private if it does not exist")
-    parser.add_argument("--commit-message", default=None)
+    parser.add_argument("--commit-message", default=None, help="the commit's message (default: one naming the folder)")
     parser.add_argument("--max-retries", type=int, default=3, help="retries on transient Hub errors")
     parser.add_argument("--all-files", action="store_true",
                         help="upload everything in a run's folder, checkpoints and logs included (default: the model's files)")
