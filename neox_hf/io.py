@@ -221,6 +221,22 @@ def damaged_file_message(path, err: BaseException) -> str:
             "corrupt (or not a torch.save file); copy it again")
 
 
+def check_safetensors_file(path: str | os.PathLike) -> None:
+    """Refuse, naming it, a `.safetensors` file whose header does not parse or does not cover the file (truncated,
+    random bytes). Gap filled: safetensors raises its own `SafetensorError`, which libraries loading through it
+    (peft, transformers) pass on as it is, without the file's name. A missing file passes (the loader says so)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as stored:
+            stored.keys()
+    except Exception as err:  # noqa: BLE001 — safetensors' own error type, and OSError from its reader
+        raise CheckpointError(damaged_file_message(path, err)) from err
+
+
 def load_torch_safely(path: str | os.PathLike, *, mmap: bool | None = None, trust_hint: str = ""):
     """The object in a `torch.save` file, unpickled with `weights_only=True` and `allowed_globals`.
 
