@@ -5,6 +5,7 @@ labels and eod masks; Pythia's pre-shuffled rows; the sequence-length curriculum
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -438,6 +439,13 @@ def test_gpt_neox_cache_without_a_record_is_verified_and_read_not_rebuilt(tmp_pa
     assert capsys.readouterr().err == ""
     assert record.is_file() and {p.name: (p.stat().st_ino, p.read_bytes()) for p in tmp_path.glob("*.npy")} == arrays
     assert all(torch.equal(a, b) for a, b in zip(first, again))
+    # an older neox_hf's record (no split in it): verified the same way, read, and its record completed
+    older = json.loads(record.read_text())
+    del older["settings"]
+    record.write_text(json.dumps(older))
+    rank_batches(cfg)
+    assert capsys.readouterr().err == "" and "settings" in json.loads(record.read_text())
+    assert {p.name: (p.stat().st_ino, p.read_bytes()) for p in tmp_path.glob("*.npy")} == arrays
     # GPT-NeoX's cache of split 969,30,1 under the name a 50,50,0 run reads (the name has no split)
     record.unlink()
     other = rank_batches(data_cfg(prefix, split="50,50,0"))

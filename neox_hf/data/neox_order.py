@@ -285,9 +285,12 @@ def index_source(spec: IndexSpec, sizes: np.ndarray, labels: Optional[IndexedDat
     return source
 
 
+_VERIFY = "verify"  # a cache whose record does not say which split it indexes (GPT-NeoX's, an older neox_hf's)
+
+
 def _stale_reason(spec: IndexSpec, source: dict) -> Optional[str]:
     """Why the cached arrays of `spec` cannot be used for `source` ("" when there is no cache yet), None when their
-    record matches or there is none (GPT-NeoX's cache, verified by `_unrecorded_cache_mismatch`)."""
+    record matches, `_VERIFY` when no record says which split they index (`_unrecorded_cache_mismatch` checks)."""
     files, record_file = spec.files(), spec.source_record_file()
     present = [f for f in files.values() if f.is_file()]
     if not present:
@@ -297,7 +300,7 @@ def _stale_reason(spec: IndexSpec, source: dict) -> Optional[str]:
     try:
         recorded = json.loads(record_file.read_text())
     except FileNotFoundError:
-        return None  # GPT-NeoX's own cache: `_unrecorded_cache_mismatch` verifies it against the corpus
+        return _VERIFY  # GPT-NeoX's own cache: `_unrecorded_cache_mismatch` verifies it against the corpus
     except (OSError, ValueError):
         return f"{record_file.name} is unreadable"
     if recorded == source:
@@ -310,8 +313,8 @@ def _stale_reason(spec: IndexSpec, source: dict) -> Optional[str]:
     if recorded.get("sizes_sha256") != source["sizes_sha256"]:
         return f"the document sizes in {idx} changed since it was built (the corpus was replaced)"
     settings = recorded.get("settings")
-    if settings is None:
-        return "its record predates the split being recorded (an older neox_hf built it)"
+    if settings is None:  # an older neox_hf's record: the corpus matches; the split is verified as GPT-NeoX's cache's
+        return _VERIFY
     if isinstance(settings, dict) and settings.get("split_documents") != source["settings"]["split_documents"]:
         return (f"it indexes documents {_range(settings.get('split_documents'))} of {idx} (another data.split) and "
                 f"this split's are {_range(source['settings']['split_documents'])}")
@@ -370,7 +373,7 @@ def load_or_build_index(spec: IndexSpec, sizes: np.ndarray, labels: Optional[Ind
     if build:
         source = index_source(spec, sizes, labels)
         stale = _stale_reason(spec, source)
-        if stale is None and not spec.source_record_file().is_file():  # GPT-NeoX's own cache: read it if it fits
+        if stale is _VERIFY:  # GPT-NeoX's own cache: read it if it fits
             stale = _unrecorded_cache_mismatch(spec, sizes)
             if stale is None:
                 _write_record(spec, source)
