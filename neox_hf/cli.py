@@ -196,8 +196,8 @@ def train_main(argv: list[str] | None = None) -> int:
         print(args.recipe.to_yaml(), end="")
         for notice in [*args.notices, *getattr(args.recipe, "settled_notices", [])]:
             print(f"# note: {notice}")
-        print(f"# {_plan_line(args.recipe)}")
         print(f"# {_batch_line(args.recipe)}")
+        print(f"# {_plan_line(args.recipe)}")
         return 0
     from neox_hf.plan import gpu_memory_warnings
     from neox_hf.train.loop import train
