@@ -543,8 +543,8 @@ def _typed_fuzz_cases() -> list[tuple[Path, tuple, object]]:
     pythia = next(p for p in SHARED_NEOX_CONFIGS if p.name == "160M.yml")
     for key in sorted(read - present):
         cases += [(pythia, (key,), mutant) for mutant in ("abc", 7, -1, 3.5, [1], {"a": 1}, True)]
-    # every other case (each key path keeps at least two of its mutants): the whole fuzz stays within seconds
-    return cases[::2]
+    # every third case (each key path keeps at least one of its mutants, each mutant kind many keys): seconds
+    return cases[::3]
 
 
 def _translate_and_validate(args: dict):
