@@ -156,3 +156,23 @@ def run_batches(args) -> int:
             step, index = divmod(row, global_batch)
             print(f"--- step {args.start_step + step} sample {index}\n{tokenizer.decode(tokens.tolist())}")
     return 0
+
+
+def one_process_batch_line(recipe) -> str:
+    """`--print-config`'s line on the batch a launch of one data-parallel rank trains (one process where the layout
+    is one process): micro batch × accumulation, and where the recipe's train_batch_size (GPT-NeoX's) needs another
+    data-parallel size, GPT-NeoX's refusal and the size it runs on. The printed recipe is the same at any launch; its
+    data-parallel size is the launch's, so this says which launch the numbers describe."""
+    from neox_hf.recipe import data_parallel_for_train_batch, train_batch_disagreement
+
+    t, p = recipe.train, recipe.parallel
+    need = p.pipeline_parallel * p.tensor_parallel * getattr(p, "context_parallel", 1)
+    launch = "a one-process launch" if need == 1 else f"the smallest launch of this layout ({need} processes)"
+    line = (f"batch on {launch}: micro batch {t.micro_batch_size} × gradient_accumulation_steps "
+            f"{t.gradient_accumulation_steps} × 1 data-parallel rank = {t.micro_batch_size * t.gradient_accumulation_steps}"
+            " samples per step")
+    disagreement = train_batch_disagreement(t, 1)
+    if disagreement is not None:
+        replicas = data_parallel_for_train_batch(t)
+        line += f"; {disagreement} there (it runs on {replicas} data-parallel ranks: {replicas * need} processes)"
+    return line

@@ -230,6 +230,7 @@ def train_main(argv: list[str] | None = None) -> int:
         print(args.recipe.to_yaml(), end="")
         for notice in [*args.notices, *getattr(args.recipe, "settled_notices", [])]:
             print(f"# note: {notice}")
+        print(f"# {_batch_line(args.recipe)}")
         print(f"# {_plan_line(args.recipe)}")
         return 0
     from neox_hf.plan import gpu_memory_warnings
@@ -257,6 +258,12 @@ def train_main(argv: list[str] | None = None) -> int:
             print_to_stderr(f"error: {rank_prefix()}{type(err).__name__}: {err}")
         return end_rank(1)
     return 0
+
+
+def _batch_line(recipe) -> str:
+    from neox_hf.batches import one_process_batch_line
+
+    return one_process_batch_line(recipe)
 
 
 def _plan_line(recipe) -> str:

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXForCausalLM
 from neox_hf.errors import CheckpointError, UsageError
 from neox_hf.model.vocab import check_vocab_covers_tokenizer
 from neox_hf.data.tokenizer import load_tokenizer
-from neox_hf.io import folder_refusal_message, is_weights_only_refusal
+from neox_hf.io import check_safetensors_file, folder_refusal_message, is_weights_only_refusal
 from neox_hf.model.folder import from_pretrained_whole
 
 if TYPE_CHECKING:  # imported where an adapter is loaded: peft costs every process ~1.4 s of start-up
@@ -73,6 +73,7 @@ def load_adapter_model(base_path, adapter_path) -> PeftModel:
     from peft import PeftModel
 
     base = load_base_model(base_path)
+    check_safetensors_file(adapter / ADAPTER_WEIGHTS)  # a damaged file names itself, not safetensors' bare error
     try:
         model = PeftModel.from_pretrained(base, adapter)
     except pickle.UnpicklingError as err:  # peft loads adapter_model.bin with weights_only=True

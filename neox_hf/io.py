@@ -198,12 +198,52 @@ def allowed_globals(*, deepspeed: bool = False) -> list:
     return found
 
 
+def damaged_file_errors() -> tuple[type[BaseException], ...]:
+    """What `torch.load` raises on a damaged or foreign file, by the nature of its readers. Gap filled: torch names
+    no error type for "this is not a readable checkpoint"; its pickle machine fails with whatever its stack, memo or
+    opcode reader trips on (a file starting with byte 0x87 underflows the stack: IndexError; a bad memo key:
+    KeyError; a cut string: EOFError or UnicodeDecodeError; a huge length: OverflowError or MemoryError), its zip
+    reader with RuntimeError, its header parsers with struct.error or ValueError. A missing or unreadable file
+    (OSError) is not among them: the caller says which file is missing."""
+    import pickle
+    import struct
+    import zipfile
+
+    return (pickle.UnpicklingError, EOFError, IndexError, KeyError, TypeError, ValueError, AttributeError,
+            RuntimeError, struct.error, UnicodeDecodeError, OverflowError, MemoryError, zipfile.BadZipFile,
+            NotImplementedError, RecursionError)
+
+
+def damaged_file_message(path, err: BaseException) -> str:
+    """One line for a file `torch.load` could not read at all (see `damaged_file_errors`)."""
+    detail = " ".join(str(err).split())[:160]
+    return (f"{path}: cannot be read ({type(err).__name__}{': ' + detail if detail else ''}): it is truncated or "
+            "corrupt (or not a torch.save file); copy it again")
+
+
+def check_safetensors_file(path: str | os.PathLike) -> None:
+    """Refuse, naming it, a `.safetensors` file whose header does not parse or does not cover the file (truncated,
+    random bytes). Gap filled: safetensors raises its own `SafetensorError`, which libraries loading through it
+    (peft, transformers) pass on as it is, without the file's name. A missing file passes (the loader says so)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as stored:
+            stored.keys()
+    except Exception as err:  # noqa: BLE001 — safetensors' own error type, and OSError from its reader
+        raise CheckpointError(damaged_file_message(path, err)) from err
+
+
 def load_torch_safely(path: str | os.PathLike, *, mmap: bool | None = None, trust_hint: str = ""):
     """The object in a `torch.save` file, unpickled with `weights_only=True` and `allowed_globals`.
 
     A file that names any other function or class raises `CheckpointError` naming the file and what it holds (plus
     `trust_hint`, e.g. how to opt in to full unpickling); a file that is no torch.save file of plain data at all (a
-    truncated zip, a raw pickle) raises `CheckpointError` too. Other errors (missing file, I/O) pass through."""
+    truncated zip, a raw pickle, random bytes: whatever `damaged_file_errors` lists) raises `CheckpointError` naming
+    the file too. A missing file or an I/O error (OSError) passes through."""
     import pickle
 
     import torch
@@ -211,10 +251,14 @@ def load_torch_safely(path: str | os.PathLike, *, mmap: bool | None = None, trus
     try:
         with torch.serialization.safe_globals(allowed_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except OSError:
+        raise
     except pickle.UnpicklingError as err:
         if not is_weights_only_refusal(err):
-            raise
+            raise CheckpointError(damaged_file_message(path, err)) from err
         raise CheckpointError(refusal_message(path, err) + trust_hint) from err
+    except damaged_file_errors() as err:
+        raise CheckpointError(damaged_file_message(path, err)) from err
 
 
 def is_weights_only_refusal(err: BaseException) -> bool:
@@ -292,6 +336,7 @@ def load_npy_safely(path: str | os.PathLike, *, mmap_mode: str | None = "r"):
 
     try:
         return np.load(path, allow_pickle=False, mmap_mode=mmap_mode)
-    except ValueError as err:  # object arrays, and headers numpy cannot parse
+    except (ValueError, EOFError, SyntaxError, TypeError, OverflowError, MemoryError, UnicodeDecodeError) as err:
+        # object arrays, and headers numpy cannot parse (a header is a Python literal: literal_eval's errors too)
         raise DataError(f"{path}: not a plain numeric .npy array ({err}); refused: delete the file (neox_hf rebuilds "
                         "its index caches)") from err

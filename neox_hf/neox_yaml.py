@@ -75,6 +75,7 @@ def _read_one(path: Path) -> dict:
 _GPT_NEOX_KEYS = frozenset("".join((
     # Parallelism
     "is_pipe_parallel model_parallel_size pipe_parallel_size pipe_partition_method sequence_parallel world_size "
+    "context_parallel_size "  # GPT-NeoX's context-parallel branch (4969683e); counted out of its dp_world_size
     # Model
     "activation apply_query_key_layer_scaling attention_config attention_softmax_in_fp32 bias_dropout_fusion "
     "bias_gelu_fusion dim_att expansion_factor ffn_dim fp16_lm_cross_entropy fused_kernels_build_path "
@@ -313,6 +314,8 @@ _KNOWN_KEYS = _GPT_NEOX_KEYS | set(_DIRECT) | _NO_EFFECT | set(_SUPPORTED_VALUES
 
 def translate_neox_args(args: dict) -> NeoXTranslation:
     """Recipe dict + notices from merged GPT-NeoX args (keys already `_`-normalised)."""
+    _refuse_other_architectures(args)
+    _check_value_shapes(args)
     args = _normalised_integers(args)
     _check_refusals(args)
     recipe: dict = {}
@@ -576,7 +579,8 @@ def _translate_batch(args: dict, recipe: dict, notices: list[str]) -> set[str]:
     file) keeps the recipe's defaults.
     """
     keys = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "global_num_gpus",
-            "num_gpus", "num_nodes"}
+            "num_gpus", "num_nodes", "context_parallel_size"}
+    _translate_context_parallel(args, recipe)
     train_batch = _batch_value(args, "train_batch_size")
     micro = _batch_value(args, "train_micro_batch_size_per_gpu")
     accumulation = _batch_value(args, "gradient_accumulation_steps", absent=1)
@@ -618,12 +622,16 @@ def _data_parallel_size(args: dict) -> int | None:
         gpus = per_node * nodes if per_node > 0 and nodes > 0 else None  # num_nodes -1: every node of the hostfile
     if gpus is None:
         return None
-    # GPT-NeoX counts pipe_parallel_size 0 (no pipeline engine) as one stage
-    stages, tensor_parallel = (max(int(args.get(key) or 1), 1) for key in ("pipe_parallel_size", "model_parallel_size"))
-    model_parallel = stages * tensor_parallel
+    # GPT-NeoX counts pipe_parallel_size 0 (no pipeline engine) as one stage, and divides by the context-parallel
+    # size too (its context-parallel branch: dp_world_size = global_num_gpus / pp / (mp × cp)); expert-parallel ranks
+    # are data-parallel ranks there (nothing divides by them)
+    stages, tensor_parallel, context = (max(int(args.get(key) or 1), 1) for key in
+                                        ("pipe_parallel_size", "model_parallel_size", "context_parallel_size"))
+    model_parallel = stages * tensor_parallel * context
     if gpus % model_parallel:
         raise RecipeError(f"global_num_gpus {gpus} is not a multiple of pipe_parallel_size × model_parallel_size "
-                          f"({model_parallel}); GPT-NeoX refuses it: give a GPU count that holds whole model replicas")
+                          f"{'× context_parallel_size ' if context > 1 else ''}({model_parallel}); GPT-NeoX refuses "
+                          "it: give a GPU count that holds whole model replicas")
     return gpus // model_parallel
 
 
@@ -1023,3 +1031,133 @@ def _translate_post_training_data(args: dict, recipe: dict, notices: list[str]) 
                    f"{'pair' if impl != 'kto' else 'example'} once per epoch, shuffled by data.seed), not GPT-NeoX's "
                    "unpacked index")
     return handled
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Values of the wrong type or shape, and architectures that are not transformers: one line each, before translation
+# ----------------------------------------------------------------------------------------------------------------
+
+# GPT-NeoX's attention_config kinds that are whole other architectures (megatron/model/mamba, megatron/model/rwkv):
+# their configs also set `activation: silu`, which would otherwise be refused first, hiding what the file is.
+_OTHER_ARCHITECTURES = {
+    "mamba": "Mamba (a selective state-space model, GPT-NeoX's megatron/model/mamba)",
+    "rwkv": "RWKV (a recurrent model, GPT-NeoX's megatron/model/rwkv)",
+}
+
+
+def _refuse_other_architectures(args: dict) -> None:
+    """A GPT-NeoX Mamba or RWKV config is refused naming the architecture: neox_hf trains GPTNeoX and Llama only."""
+    kinds = set()
+    config = args.get("attention_config")
+    for block in config if isinstance(config, (list, tuple)) else []:
+        first = block[0] if isinstance(block, (list, tuple)) and block else block
+        kinds.update(k for k in (first if isinstance(first, (list, tuple)) else [first]) if isinstance(k, str))
+    for kind, name in _OTHER_ARCHITECTURES.items():
+        if kind in kinds:
+            raise RecipeError(f"GPT-NeoX option `attention_config` builds {name}: neox_hf trains transformers only "
+                              "(GPTNeoX and Llama families); this config cannot be trained here")
+
+
+# What each key the translator reads must be, beyond `_DIRECT`'s converters: GPT-NeoX's own type (NeoXArgs annotates
+# each field and its `validate_types` refuses a mismatch) or the shape DeepSpeed reads (`optimizer`, `zero_optimization`).
+_NUMBER, _TEXT, _MAPPING, _LIST = "a number", "text", "a mapping", "a list"
+_VALUE_SHAPES: dict[str, str] = {
+    **{key: _MAPPING for key in ("optimizer", "zero_optimization", "fp16", "bf16", "curriculum_learning")},
+    **{key: _LIST for key in ("train_data_paths", "valid_data_paths", "test_data_paths", "train_data_weights",
+                              "valid_data_weights", "test_data_weights", "train_label_data_paths",
+                              "label_data_paths", "eval_tasks", "attention_config")},
+    **{key: _TEXT for key in ("train_impl", "split", "data_path", "norm", "activation", "precision", "pos_emb",
+                              "pipe_partition_method", "tokenizer_type", "vocab_file", "wandb_project",
+                              "comet_project", "wandb_group", "comet_experiment_name", "tensorboard_dir", "load",
+                              "pack_impl", "precompute_model_name")},
+    **{key: _NUMBER for key in ("expansion_factor", "rms_norm_epsilon", "dpo_beta", "weighted_sampler_alpha",
+                                "sliding_window_width", "kto_beta", "kto_desirable_weight",
+                                "kto_undesirable_weight")},
+}
+_NESTED_SHAPES: dict[tuple[str, str], str] = {
+    ("optimizer", "type"): _TEXT, ("optimizer", "params"): _MAPPING, ("zero_optimization", "stage"): _NUMBER,
+    ("zero_optimization", "offload_optimizer"): _MAPPING, ("curriculum_learning", "schedule_config"): _MAPPING,
+    ("curriculum_learning", "curriculum_type"): _TEXT,
+}
+_OPTIMIZER_NUMBERS = ("lr", "eps", "weight_decay", "momentum", "beta")
+
+
+def _shape_error(key: str, value: Any, shape: str, example: str = "") -> RecipeError:
+    got = "null" if value is None else type(value).__name__
+    hint = f", e.g. {example}" if example else ""
+    return RecipeError(f"GPT-NeoX option `{key}: {value!r}` must be {shape} (got {got}){hint}; GPT-NeoX refuses it "
+                       "too: fix the value")
+
+
+def _is_shape(value: Any, shape: str) -> bool:
+    if shape == _NUMBER:  # YAML reads `1e-8` (no dot) as text: a number written so is a number, as float() reads it
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                return False
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
+    return isinstance(value, {_TEXT: str, _MAPPING: dict, _LIST: (list, tuple)}[shape])
+
+
+def _check_value_shapes(args: dict) -> None:
+    """Every structured or typed key the translator reads, checked for its type and shape (`betas` two numbers,
+    `zero_optimization.stage` 0–3, …) before translation reads into it, so a wrong value is one line naming the key,
+    never a TypeError from deep inside the translation. A null stays allowed (GPT-NeoX's default)."""
+    examples = {"optimizer": "{type: Adam, params: {lr: 0.0006, betas: [0.9, 0.95], eps: 1.0e-8}}",
+                "split": "'969,30,1'", "attention_config": "[[[\"flash\"], NUM_LAYERS]]"}
+    for key, shape in _VALUE_SHAPES.items():
+        if args.get(key) is not None and not _is_shape(args[key], shape):
+            raise _shape_error(key, args[key], shape, examples.get(key, ""))
+    for (key, inner), shape in _NESTED_SHAPES.items():
+        block = args.get(key) or {}
+        if block.get(inner) is not None and not _is_shape(block[inner], shape):
+            raise _shape_error(f"{key}.{inner}", block[inner], shape)
+    stage = (args.get("zero_optimization") or {}).get("stage")
+    if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
+        raise _shape_error("zero_optimization.stage", stage, "0, 1, 2 or 3")
+    _check_list_items(args)
+    _check_optimizer_params(((args.get("optimizer") or {}).get("params")) or {})
+
+
+def _check_list_items(args: dict) -> None:
+    for key in ("train_data_paths", "valid_data_paths", "test_data_paths", "train_label_data_paths",
+                "label_data_paths", "eval_tasks"):
+        for item in args.get(key) or []:
+            if not isinstance(item, str):
+                raise _shape_error(key, args[key], "a list of text (paths or task names)")
+    for key in ("train_data_weights", "valid_data_weights", "test_data_weights"):
+        for item in args.get(key) or []:
+            if not _is_shape(item, _NUMBER) or float(item) < 0:
+                raise _shape_error(key, args[key], "a list of numbers ≥ 0, one per data path")
+    split = args.get("split")
+    if split is not None:
+        try:
+            parts = [float(part) for part in split.replace("/", ",").split(",")]
+        except ValueError:
+            raise _shape_error("split", split, "comma-separated proportions", "'969,30,1'") from None
+        if any(part < 0 or part != part for part in parts) or sum(parts) <= 0:
+            raise _shape_error("split", split, "proportions ≥ 0 with a positive sum", "'969,30,1'")
+
+
+def _check_optimizer_params(params: dict) -> None:
+    betas = params.get("betas")
+    if betas is not None and (not isinstance(betas, (list, tuple)) or len(betas) != 2
+                              or not all(_is_shape(b, _NUMBER) for b in betas)):
+        raise _shape_error("optimizer.params.betas", betas, "a list of two numbers", "[0.9, 0.95]")
+    for name in _OPTIMIZER_NUMBERS:
+        if params.get(name) is not None and not _is_shape(params[name], _NUMBER):
+            raise _shape_error(f"optimizer.params.{name}", params[name], _NUMBER)
+
+
+def _translate_context_parallel(args: dict, recipe: dict) -> None:
+    """GPT-NeoX's `context_parallel_size` (its context-parallel branch) → parallel.context_parallel."""
+    size = args.get("context_parallel_size")
+    if size is None:
+        return
+    size = _convert("context_parallel_size", size, _int)
+    if size < 1:
+        raise RecipeError(f"GPT-NeoX option `context_parallel_size: {size}` must be ≥ 1")
+    if size > 1:
+        _put(recipe, "parallel.context_parallel", size)
+

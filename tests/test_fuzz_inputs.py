@@ -489,3 +489,126 @@ def test_preprocess_of_a_lone_surrogate_document_names_its_line(tmp_path, capsys
                          str(tmp_path / "c")], capsys)
     assert_one_line_error(code, err, "docs.jsonl:2: `text` is not Unicode text")  # was the tokenizer's TypeError
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]  # nothing half-written
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Typed fuzz of GPT-NeoX config values: every key of the shared GPT-NeoX configs (and every key the translator reads
+# that they lack) with a value of the wrong type, length or range, through the translator and the recipe validation
+# ----------------------------------------------------------------------------------------------------------------
+
+SHARED_NEOX_CONFIGS = sorted(p for p in (REPO.parent / "shared" / "data").glob("neox-*configs/**/*.yml")
+                             if p.name != "train_config.yml")
+
+
+def _mutants(value) -> list:
+    """Wrong type, string for number and the reverse, wrong length, out of range."""
+    if isinstance(value, bool):
+        return ["yes", 2, [True], {"on": True}]
+    if isinstance(value, (int, float)):
+        return [str(value), "many", -1, 0, 10**12, 3.5, True, float("nan"), float("inf"), [value], {"v": value}]
+    if isinstance(value, str):
+        return [7, 1.5, True, [value], {"v": value}, ""]
+    if isinstance(value, list):
+        return [value[:1], value + value[-1:], [], "abc", 0.9, [None] * len(value), [{"x": 1}] * len(value)]
+    if isinstance(value, dict):
+        return ["abc", 7, [1], {}]
+    return ["abc", 7, -1, [1], {"a": 1}, True]
+
+
+def _value_paths(tree: dict, prefix: tuple = ()):
+    for key, value in tree.items():
+        yield prefix + (key,), value
+        if isinstance(value, dict):
+            yield from _value_paths(value, prefix + (key,))
+        elif isinstance(value, list):
+            yield from ((prefix + (key, i), item) for i, item in enumerate(value[:2])
+                        if not isinstance(item, (dict, list)))
+
+
+def _typed_fuzz_cases() -> list[tuple[Path, tuple, object]]:
+    """(config, key path, mutant): each (key path, mutant) once, from the first shared config that has the key; then
+    every key the translator reads that none has, put into Pythia 160M."""
+    from neox_hf import neox_yaml as ny
+
+    seen, cases = set(), []
+    for path in SHARED_NEOX_CONFIGS:
+        for keys, value in _value_paths(ny.read_neox_files([path])):
+            for mutant in _mutants(value):
+                if (keys, repr(mutant)) not in seen:
+                    seen.add((keys, repr(mutant)))
+                    cases.append((path, keys, mutant))
+    read = (set(ny._DIRECT) | set(ny._INTEGER_OPTIONS) | set(ny._SUPPORTED_VALUES) | set(ny._MUST_BE_FALSY)
+            | set(ny._VALUE_SHAPES) | set(ny._FP8_KEYS) | ny._FAMILY_KEYS)
+    present = {keys[0] for keys, _ in seen}
+    pythia = next(p for p in SHARED_NEOX_CONFIGS if p.name == "160M.yml")
+    for key in sorted(read - present):
+        cases += [(pythia, (key,), mutant) for mutant in ("abc", 7, -1, 3.5, [1], {"a": 1}, True)]
+    # every third case (each key path keeps at least one of its mutants, each mutant kind many keys): seconds
+    return cases[::3]
+
+
+def _translate_and_validate(args: dict):
+    from neox_hf.neox_yaml import translate_neox_args
+    from neox_hf.recipe import recipe_from_dict
+
+    return recipe_from_dict(translate_neox_args(args).recipe, source="fuzz")
+
+
+def test_typed_fuzz_of_every_gpt_neox_key_gives_one_line_refusals_never_a_traceback():
+    import copy
+
+    from neox_hf.errors import NeoXHFError
+    from neox_hf.neox_yaml import read_neox_files
+
+    assert len(SHARED_NEOX_CONFIGS) >= 20, SHARED_NEOX_CONFIGS
+    cases, bases, tracebacks, refused = _typed_fuzz_cases(), {}, [], 0
+    assert len(cases) >= 300 and len({keys[0] for _, keys, _ in cases}) >= 100, len(cases)
+    for path, keys, mutant in cases:
+        if path not in bases:
+            bases[path] = read_neox_files([path])
+        args = copy.deepcopy(bases[path])
+        place = args
+        for key in keys[:-1]:
+            place = place[key]
+        place[keys[-1]] = mutant
+        try:
+            _translate_and_validate(args)
+        except NeoXHFError as err:
+            refused += 1
+            if "\n" in str(err) or not str(err):
+                tracebacks.append((path.name, keys, mutant, f"not one line: {err!r}"))
+        except Exception as err:  # noqa: BLE001 — the point: nothing else may escape
+            tracebacks.append((path.name, keys, mutant, f"{type(err).__name__}: {err}"))
+    assert not tracebacks, f"{len(tracebacks)} of {len(cases)}: {tracebacks[:5]}"
+    assert refused >= len(cases) // 3, (refused, len(cases))  # most mutants are refused, not silently translated
+
+
+NEOX_KNOWN_BAD_VALUES = [
+    ("betas-one-number", {"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.9]}}},
+     "`optimizer.params.betas: [0.9]` must be a list of two numbers"),
+    ("betas-a-number", {"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": 0.9}}},
+     "`optimizer.params.betas: 0.9` must be a list of two numbers"),
+    ("optimizer-a-string", {"optimizer": "Lion"}, "`optimizer: 'Lion'` must be a mapping"),
+    ("zero-stage-list", {"zero_optimization": {"stage": [1]}}, "zero_optimization.stage"),
+    ("split-words", {"data_path": "corpus", "split": "most,some"}, "`split: 'most,some'`"),
+    ("attention-config-number", {"attention_config": 0.9}, "`attention_config: 0.9` must be a list"),
+]
+
+
+@pytest.mark.parametrize("values,needle", [c[1:] for c in NEOX_KNOWN_BAD_VALUES],
+                         ids=[c[0] for c in NEOX_KNOWN_BAD_VALUES])
+def test_known_bad_gpt_neox_values_are_refused_through_the_cli(values, needle, tmp_path, capsys):
+    config = {"num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq-length": 32,
+              "max-position-embeddings": 32, "train_micro_batch_size_per_gpu": 1, **values}
+    path = tmp_path / "neox.yml"
+    path.write_text(json.dumps(config))
+    assert_one_line_error(*run_train([str(path), "--print-config"], capsys), needle)
+
+
+@pytest.mark.parametrize("name", ["mamba/mamba-130M.yml", "mamba/mamba-1.4B.yml", "rwkv/170M.yml"])
+def test_gpt_neox_mamba_and_rwkv_configs_are_refused_naming_the_architecture(name, capsys):
+    path = REPO.parent / "shared" / "data" / "neox-other-arch-configs" / name
+    architecture = "RWKV" if name.startswith("rwkv") else "Mamba"
+    code, err = run_train([str(path), "--print-config"], capsys)
+    assert_one_line_error(code, err, f"builds {architecture}")
+    assert "silu" not in err

@@ -5,6 +5,7 @@ labels and eod masks; Pythia's pre-shuffled rows; the sequence-length curriculum
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -423,21 +424,75 @@ def test_index_cache_is_rebuilt_when_the_corpus_beside_it_is_replaced(tmp_path, 
     assert capsys.readouterr().err == ""
 
 
-def test_index_cache_without_a_record_is_rebuilt_once_to_the_same_arrays(tmp_path, capsys):
-    # A cache GPT-NeoX wrote records nothing of its corpus: rebuilt once (the same arrays when the corpus is the
-    # same, so GPT-NeoX still reads them), then reused.
+def test_gpt_neox_cache_without_a_record_is_verified_and_read_not_rebuilt(tmp_path, capsys):
+    # A cache GPT-NeoX wrote records nothing: it is checked against the corpus and the split, then read as it is (no
+    # rebuild, its files untouched) and recorded; one built for another split is rebuilt with a note.
     prefix = write_corpus(tmp_path / "corpus_text_document", random_docs(60, seed=3))
     cfg = data_cfg(prefix)
     first = rank_batches(cfg)
-    arrays = {p.name: p.read_bytes() for p in tmp_path.glob("*.npy")}
+    arrays = {p.name: (p.stat().st_ino, p.read_bytes()) for p in tmp_path.glob("*.npy")}
     (record,) = tmp_path.glob("*_source.json")
     assert record.name.endswith("packedpi_ac_source.json")
     record.unlink()
     capsys.readouterr()
     again = rank_batches(cfg)
-    assert f"there is no {record.name}" in capsys.readouterr().err
-    assert record.is_file() and {p.name: p.read_bytes() for p in tmp_path.glob("*.npy")} == arrays
+    assert capsys.readouterr().err == ""
+    assert record.is_file() and {p.name: (p.stat().st_ino, p.read_bytes()) for p in tmp_path.glob("*.npy")} == arrays
     assert all(torch.equal(a, b) for a, b in zip(first, again))
+    # an older neox_hf's record (no split in it): verified the same way, read, and its record completed
+    older = json.loads(record.read_text())
+    del older["settings"]
+    record.write_text(json.dumps(older))
+    rank_batches(cfg)
+    assert capsys.readouterr().err == "" and "settings" in json.loads(record.read_text())
+    assert {p.name: (p.stat().st_ino, p.read_bytes()) for p in tmp_path.glob("*.npy")} == arrays
+    # GPT-NeoX's cache of split 969,30,1 under the name a 50,50,0 run reads (the name has no split)
+    record.unlink()
+    other = rank_batches(data_cfg(prefix, split="50,50,0"))
+    notes = capsys.readouterr().err.splitlines()
+    assert len(notes) == 1 and "rebuilt" in notes[0] and "does not index documents [0, 30)" in notes[0], notes
+    (tmp_path / "fresh").mkdir()
+    want = rank_batches(data_cfg(write_corpus(tmp_path / "fresh" / "c", random_docs(60, seed=3)), split="50,50,0"))
+    assert all(torch.equal(a, b) for a, b in zip(other, want))
+
+
+def _batches_rows(tmp_path, config, data_path, name, *more) -> np.ndarray:
+    out = tmp_path / f"{name}.npy"
+    assert cli_main(["batches", config, "--data-path", str(data_path), "--data-parallel", "1", "--start-step", "0",
+                     "--end-step", str(ITERS), "--output", str(out), *more]) == 0
+    return np.load(out)
+
+
+def test_batches_after_a_split_seed_or_corpus_change_reads_a_fresh_index(tmp_path, capsys):
+    # The bug: the cache name has no split, so `split` 900,100,0 then 50,50,0 served the first call's index and the
+    # validation documents of the second were trained on. Each change must give what a fresh folder gives.
+    shared, fresh = tmp_path / "shared", tmp_path / "fresh"
+    shared.mkdir(), fresh.mkdir()
+    docs = random_docs(60, seed=3)
+    prefix = write_corpus(shared / "corpus_text_document", docs)
+    cases = [("default", None, 1234, docs), ("900", "900,100,0", 1234, docs), ("5050", "50,50,0", 1234, docs),
+             ("seed", "50,50,0", 7, docs), ("corpus", "50,50,0", 7, random_docs(60, seed=11))]
+    seen = []
+    for i, (name, split, seed, corpus_docs) in enumerate(cases):
+        folder = tmp_path / f"cfg{i}"
+        folder.mkdir()
+        config = write_recipe(folder, prefix, seed, **({"split": split} if split else {}))
+        write_corpus(shared / "corpus_text_document", corpus_docs)
+        capsys.readouterr()
+        got = _batches_rows(tmp_path, config, prefix, name)
+        err = capsys.readouterr().err
+        alone = fresh / name
+        alone.mkdir()
+        want = _batches_rows(tmp_path, config, write_corpus(alone / "corpus_text_document", corpus_docs), f"{name}-fresh")
+        np.testing.assert_array_equal(got, want)
+        assert not any(np.array_equal(got, before) for before in seen), name
+        seen.append(got)
+        if name in ("5050", "corpus"):  # the same cache name as the call before: rebuilt, saying why
+            assert "rebuilt" in err and ("another data.split" in err or "changed since" in err), err
+    # validation documents of 50,50,0 (documents 30..59) never reach its training rows
+    train_tokens = set(np.concatenate(docs[:30]).tolist())
+    valid_only = set(np.concatenate(docs[30:]).tolist()) - train_tokens - {EOD}
+    assert not valid_only & set(seen[2].ravel().tolist())
 
 
 def test_batches_for_steps_that_cannot_fit_on_disk_are_refused_before_any_index_is_built(tmp_path, capsys):

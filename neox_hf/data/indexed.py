@@ -94,6 +94,9 @@ class IndexedDataset:
 
 
 def _read_index(idx_path: Path):
+    if idx_path.stat().st_size < _HEADER.size:  # numpy cannot memory-map an empty file
+        raise DataError(f"{idx_path}: truncated index ({idx_path.stat().st_size} bytes, header needs {_HEADER.size}); "
+                        "rewrite it")
     raw = np.memmap(idx_path, mode="r", dtype=np.uint8)
     if len(raw) < _HEADER.size:
         raise DataError(f"{idx_path}: truncated index ({len(raw)} bytes, header needs {_HEADER.size}); rewrite it")

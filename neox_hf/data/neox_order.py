@@ -18,11 +18,16 @@ from GPT-NeoX to the HF stack would see different samples at every step. Learned
 
 The three index arrays are cached beside the data under GPT-NeoX's own names
 (`{prefix}_{name}_indexmap_{N}ns_{L}sl_{S}s_{pack_impl}pi[_ac]_{doc,sample,shuffle}_idx.npy`), so GPT-NeoX can read
-ours. Gap filled: GPT-NeoX reuses a cache by its name alone, so after the corpus under that prefix is replaced it reads
-samples of the old corpus (or indexes past the new one). Beside the arrays `..._source.json` records what they were
-built from (the `.idx` size and a hash of the document sizes; the label tokens where they decide which documents are
-skipped); a cache whose record does not match, or that has none (GPT-NeoX's own), is rebuilt with a one-line note.
-The arrays are saved and loaded without pickle (`allow_pickle=False`), so a crafted cache runs no code.
+ours and we read its. Gap filled: GPT-NeoX reuses a cache by its name alone, and the name leaves out the corpus and
+the `split`, so after the corpus under that prefix is replaced it reads samples of the old corpus, and after a `split`
+change (900,100,0 → 50,50,0) it serves the old split's index: validation documents are trained on. Beside the arrays
+`..._source.json` records everything they were built from: the documents of the split, every setting of the name, the
+`.idx` size and a hash of the document sizes, and the label tokens where they decide which documents are skipped. A
+cache whose record does not match is rebuilt with a one-line note. A cache without a record (GPT-NeoX built it) is
+verified against the corpus and the split before it is read: every document of the split and no other, each the
+epoch count of times, the sample starts recomputed from them, the shuffle a permutation (the seed, sample count and
+sequence length are in its name); it is then read and recorded, or rebuilt with a note. The arrays are saved and
+loaded without pickle (`allow_pickle=False`), so a crafted cache runs no code.
 """
 
 from __future__ import annotations
@@ -260,22 +265,32 @@ def build_index(spec: IndexSpec, sizes: np.ndarray, labels: Optional[IndexedData
     return (*build(documents, sizes, labels, spec.num_samples, spec.seq_length, spec.allow_chopped, rng), None)
 
 
+def _index_settings(spec: IndexSpec) -> dict:
+    """Every setting the arrays depend on, the split's document range included (GPT-NeoX's name leaves it out)."""
+    return {"split_documents": list(spec.documents), "num_samples": spec.num_samples, "seq_length": spec.seq_length,
+            "seed": spec.seed, "pack_impl": spec.pack_impl, "allow_chopped": spec.allow_chopped}
+
+
 def index_source(spec: IndexSpec, sizes: np.ndarray, labels: Optional[IndexedDataset] = None) -> dict:
-    """What the index arrays of `spec` depend on besides the settings in their file name: the document sizes (and the
-    `.idx` size, a cheap first check), and for the unpacked implementations the label tokens, which decide the
-    documents they skip. Token values do not matter: the arrays hold positions."""
+    """What the index arrays of `spec` depend on: the settings (`_index_settings`), the document sizes (and the `.idx`
+    size, a cheap first check), and for the unpacked implementations the label tokens, which decide the documents they
+    skip. Token values do not matter: the arrays hold positions."""
     idx = Path(f"{spec.prefix}.idx")
     source = {"idx_bytes": idx.stat().st_size if idx.is_file() else None, "documents": int(len(sizes)),
-              "sizes_sha256": hashlib.sha256(np.ascontiguousarray(sizes, dtype=np.int32)).hexdigest()}
+              "sizes_sha256": hashlib.sha256(np.ascontiguousarray(sizes, dtype=np.int32)).hexdigest(),
+              "settings": _index_settings(spec)}
     if labels is not None and spec.pack_impl != "packed":
         with open(labels.bin_path, "rb") as f:
             source["labels_sha256"] = hashlib.file_digest(f, "sha256").hexdigest()
     return source
 
 
+_VERIFY = "verify"  # a cache whose record does not say which split it indexes (GPT-NeoX's, an older neox_hf's)
+
+
 def _stale_reason(spec: IndexSpec, source: dict) -> Optional[str]:
-    """Why the cached arrays of `spec` cannot be used for `source` ("" when there is no cache yet), None when they
-    can."""
+    """Why the cached arrays of `spec` cannot be used for `source` ("" when there is no cache yet), None when their
+    record matches, `_VERIFY` when no record says which split they index (`_unrecorded_cache_mismatch` checks)."""
     files, record_file = spec.files(), spec.source_record_file()
     present = [f for f in files.values() if f.is_file()]
     if not present:
@@ -285,18 +300,67 @@ def _stale_reason(spec: IndexSpec, source: dict) -> Optional[str]:
     try:
         recorded = json.loads(record_file.read_text())
     except FileNotFoundError:
-        return (f"there is no {record_file.name} saying which corpus it was built from (GPT-NeoX or an older neox_hf "
-                "built it)")
+        return _VERIFY  # GPT-NeoX's own cache: `_unrecorded_cache_mismatch` verifies it against the corpus
     except (OSError, ValueError):
         return f"{record_file.name} is unreadable"
     if recorded == source:
         return None
+    if not isinstance(recorded, dict):
+        return f"{record_file.name} is not a record of this cache"
     idx = f"{spec.prefix}.idx"
     if recorded.get("documents") != source["documents"]:
         return f"it was built for {recorded.get('documents')} documents and {idx} now holds {source['documents']:,}"
     if recorded.get("sizes_sha256") != source["sizes_sha256"]:
         return f"the document sizes in {idx} changed since it was built (the corpus was replaced)"
+    settings = recorded.get("settings")
+    if settings is None:  # an older neox_hf's record: the corpus matches; the split is verified as GPT-NeoX's cache's
+        return _VERIFY
+    if isinstance(settings, dict) and settings.get("split_documents") != source["settings"]["split_documents"]:
+        return (f"it indexes documents {_range(settings.get('split_documents'))} of {idx} (another data.split) and "
+                f"this split's are {_range(source['settings']['split_documents'])}")
+    if settings != source["settings"]:
+        changed = sorted(k for k in source["settings"] if not isinstance(settings, dict) or settings.get(k) !=
+                         source["settings"][k])
+        return f"it was built with other {', '.join(changed) or 'settings'}"
     return "the label data changed since it was built" if "labels_sha256" in source else "its record differs"
+
+
+def _range(documents) -> str:
+    return f"[{documents[0]:,}, {documents[1]:,})" if isinstance(documents, list) and len(documents) == 2 else "?"
+
+
+def _unrecorded_cache_mismatch(spec: IndexSpec, sizes: np.ndarray) -> Optional[str]:
+    """Why a cache without a record (GPT-NeoX's) does not index `spec`'s split of this corpus; None when it does.
+
+    Its name fixes the seed, sample count, sequence length and packing; what it leaves out is checked from the arrays:
+    doc_idx holds every document of the split and no other, each the same number of epochs GPT-NeoX's rule gives;
+    sample_idx is the window starts recomputed from that doc_idx and the document sizes; shuffle_idx is a permutation
+    of the samples. The shuffle's draw itself is the seed's (in the name). Only GPT-NeoX's default `packed`
+    implementation is verified; the others are rebuilt (their arrays depend on skips this check cannot replay)."""
+    if spec.pack_impl != "packed":
+        return f"there is no {spec.source_record_file().name} and a {spec.pack_impl} index cannot be verified"
+    try:
+        doc_idx, sample_idx, shuffle_idx = (load_npy_safely(f) for f in spec.files().values())
+    except (DataError, OSError, ValueError, EOFError) as err:
+        return f"it is unreadable ({err})"
+    first, last = spec.documents
+    tokens_per_epoch = int(np.sum(sizes[first:last], dtype=np.int64))
+    if tokens_per_epoch <= 1:
+        return "its split holds no tokens"
+    epochs = gpt_neox_num_epochs(tokens_per_epoch, spec.seq_length, spec.num_samples)
+    if doc_idx.ndim != 1 or len(doc_idx) != epochs * (last - first) or len(doc_idx) == 0 or \
+            doc_idx.min() < first or doc_idx.max() >= last or \
+            np.any(np.bincount(np.asarray(doc_idx, np.int64) - first, minlength=last - first) != epochs):
+        return (f"it does not index documents {_range([first, last])} of {spec.prefix}.idx {epochs} time(s) each "
+                "(another data.split, or another corpus)")
+    expected = build_sample_idx(np.asarray(sizes, np.int32), np.asarray(doc_idx), spec.seq_length, epochs,
+                                tokens_per_epoch)
+    if sample_idx.shape != expected.shape or not np.array_equal(sample_idx, expected):
+        return f"its sample starts do not match the document sizes in {spec.prefix}.idx (another corpus)"
+    if shuffle_idx.ndim != 1 or len(shuffle_idx) != len(expected) - 1 or \
+            not np.array_equal(np.sort(np.asarray(shuffle_idx, np.int64)), np.arange(len(expected) - 1)):
+        return "its shuffle is not a permutation of its samples"
+    return None
 
 
 def load_or_build_index(spec: IndexSpec, sizes: np.ndarray, labels: Optional[IndexedDataset] = None, *,
@@ -309,6 +373,10 @@ def load_or_build_index(spec: IndexSpec, sizes: np.ndarray, labels: Optional[Ind
     if build:
         source = index_source(spec, sizes, labels)
         stale = _stale_reason(spec, source)
+        if stale is _VERIFY:  # GPT-NeoX's own cache: read it if it fits
+            stale = _unrecorded_cache_mismatch(spec, sizes)
+            if stale is None:
+                _write_record(spec, source)
         if stale is not None:
             if stale:
                 print_to_stderr(f"note: GPT-NeoX index cache {Path(spec.stem()).name}_*.npy rebuilt: {stale}")
@@ -327,7 +395,15 @@ def _save_index(spec: IndexSpec, arrays, source: dict) -> None:
         for path, array in zip(spec.files().values(), arrays):
             with atomic_path(path) as tmp, open(tmp, "wb") as f:  # a file object: np.save would append .npy to a name
                 np.save(f, array, allow_pickle=False)
-        path = spec.source_record_file()
+    except OSError as err:
+        raise DataError(f"cannot write the GPT-NeoX index cache {path}: {err}; make the data folder "
+                        "writable (GPT-NeoX caches its indices beside the data too)") from err
+    _write_record(spec, source)
+
+
+def _write_record(spec: IndexSpec, source: dict) -> None:
+    path = spec.source_record_file()
+    try:
         atomic_write_text(path, json.dumps(source, indent=1) + "\n")
     except OSError as err:
         raise DataError(f"cannot write the GPT-NeoX index cache {path}: {err}; make the data folder "

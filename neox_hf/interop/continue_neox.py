@@ -118,7 +118,8 @@ def load_optimizer_file(path: Path, *, trust_pickle: bool = False) -> dict:
     import pickle
     import zipfile
 
-    from neox_hf.io import allowed_globals, is_weights_only_refusal, refusal_message
+    from neox_hf.io import (allowed_globals, damaged_file_errors, damaged_file_message, is_weights_only_refusal,
+                            refusal_message)
 
     mmap = zipfile.is_zipfile(path)  # the partitions stay on disk until joined (a truncated zip fails below)
     try:
@@ -131,10 +132,9 @@ def load_optimizer_file(path: Path, *, trust_pickle: bool = False) -> dict:
         if is_weights_only_refusal(err):
             raise CheckpointError(refusal_message(path, err) + ". If you trust this file, pass --trust-pickle to "
                                   "load it with full unpickling") from err
-        raise CheckpointError(f"{path}: cannot be read ({err}); it is truncated or corrupt, copy it again") from err
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: cannot be read ({type(err).__name__}: {err}); it is truncated or corrupt, "
-                              "copy it again") from err
+        raise CheckpointError(damaged_file_message(path, err)) from err
+    except (OSError, *damaged_file_errors()) as err:
+        raise CheckpointError(damaged_file_message(path, err)) from err
     optimizer = state.get("optimizer_state_dict") if isinstance(state, dict) else None
     needed = ("single_partition_of_fp32_groups", "base_optimizer_state", "param_slice_mappings")
     if not isinstance(optimizer, dict) or any(key not in optimizer for key in needed):

@@ -23,7 +23,6 @@ explicit, named opt-in (``trust_pickle``).
 from __future__ import annotations
 
 import os
-import pickle
 import re
 import zipfile
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 
 from neox_hf.errors import CheckpointError
-from neox_hf.io import atomic_folder, atomic_write_text, load_torch_safely
+from neox_hf.io import atomic_folder, atomic_write_text, damaged_file_errors, load_torch_safely
 
 PIPELINE_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 SEQUENTIAL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -118,7 +117,7 @@ def load_torch_file(path: Path, *, trust_pickle: bool = False) -> object:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except CheckpointError:  # refused by weights_only loading: the message names the file and --trust-pickle
         raise
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as err:
+    except (OSError, *damaged_file_errors()) as err:
         raise _corrupt_file_error(path, err) from err
 
 
@@ -126,8 +125,9 @@ _TRUST_HINT = ". If you trust this file, pass trust_pickle=True (CLI: --trust-pi
 
 
 def _corrupt_file_error(path: Path, err: Exception) -> CheckpointError:
+    detail = " ".join(str(err).split())[:160]  # torch's messages run over several lines
     return CheckpointError(
-        f"{path}: cannot be read ({type(err).__name__}: {err}); it is truncated or corrupt, copy it again"
+        f"{path}: cannot be read ({type(err).__name__}: {detail}); it is truncated or corrupt, copy it again"
     )
 
 
