@@ -99,6 +99,23 @@ def test_every_reader_refuses_every_damaged_file_in_one_line_naming_it(tmp_path)
     assert tried >= 900, tried
 
 
+def test_a_damaged_preference_parquet_is_one_line_naming_it(tmp_path):
+    """Parquet goes through `datasets.load_dataset`, whose pyarrow errors (ArrowInvalid, DatasetGenerationError)
+    are not the readers' own: a few variants, each a dataset build."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from neox_hf.data.preference import read_pairs
+    from neox_hf.recipe import DataSource
+
+    pairs = tmp_path / "pairs.parquet"
+    pq.write_table(pa.table({"prompt": ["q0", "q1"], "chosen": ["yes", "yes"], "rejected": ["no", "no"]}), pairs)
+    tried, escaped = refusals_of(lambda p: read_pairs([DataSource(path=str(p))]), pairs, pairs.read_bytes(),
+                                 range(0x80, 0x88, 7))
+    assert not escaped, escaped
+    assert tried >= 10
+
+
 # ---------------------------------------------------------------------------------------------------- commands
 
 

@@ -102,7 +102,14 @@ def _raw_rows(source: DataSource, unpaired: bool = False) -> Iterator[Optional[d
         yield from datasets.load_dataset(source.path, split=source.split)
     else:
         builder = "parquet" if fmt == "parquet" else "json"
-        yield from datasets.load_dataset(builder, data_files=resolve_files(source), split="train")
+        files = resolve_files(source)
+        try:
+            rows = datasets.load_dataset(builder, data_files=files, split="train")
+        except (datasets.exceptions.DatasetGenerationError, OSError, ValueError) as exc:
+            # pyarrow's ArrowInvalid is a ValueError; a damaged parquet footer surfaces as either, wrapped by datasets
+            raise DataError(f"{source.path}: not a readable {builder} file ({type(exc).__name__}); check the file "
+                            "(re-export it) or give data.sources[].format") from None
+        yield from rows
 
 
 def pair_texts(source: DataSource, row) -> Optional[tuple[str, str, str]]:
