@@ -12,6 +12,8 @@ from neox_hf.engines.compile import compile_decoder_layers, compiles
 from neox_hf.engines.optimizer import build_optimizer
 from neox_hf.engines.replica import ReplicaEngine, enable_activation_checkpointing, tensor_parallel_once
 from neox_hf.ops.context_parallel import register_context_parallel_attention
+from neox_hf.parallel.expert_parallel import (apply_expert_parallel, describe_experts, divide_gradients_for_deepspeed,
+                                              gather_experts, is_expert_parameter)
 from neox_hf.parallel.tensor_parallel import gather_full_state_dict
 from neox_hf.parallel.tp_groups import DeepSpeedMPU, deepspeed_initialize_with_mpu
 from neox_hf.parallel.tp_plan import partition_dim
@@ -28,7 +30,8 @@ class PlainEngine(ReplicaEngine):
         return "one model replica per data-parallel rank (tensor parallelism inside it)"
 
     def startup_lines(self) -> list[str]:
-        return self._context_parallel_lines() + self._compile_lines()
+        experts = describe_experts(self.accelerator.unwrap_model(self.model), self.layout)
+        return self._context_parallel_lines() + self._compile_lines() + ([experts] if experts else [])
 
     def _context_parallel_lines(self) -> list[str]:
         layout, m = self.layout, self.recipe.model
@@ -53,6 +56,10 @@ class PlainEngine(ReplicaEngine):
         also kept on the engine."""
         layout, recipe, accelerator = self.layout, self.recipe, self.accelerator
         model = tensor_parallel_once(model, layout, sequence_parallel=recipe.parallel.sequence_parallel)
+        # experts split over the expert group; with experts over data, DeepSpeed's data-parallel group is the
+        # expert-data-parallel one (`DeepSpeedMPU`) and these hooks make its average every data-parallel rank's
+        model = apply_expert_parallel(model, layout)
+        divide_gradients_for_deepspeed(model, layout)
         if recipe.parallel.activation_checkpointing:
             enable_activation_checkpointing(model)
         if compiles(recipe.train, accelerator.device):
@@ -80,17 +87,28 @@ class PlainEngine(ReplicaEngine):
         """The whole model's state dict (TP shards merged, ZeRO-3 partitions gathered). Collective: every rank calls it;
         the result is complete on the main process."""
         if self.layout.tp > 1:
-            return gather_full_state_dict(self.accelerator.unwrap_model(self.model), self.layout)
-        return self.accelerator.get_state_dict(self.model)
+            state = gather_full_state_dict(self.accelerator.unwrap_model(self.model), self.layout)
+        else:
+            state = self.accelerator.get_state_dict(self.model)
+        return gather_experts(state, self.layout)  # every rank holds its experts' block: gathered on every rank
 
     def named_full_parameters(self):
         module = getattr(self.model, "module", self.model)  # through DDP / DeepSpeed wrappers
         for name, param in module.named_parameters():
             if param.requires_grad:
-                yield name, param, partition_dim(name) if self.layout.tp > 1 else None
+                yield name, param, _split_dim(name, self.layout)
 
     def parameter_count(self) -> int:
         """Full-model parameter count (ZeRO-3 partitions, TP shards; replicated norms are counted once per TP rank,
         which is why this is approximate under TP)."""
         model = getattr(self.model, "module", self.model)  # through DDP / DeepSpeed wrappers
         return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) * self.layout.tp
+
+
+def _split_dim(name: str, layout) -> int | None:
+    """The dimension `name` is split along over the tensor-parallel group (experts over it: the expert dim)."""
+    if layout.tp == 1:
+        return None
+    if layout.experts_over == "tensor" and layout.ep > 1 and is_expert_parameter(name):
+        return 0
+    return partition_dim(name)

@@ -179,6 +179,15 @@ class ParallelConfig:
     # How long a collective waits for every rank: rank-0-only work (the GPT-NeoX index build, lm-eval, the final
     # save and merges) must fit in it. torch's NCCL default is 10 minutes, DeepSpeed's 30.
     timeout_minutes: float = 60.0
+    expert_parallel: int = field(default=1, metadata={
+        "help": "Split each MoE layer's experts over this many ranks, which send each token to its experts' rank by "
+                "all-to-all (1: every rank holds every expert).",
+        "neox": "moe_expert_parallel_size"})
+    experts_over: Literal["data", "tensor"] = field(default="data", metadata={
+        "help": "Which ranks the experts are split over: `data`, ranks that read different batches (DeepSpeed's "
+                "and torchtitan's expert parallelism), or `tensor`, the tensor-parallel group (GPT-NeoX's layout, "
+                "`expert_parallel` = `tensor_parallel`).",
+        "neox": ""})
 
 
 @dataclass
@@ -593,6 +602,7 @@ def validate(recipe: Recipe) -> None:
     _require(p.context_parallel >= 1, f"`parallel.context_parallel` must be ≥ 1, got {p.context_parallel}")
     if p.context_parallel > 1:
         _validate_context_parallel(recipe)
+    _validate_expert_parallel(recipe)
     _require(0.0 <= d.max_skipped_fraction <= 1.0,
              f"`data.max_skipped_fraction` must be in [0, 1], got {d.max_skipped_fraction}")
     _require(d.buffer_size >= 1, f"`data.buffer_size` must be ≥ 1, got {d.buffer_size}")
@@ -977,3 +987,29 @@ def merge_dicts(base: dict, update: dict) -> dict:
         else:
             merged[key] = value
     return merged
+
+def _validate_expert_parallel(recipe: Recipe) -> None:
+    """What `parallel.expert_parallel` > 1 runs (`neox_hf.parallel.expert_parallel`), each refusal naming the key and
+    the fix. Whether the model has experts, and whether their number divides, is checked when the model is split."""
+    p = recipe.parallel
+    ep = p.expert_parallel
+    _require(ep >= 1, f"`parallel.expert_parallel` must be ≥ 1, got {ep}")
+    if ep == 1:
+        return
+    over_tensor = p.experts_over == "tensor"
+    refusals = (
+        (p.pipeline_parallel > 1, "`parallel.pipeline_parallel` > 1", "use pipeline_parallel: 1"),
+        (p.zero_stage == 3, "`parallel.zero_stage: 3`", "use zero_stage 0-2, or `parallel.backend: fsdp2`"),
+        (p.sequence_parallel, "`parallel.sequence_parallel: true`", "set sequence_parallel: false"),
+        (p.dp_replicate > 1, "`parallel.dp_replicate` > 1 (HSDP)", "use dp_replicate: 1"),
+        (recipe.peft.method is not None, "`peft.method`", "train the full model, or expert_parallel: 1"),
+        (not over_tensor and p.tensor_parallel > 1, "`parallel.tensor_parallel` > 1 and `parallel.experts_over: data`",
+         "set `parallel.experts_over: tensor` (GPT-NeoX's layout: the experts split over the tensor-parallel group) "
+         "with expert_parallel = tensor_parallel"),
+        (over_tensor and p.tensor_parallel != ep, f"`parallel.experts_over: tensor` and `parallel.tensor_parallel: "
+         f"{p.tensor_parallel}`", f"set tensor_parallel: {ep}, or experts_over: data"),
+        (over_tensor and p.context_parallel > 1, "`parallel.experts_over: tensor` and `parallel.context_parallel` > 1",
+         "use experts_over: data"),
+    )
+    for refused, what, fix in refusals:
+        _require(not refused, f"`parallel.expert_parallel: {ep}` with {what} is refused (not supported); {fix}")
