@@ -9,6 +9,7 @@ folder stock transformers loads).
 from neox_hf.model.init import init_std
 from neox_hf.model.modeling import NeoXConfig, NeoXForCausalLM, NeoXModel
 import neox_hf.model.llama  # noqa: F401,E402  (each family registers itself into neox_hf.model.spec on import)
+import neox_hf.model.mixtral  # noqa: F401,E402
 from neox_hf.model.spec import config_from_recipe
 
 __all__ = ["NeoXConfig", "NeoXForCausalLM", "NeoXModel", "config_from_recipe", "init_std"]
