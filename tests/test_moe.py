@@ -139,3 +139,152 @@ def test_moe_keys_a_family_cannot_express_are_refused_by_name(model, key):
 def test_moe_with_pipeline_stages_is_refused_by_name():
     with pytest.raises(RecipeError, match="pipeline_parallel"):
         recipe_from_dict({"model": {"family": "mixtral", "moe_num_experts": 4}, "parallel": {"pipeline_parallel": 2}})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPT-NeoX's own dropless MoE (`model.family: gpt_neox_moe`)
+# ---------------------------------------------------------------------------------------------------------------
+
+DMOE_CONFIG = "neox-moe-configs/125M-dmoe.yml"
+
+
+def _gpt_neox_dmoe(x, router_weight, w1, w2, *, top_k, router_type, training, act):
+    """GPT-NeoX main's ParallelDroplessMoE forward at TP 1 (megatron/model/router.py, moe.py, moe_mlp.py at ea7aefd),
+    line by line, with its 2-D expert weights w1, w2 [experts × width, hidden] and MegaBlocks' gather / grouped GEMM
+    / scatter written as a sort by expert and a matmul per expert."""
+    logits = x.view(-1, x.shape[-1]) @ router_weight.t()
+
+    def activation(z):
+        return torch.sigmoid(z) if top_k == 1 else torch.softmax(z, dim=-1, dtype=torch.float32).type_as(z)
+
+    if router_type == "topk":
+        weights, indices = torch.topk(logits.softmax(dim=-1), top_k, dim=-1)
+    elif training:
+        cost = torch.exp(logits.to(torch.float32))
+        d0 = torch.ones(cost.size(0), dtype=cost.dtype)
+        d1 = 1 / (cost.size(1) * torch.sum(cost, 0))
+        d1_old = d1
+        for _ in range(3):
+            d0 = (1 / d0.size(0)) * 1 / (torch.sum(d1 * cost, 1) + 0.00000001)
+            d1 = (1 / d1.size(0)) * 1 / (torch.sum(d0.unsqueeze(1) * cost, 0) + 0.00000001)
+            error = torch.mean(torch.abs(d1_old - d1))
+            d1_old = d1
+            if error < 0.0001:
+                break
+        _, indices = torch.topk(d1 * cost * d0.unsqueeze(1), k=top_k, dim=1)
+        weights = torch.gather(activation(logits), 1, indices)
+    else:
+        weights, indices = torch.topk(activation(logits), k=top_k, dim=1)
+    experts = router_weight.shape[0]
+    w1, w2 = w1.view(experts, -1, x.shape[-1]), w2.view(experts, -1, x.shape[-1])
+    flat_experts = indices.flatten()
+    order = torch.argsort(flat_experts, stable=True)
+    tokens = x.view(-1, x.shape[-1])[order // top_k]
+    out = torch.empty_like(tokens)
+    for e in range(experts):
+        rows = flat_experts[order] == e
+        out[rows] = act(tokens[rows] @ w1[e].t()) @ w2[e]
+    y = torch.zeros_like(x.view(-1, x.shape[-1]))
+    y.index_add_(0, order // top_k, out * weights.flatten()[order, None])
+    return y.view(x.shape)
+
+
+@pytest.mark.parametrize("router_type,top_k", [("sinkhorn", 1), ("sinkhorn", 2), ("topk", 2)])
+def test_the_dmoe_block_computes_what_gpt_neox_computes(router_type, top_k):
+    from transformers.activations import ACT2FN
+
+    from neox_hf.model.modeling_gpt_neox_moe import GPTNeoXMoEBlock, GPTNeoXMoEConfig
+
+    config = GPTNeoXMoEConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, moe_num_experts=4,
+                              moe_top_k=top_k, moe_router_type=router_type)
+    config._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    block = GPTNeoXMoEBlock(config)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    w1 = block.experts.up_proj.detach().reshape(-1, 32)  # GPT-NeoX's w1 [experts × width, hidden]
+    w2 = block.experts.down_proj.detach().transpose(1, 2).reshape(-1, 32)  # its w2, the same shape
+    x = torch.randn(3, 10, 32)
+    for training in (True, False):
+        block.train(training)
+        expected = _gpt_neox_dmoe(x, block.gate.weight.detach(), w1, w2, top_k=top_k, router_type=router_type,
+                                  training=training, act=ACT2FN["gelu"])
+        assert torch.allclose(block(x), expected, atol=1e-5, rtol=0), (router_type, top_k, training)
+
+
+def test_the_dmoe_config_trains_and_saves_a_folder_transformers_loads_with_remote_code(tmp_path):
+    """`125M-dmoe.yml` shrunk by overrides: GPT-NeoX's keys become `gpt_neox_moe`; the model built from it saves a
+    folder whose own modeling file (trust_remote_code=True) computes our logits, in training (Sinkhorn) and in
+    evaluation (top-k) alike; MoE layers every `moe_expert_interval` layers from layer 0."""
+    from transformers import AutoConfig
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    from neox_hf.model.neox_moe import NeoXMoEForCausalLM
+    from neox_hf.model.modeling_gpt_neox_moe import GPTNeoXMoEBlock
+    from neox_hf.recipe.args import parse_run_args
+    from tests.conftest import SHARED_DATA
+
+    path = SHARED_DATA / DMOE_CONFIG
+    if not path.is_file():
+        pytest.skip(f"{path} not present")
+    args = parse_run_args([str(path), "--model.num_layers", "3", "--model.hidden_size", "32",
+                           "--model.num_attention_heads", "4", "--model.intermediate_size", "48",
+                           "--model.seq_length", "16", "--model.moe_expert_interval", "2", "--model.moe_top_k", "2",
+                           "--train.precision", "fp32", "--parallel.zero_stage", "0"])
+    m = args.recipe.model
+    assert (m.family, m.moe_num_experts, m.moe_router_type, m.moe_jitter_eps) == ("gpt_neox_moe", 8, "sinkhorn", None)
+    assert any("trust_remote_code=True" in note for note in args.notices)
+    model = _build(args.recipe)
+    assert isinstance(model, NeoXMoEForCausalLM)
+    assert [isinstance(layer.mlp, GPTNeoXMoEBlock) for layer in model.gpt_neox.layers] == [True, False, True]
+    assert model.gpt_neox.layers[0].mlp.experts.up_proj.shape == (8, 48, 32)  # experts on dim 0
+    model.save_pretrained(tmp_path)
+    # What AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True) does in a process without neox_hf
+    # (here neox_hf registered the model type, so the Auto class would pick our copy): the folder's own file.
+    remote_class = get_class_from_dynamic_module(AutoConfig.from_pretrained(tmp_path).auto_map["AutoModelForCausalLM"],
+                                                 str(tmp_path))
+    loaded = remote_class.from_pretrained(tmp_path, dtype=torch.float32)
+    assert type(loaded).__module__.startswith("transformers_modules")  # the folder's own file, not ours
+    ids = torch.randint(0, 500, (2, 16))
+    for training in (True, False):
+        model.train(training), loaded.train(training)
+        assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=0), training
+
+
+@pytest.mark.parametrize("extra,key", [
+    ({"moe_type": "deepspeed"}, "moe_type"),
+    ({"moe_token_dropping": True}, "moe_token_dropping"),
+    ({"moe_glu": True}, "moe_glu"),
+    ({"moe_loss_coeff": 0.1}, "moe_loss_coeff"),
+    ({"norm": "rmsnorm", "activation": "swiglu", "moe_expert_interval": 2}, "moe_expert_interval"),
+    ({"norm": "rmsnorm", "activation": "swiglu", "use_bias_in_mlp": True}, "use_bias_in_mlp"),
+])
+def test_gpt_neox_moe_keys_not_reproduced_are_refused_by_name(tmp_path, extra, key):
+    import json
+
+    from neox_hf.recipe.args import parse_run_args
+
+    config = tmp_path / "moe.yml"
+    config.write_text(json.dumps({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+                                  "moe_num_experts": 4, **extra}))
+    with pytest.raises(RecipeError, match=key):
+        parse_run_args([str(config)])
+
+
+def test_a_llama_style_gpt_neox_moe_config_is_mixtral(tmp_path):
+    import json
+
+    from neox_hf.recipe.args import parse_run_args
+
+    config = tmp_path / "moe.yml"
+    config.write_text(json.dumps({"num_layers": 2, "hidden_size": 96, "num_attention_heads": 4, "seq_length": 32,
+                                  "norm": "rmsnorm", "activation": "swiglu", "moe_num_experts": 4, "moe_top_k": 2,
+                                  "moe_loss_coeff": 0.01, "moe_jitter_eps": 0.1}))
+    args = parse_run_args([str(config)])
+    m = args.recipe.model
+    assert (m.family, m.moe_num_experts, m.moe_top_k, m.moe_aux_loss_coef, m.moe_jitter_eps) == ("mixtral", 4, 2,
+                                                                                               0.01, 0.1)
+    assert m.intermediate_size == 256 and not m.attention_bias and not m.mlp_bias  # int(8/3 × 96) up to 256
+    assert any("MixtralForCausalLM" in note and "ParallelGroupedLLaMAMLP" in note for note in args.notices)
+    model = _build(args.recipe)
+    assert isinstance(model, MixtralForCausalLM) and model.config.router_jitter_noise == 0.1

@@ -1042,6 +1042,9 @@ def _validate_moe(recipe: Recipe) -> None:
         _require(m.moe_expert_interval >= 1, f"`model.moe_expert_interval` must be ≥ 1, got {m.moe_expert_interval}")
         _require(not m.moe_aux_loss_coef, "`model.moe_aux_loss_coef` with `model.family: gpt_neox_moe` is refused: "
                  "GPT-NeoX's dropless MoE has no load-balancing loss (Sinkhorn balances); remove it or use mixtral")
+        _require(not m.use_parallel_residual, "`model.use_parallel_residual: true` with `model.family: gpt_neox_moe` "
+                 "is refused: GPT-NeoX's MoE layers under gpt_j_residual add the experts' output alone (the attention "
+                 "output is lost); set it false (GPT-NeoX gpt_j_residual: false, as 125M-dmoe.yml)")
     for refused, what in ((p.pipeline_parallel > 1, "`parallel.pipeline_parallel` > 1"),
                           (p.sequence_parallel, "`parallel.sequence_parallel: true`"),
                           (p.context_parallel > 1, "`parallel.context_parallel` > 1"),

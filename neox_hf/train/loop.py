@@ -39,7 +39,7 @@ from neox_hf.train.mfu import flops_per_token, mfu
 from neox_hf.train.prefetch import Prefetcher, pinned, workers_for
 from neox_hf.checkpoint.run_log import RECIPE_NAME, append_step_entries, record_evaluation, truncate_train_log
 from neox_hf.train.preemption import Preempted, StopRequest
-from neox_hf.train.routing import MOE_METRICS, with_routing_metrics
+from neox_hf.train.routing import MOE_METRICS, moe_startup_lines, with_routing_metrics
 from neox_hf.train.schedule import build_lr_scheduler
 from neox_hf.engines import build_engine
 from neox_hf.ops.library_loss import describe as describe_loss_kernel
@@ -553,7 +553,7 @@ def startup_report(run: TrainingRun, notices: list[str]) -> str:
     if run.peak is not None:
         lines.append(f"mfu: {run.flops_per_token / 1e9:.3g} GFLOP per token (6 × matmul parameters + 12 × layers × "
                      f"hidden × seq_length {m.seq_length}) against {run.peak.source} per device × {layout.world_size}")
-    lines += run.engine.startup_lines()
+    lines += run.engine.startup_lines() + moe_startup_lines(run)
     lines += [f"note: {n}" for n in notices]
     return "\n".join(lines)
 

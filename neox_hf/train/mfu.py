@@ -27,9 +27,12 @@ def flops_per_token(config, seq_length: int) -> float:
     mlp_matrices = 3 if getattr(config, "model_type", "") in ("llama", "mistral", "mixtral") else 2  # SwiGLU: gate, up, down
     per_layer = 2 * hidden * hidden + 2 * hidden * kv_width + mlp_matrices * hidden * intermediate
     matmul_params = layers * per_layer + config.vocab_size * hidden  # + the LM head
-    if getattr(config, "num_local_experts", 1) > 1:  # a mixture of experts: the active parameters (top-k + router)
-        matmul_params += layers * hidden * ((config.num_experts_per_tok - 1) * mlp_matrices * intermediate
-                                            + config.num_local_experts)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "moe_num_experts", 1)
+    if experts > 1:  # a mixture of experts: its active parameters (top-k experts and the router, in its MoE layers)
+        top_k = getattr(config, "num_experts_per_tok", None) or config.moe_top_k
+        interval = getattr(config, "moe_expert_interval", 1)
+        moe_layers = len(range(0, layers, interval))
+        matmul_params += moe_layers * hidden * ((top_k - 1) * mlp_matrices * intermediate + experts)
     return 6 * matmul_params + 12 * layers * hidden * seq_length
 
 
