@@ -67,10 +67,21 @@ def apply_expert_parallel(model: nn.Module, layout) -> nn.Module:
         raise RecipeError(f"`parallel.expert_parallel: {layout.ep}` needs a model with experts (a Mixture-of-Experts "
                           f"family such as mixtral); {type(model).__name__} has none: set expert_parallel: 1")
     ep_mesh, tp_mesh = _meshes(layout)
+    _batched_kernel(model)
     for name, module in experts:
         _keep_block(name, module, layout)
         _install_dispatch(module, ep_mesh, tp_mesh)
     return model
+
+
+def _batched_kernel(model: nn.Module) -> None:
+    """transformers' `grouped_mm` experts kernel where the config leaves the default (`eager`: a Python loop over the
+    experts): one grouped GEMM per projection on CUDA (`torch._grouped_mm`) and on CPU (torch ≥ 2.10; 4× eager on a
+    tiny Mixtral here, where `batched_mm`, which gathers a weight matrix per token, is 25× slower). Same values."""
+    config = getattr(model, "config", None)
+    grouped = hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")
+    if grouped and config is not None and getattr(config, "_experts_implementation", None) in (None, "eager"):
+        config._experts_implementation = "grouped_mm"
 
 
 def _keep_block(name: str, module: nn.Module, layout) -> None:
