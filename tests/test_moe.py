@@ -41,6 +41,7 @@ def _build(recipe):
 def test_mixtral_from_a_recipe_is_stock_mixtral_with_gpt_neox_init(tmp_path):
     model = _build(_tiny_mixtral_recipe()).eval()
     assert isinstance(model, MixtralForCausalLM) and model.config.vocab_size == 512
+    assert model.config._experts_implementation == "grouped_mm"  # transformers' batched kernel, not the expert loop
     c = model.config
     assert (c.num_local_experts, c.num_experts_per_tok, c.router_aux_loss_coef, c.output_router_logits) == (8, 2, 0.02,
                                                                                                          True)
@@ -235,7 +236,7 @@ def test_the_dmoe_config_trains_and_saves_a_folder_transformers_loads_with_remot
     assert (m.family, m.moe_num_experts, m.moe_router_type, m.moe_jitter_eps) == ("gpt_neox_moe", 8, "sinkhorn", None)
     assert any("trust_remote_code=True" in note for note in args.notices)
     model = _build(args.recipe)
-    assert isinstance(model, NeoXMoEForCausalLM)
+    assert isinstance(model, NeoXMoEForCausalLM) and model.config._experts_implementation == "grouped_mm"
     assert [isinstance(layer.mlp, GPTNeoXMoEBlock) for layer in model.gpt_neox.layers] == [True, False, True]
     assert model.gpt_neox.layers[0].mlp.experts.up_proj.shape == (8, 48, 32)  # experts on dim 0
     model.save_pretrained(tmp_path)

@@ -24,7 +24,7 @@ from transformers import MixtralConfig, MixtralForCausalLM, MixtralModel
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralPreTrainedModel, MixtralTopKRouter
 
 from neox_hf.model.init import _NeoXInitMixin
-from neox_hf.model.moe import attach_router_records, init_experts_, init_router_
+from neox_hf.model.moe import ExpertsKernels, attach_router_records, init_experts_, init_router_
 from neox_hf.model.spec import ModelSpec, family_config_kwargs, register_family
 
 _STOCK_ARCHITECTURES = {"NeoXMixtralForCausalLM": "MixtralForCausalLM", "NeoXMixtralModel": "MixtralModel"}
@@ -44,7 +44,7 @@ class NeoXMixtralConfig(MixtralConfig):
         return output
 
 
-class _MixtralInit(_NeoXInitMixin):
+class _MixtralInit(ExpertsKernels, _NeoXInitMixin):
     def _init_weights(self, module):
         if isinstance(module, MixtralExperts):
             return init_experts_(module, self.config, up="gate_up_proj", down="down_proj")

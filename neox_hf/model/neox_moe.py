@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from neox_hf.model import modeling_gpt_neox_moe as remote
 from neox_hf.model.init import _NeoXInitMixin
-from neox_hf.model.moe import attach_router_records, init_experts_, init_router_
+from neox_hf.model.moe import ExpertsKernels, attach_router_records, init_experts_, init_router_
 from neox_hf.model.spec import ModelSpec, family_config_kwargs, register_family
 
 REMOTE_FILE = "modeling_gpt_neox_moe.py"
@@ -45,7 +45,7 @@ class NeoXMoEConfig(remote.GPTNeoXMoEConfig):
         return output
 
 
-class _NeoXMoEInit(_NeoXInitMixin):
+class _NeoXMoEInit(ExpertsKernels, _NeoXInitMixin):
     def _init_weights(self, module):
         if isinstance(module, remote.GPTNeoXMoEExperts):
             return init_experts_(module, self.config, up="up_proj", down="down_proj")
