@@ -20,6 +20,7 @@ is refused with the exact command to use, not with a process-group traceback.
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import sys
@@ -224,6 +225,7 @@ def check_launch(recipe, recipe_path: str | None = None) -> None:
     need = required_model_parallel(p)
     world = launch_world_size()
     if world % need == 0:
+        _check_expert_groups(p, world // need * getattr(p, "context_parallel", 1), need, recipe_path)
         _check_train_batch(recipe, world // need, need, recipe_path)
         return
     what = " × ".join(f"{name} {size}" for name, size in (("pipeline", p.pipeline_parallel), ("tensor parallel", p.tensor_parallel),
@@ -238,6 +240,18 @@ def check_launch(recipe, recipe_path: str | None = None) -> None:
         f"processes must be a multiple of {need}; launch it with: "
         f"{launch_command(need, recipe_path, backend=p.backend)}"
     )
+
+
+def _check_expert_groups(parallel, data_cp: int, model_parallel: int, recipe_path: str | None) -> None:
+    """Experts over data-parallel ranks need a multiple of `expert_parallel` of them (× context parallel)."""
+    ep = getattr(parallel, "expert_parallel", 1)
+    if ep == 1 or getattr(parallel, "experts_over", "data") != "data" or data_cp % ep == 0:
+        return
+    cp = getattr(parallel, "context_parallel", 1)
+    processes = model_parallel * ep // math.gcd(ep, cp) if cp > 1 else model_parallel * ep
+    raise LaunchError(f"`parallel.expert_parallel: {ep}` splits the experts over {ep} data-parallel ranks, but this "
+                      f"launch has {data_cp // cp}{f' (× context parallel {cp})' if cp > 1 else ''}; launch with: "
+                      f"{launch_command(processes, recipe_path, backend=parallel.backend)}")
 
 
 def _check_train_batch(recipe, data_parallel: int, model_parallel: int, recipe_path: str | None) -> None:
