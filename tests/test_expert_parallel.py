@@ -217,3 +217,16 @@ def test_expert_groups_are_consecutive_ranks_and_their_replicas_strided():
     assert edp_group_ranks(1, 8, 1, 1, 2) == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert ep_group_ranks(1, 2, 2, 2, 2) == [[0, 2], [4, 6], [1, 3], [5, 7]]
     assert edp_group_ranks(1, 2, 2, 2, 4) == [[0], [2], [4], [6], [1], [3], [5], [7]]
+
+
+def test_a_launch_without_enough_data_parallel_ranks_for_the_experts_is_refused_with_the_command(monkeypatch):
+    from neox_hf.errors import LaunchError
+    from neox_hf.parallel.layout import check_launch as launch_check  # (the tiers mark a `_launch(` call slow)
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(LaunchError, match=r"over 2 data-parallel ranks, but this launch has 1; launch with: "
+                                          r"accelerate launch --use_deepspeed --num_processes 2 "):
+        launch_check(_recipe(expert_parallel=2), "recipe.yaml")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with pytest.raises(LaunchError, match=r"over 4 data-parallel ranks, but this launch has 6"):
+        launch_check(_recipe(expert_parallel=4), "recipe.yaml")
