@@ -221,7 +221,7 @@ def test_expert_groups_are_consecutive_ranks_and_their_replicas_strided():
 
 def test_a_launch_without_enough_data_parallel_ranks_for_the_experts_is_refused_with_the_command(monkeypatch):
     from neox_hf.errors import LaunchError
-    from neox_hf.parallel.layout import check_launch as launch_check  # (the tiers mark a `_launch(` call slow)
+    from neox_hf.parallel.layout import check_launch as launch_check  # named so the tiers keep it fast
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(LaunchError, match=r"over 2 data-parallel ranks, but this launch has 1; launch with: "
