@@ -4,13 +4,14 @@ same global batches), on a tiny Mixtral (recipes/tiny-mixtral.yaml shrunk: 2 lay
 router loss on) with micro-batches of one sequence everywhere, so that the router loss, taken per micro-batch, sees
 the same tokens on every layout:
 
-- EP2 (4 data-parallel ranks: 2 expert groups, each expert held by 2 ranks), EP4, EP2 × ZeRO-2, EP2 × FSDP2 and
-  GPT-NeoX's layout (the experts split over the tensor-parallel group, TP2 × 2 data-parallel) train the same 6 steps
-  as one process: losses within 1e-5, final weights within 1e-4, and the first step's gradients as the optimizer sees
+- EP2 (4 data-parallel ranks: 2 expert groups, each expert held by 2 ranks), EP4, EP2 × ZeRO-2, EP2 × FSDP2,
+  GPT-NeoX's layout (the experts split over the tensor-parallel group, TP2 × 2 data-parallel) and TP2 attention ×
+  EP2 over FSDP2 (the experts split over the 2 data-parallel ranks of each TP rank) train the same 6 steps as one
+  process: losses within 1e-5, final weights within 1e-4, and the first step's gradients as the optimizer sees
   them (after DeepSpeed's or FSDP2's reduction) equal to one process's: the experts' within 1e-6 (DeepSpeed #5618's
   bug, experts averaged over the wrong ranks, is a factor of ep here);
 - EP2's layout-free checkpoint (step 3, whole experts under transformers names) resumes on one process, on EP4 and on
-  FSDP2, and EP2 × FSDP2's on one process, each continuing as the uninterrupted run; `neox_hf export` of an EP2 step
+  TP2 × EP2 over FSDP2, and EP2 × FSDP2's on one process, each continuing as the uninterrupted run; `neox_hf export` of an EP2 step
   folder writes the stock Mixtral folder of one process's step;
 - the recipe refuses what expert parallelism does not run, each in one line.
 
@@ -46,7 +47,9 @@ LAYOUTS = {
     "ep2_fsdp2": f"{EP2} --parallel.backend fsdp2",
     "neox_tp2": f"{EP2} --parallel.experts_over tensor --parallel.tensor_parallel 2 "
                 "--train.gradient_accumulation_steps 2",
+    "tp2_ep2_fsdp2": f"{EP2} --parallel.tensor_parallel 2 --parallel.backend fsdp2 --train.gradient_accumulation_steps 2",
 }
+TENSOR_PARALLEL = ("neox_tp2", "tp2_ep2_fsdp2")
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +57,9 @@ def runs(tmp_path_factory, pack_data) -> Path:  # noqa: F811
     root = tmp_path_factory.mktemp("expert_parallel")
     common = [*MIXTRAL, *pack_data]
     resume = lambda source: f"--train.resume {root / source / STEP3}"  # noqa: E731
-    layouts = {**LAYOUTS,  # then EP2's checkpoint resumed on EP4 and on FSDP2 (EP2)
+    layouts = {**LAYOUTS,  # then EP2's checkpoint resumed on EP4 and on TP2 × EP2 over FSDP2
                "ep4_from_ep2": f"--parallel.expert_parallel 4 {resume('ep2')}",
-               "fsdp2_from_ep2": f"{EP2} --parallel.backend fsdp2 {resume('ep2')}"}
+               "tp2_ep2_fsdp2_from_ep2": f"{LAYOUTS['tp2_ep2_fsdp2']} {resume('ep2')}"}
     launch = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
          str(REPO / "tests" / "workers" / "expert_parallel_layouts.py"), str(root),
@@ -124,7 +127,7 @@ TP_EMBEDDING = ("model.embed_tokens.weight",)
 def test_expert_parallel_layout_trains_as_one_process(runs, layout):
     import torch
 
-    skip = TP_EMBEDDING if layout == "neox_tp2" else ()
+    skip = TP_EMBEDDING if layout in TENSOR_PARALLEL else ()
     assert _worst_loss(runs / "one", runs / layout, range(1, 7)) <= 1e-5
     assert _worst_weight(runs / "one", runs / layout, skip) <= 1e-4
     want, got = torch.load(runs / "one.grads.pt"), torch.load(runs / f"{layout}.grads.pt")
@@ -145,7 +148,7 @@ def test_expert_parallel_start_up_says_how_experts_are_split(runs):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("resumed, source", [("ep4_from_ep2", "ep2"), ("fsdp2_from_ep2", "ep2"),
+@pytest.mark.parametrize("resumed, source", [("ep4_from_ep2", "ep2"), ("tp2_ep2_fsdp2_from_ep2", "ep2"),
                                              ("one_from_ep2", "ep2"), ("one_from_ep2_fsdp2", "ep2_fsdp2")])
 def test_an_expert_parallel_checkpoint_resumes_on_another_layout(runs, resumed, source):
     assert _worst_loss(runs / source, runs / resumed, range(4, 7)) <= 1e-5
@@ -183,6 +186,7 @@ def _recipe(**parallel):
     ({"zero_stage": 3}, "`parallel.zero_stage: 3`"),
     ({"pipeline_parallel": 2}, "`parallel.pipeline_parallel` > 1"),
     ({"tensor_parallel": 2}, "set `parallel.experts_over: tensor`"),
+    ({"tensor_parallel": 2, "experts_over": "data"}, "or `parallel.backend: fsdp2`"),
     ({"experts_over": "tensor"}, "set tensor_parallel: 2, or experts_over: data"),
     ({"expert_parallel": 0}, "`parallel.expert_parallel` must be ≥ 1"),
 ])

@@ -72,7 +72,7 @@ class FSDP2Engine(ReplicaEngine):
     def _expert_lines(self) -> list[str]:
         line = describe_experts(self.model, self.layout)
         if line and self.layout.experts_over_data:
-            line += f"; FSDP2 shards each expert block over the {self.layout.edp} rank(s) holding it"
+            line += f"; FSDP2 shards each expert block over the {self.layout.edp * self.layout.tp} rank(s) holding it"
         return [line] if line else []
 
     def _context_parallel_lines(self) -> list[str]:
@@ -174,22 +174,24 @@ class FSDP2Engine(ReplicaEngine):
         if not self.layout.experts_over_data:
             return
         self.expert_mesh = self._expert_meshes()
-        self.expert_shard_mesh = self.expert_mesh["edp"]
+        self.expert_shard_mesh = self.expert_mesh["efsdp"]
         for _, experts in expert_modules(core):
             fully_shard(experts, mesh=self.expert_shard_mesh, mp_policy=policy)
             experts.set_gradient_divide_factor(float(self.layout.dp_cp))
             # a divide factor is NCCL's PreMulSum otherwise (not in gloo); over one rank FSDP2 divides once already
-            experts.set_force_sum_reduction_for_comms(self.layout.edp > 1)
+            experts.set_force_sum_reduction_for_comms(self.layout.edp * self.layout.tp > 1)
 
     def _expert_meshes(self):
-        """The (ep, edp) mesh of this rank's dp × cp group: an expert block is Shard(0) over ep, FSDP2's shards of it
-        Shard(0) over edp (the layout-free state's view of it). Collective."""
+        """The (ep, efsdp) mesh of the experts: an expert block is Shard(0) over the expert group and held by every
+        rank of the same expert-group rank (the expert-data-parallel ranks × the TP ranks, whose token slices
+        differ), which FSDP2 shards it over (Shard(0) of the block: the layout-free state's view). Collective."""
         from torch.distributed.device_mesh import DeviceMesh
 
         layout = self.layout
-        groups = dp_cp_group_ranks(layout.pp, layout.dp, layout.tp, layout.cp)
-        ranks = torch.tensor(groups).reshape(len(groups), layout.edp, layout.ep).transpose(1, 2)
-        return DeviceMesh(self.accelerator.device.type, ranks, mesh_dim_names=("replica", "ep", "edp"))["ep", "edp"]
+        ranks = torch.tensor([[[((pp * layout.dp_cp + edp * layout.ep + ep) * layout.tp + tp)
+                                for edp in range(layout.edp) for tp in range(layout.tp)]
+                               for ep in range(layout.ep)] for pp in range(layout.pp)])
+        return DeviceMesh(self.accelerator.device.type, ranks, mesh_dim_names=("pp", "ep", "efsdp"))["ep", "efsdp"]
 
     def before_micro_batch(self, last: bool) -> None:
         """Reduce-scatter (and under HSDP all-reduce) the gradients in the last micro-batch's backward only: the

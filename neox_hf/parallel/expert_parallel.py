@@ -125,7 +125,10 @@ def _meshes(layout):
     ep_mesh = DeviceMesh.from_group(layout.ep_group, device, mesh_dim_names=("ep",))
     if layout.experts_over == "tensor":
         return ep_mesh, ep_mesh
-    return ep_mesh, DeviceMesh.from_group(layout.tp_self_group, device, mesh_dim_names=("tp",))
+    # with TP (FSDP2 only), each rank of a TP group dispatches a disjoint slice of the batch they share over its own
+    # expert group (the ranks of its TP rank): an expert's replicas on the TP ranks see different tokens
+    group = layout.tp_group if layout.tp > 1 else layout.tp_self_group
+    return ep_mesh, DeviceMesh.from_group(group, device, mesh_dim_names=("tp",))
 
 
 def divide_gradients_for_deepspeed(model: nn.Module, layout) -> None:

@@ -1026,9 +1026,10 @@ def _validate_expert_parallel(recipe: Recipe) -> None:
         (p.sequence_parallel, "`parallel.sequence_parallel: true`", "set sequence_parallel: false"),
         (p.dp_replicate > 1, "`parallel.dp_replicate` > 1 (HSDP)", "use dp_replicate: 1"),
         (recipe.peft.method is not None, "`peft.method`", "train the full model, or expert_parallel: 1"),
-        (not over_tensor and p.tensor_parallel > 1, "`parallel.tensor_parallel` > 1 and `parallel.experts_over: data`",
-         "set `parallel.experts_over: tensor` (GPT-NeoX's layout: the experts split over the tensor-parallel group) "
-         "with expert_parallel = tensor_parallel"),
+        (not over_tensor and p.tensor_parallel > 1 and p.backend != "fsdp2", "`parallel.tensor_parallel` > 1 and "
+         "`parallel.experts_over: data` on DeepSpeed (its one data-parallel group cannot reduce the experts over the "
+         "tensor-parallel ranks too)", "set `parallel.experts_over: tensor` (GPT-NeoX's layout: the experts split over "
+         "the tensor-parallel group) with expert_parallel = tensor_parallel, or `parallel.backend: fsdp2`"),
         (over_tensor and p.tensor_parallel != ep, f"`parallel.experts_over: tensor` and `parallel.tensor_parallel: "
          f"{p.tensor_parallel}`", f"set tensor_parallel: {ep}, or experts_over: data"),
         (over_tensor and p.context_parallel > 1, "`parallel.experts_over: tensor` and `parallel.context_parallel` > 1",
