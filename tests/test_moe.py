@@ -289,3 +289,22 @@ def test_a_llama_style_gpt_neox_moe_config_is_mixtral(tmp_path):
     assert any("MixtralForCausalLM" in note and "ParallelGroupedLLaMAMLP" in note for note in args.notices)
     model = _build(args.recipe)
     assert isinstance(model, MixtralForCausalLM) and model.config.router_jitter_noise == 0.1
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_neox_moe"])
+def test_eval_and_generate_load_the_saved_folder_as_trained(tmp_path, family):
+    """`neox_hf eval` / `generate` load a saved MoE folder (`neox_hf.inference.load_base_model`, no remote code) to
+    the logits of the model that was saved, routing included (fp32)."""
+    from neox_hf.inference import load_base_model
+    from neox_hf.model.folder import save_hf_folder
+
+    extra = {"use_parallel_residual": False, "moe_top_k": 2} if family == "gpt_neox_moe" else {}
+    model = _build(recipe_from_dict({"model": {"family": family, "num_layers": 2, "hidden_size": 32,
+                                               "num_attention_heads": 4, "intermediate_size": 48,
+                                               "moe_num_experts": 4, "seq_length": 16, **extra},
+                                     "train": {"precision": "fp32"}})).eval()
+    save_hf_folder(model, tmp_path)
+    loaded = load_base_model(tmp_path)
+    ids = torch.randint(0, 500, (2, 16))
+    assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=0)
+    assert loaded.generate(ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
