@@ -137,6 +137,24 @@ def test_moe_keys_a_family_cannot_express_are_refused_by_name(model, key):
         recipe_from_dict({"model": {"num_layers": 2, **model}})
 
 
+def test_lora_on_the_experts_is_refused_by_name_and_on_attention_trains():
+    from neox_hf.finetune import wrap_with_peft
+    from neox_hf.objectives.lm import LMObjective
+
+    with pytest.raises(RecipeError, match="gate_up_proj"):
+        recipe_from_dict({"model": {"family": "mixtral", "moe_num_experts": 4},
+                          "peft": {"method": "lora", "target_modules": ["gate_up_proj"]}})
+    recipe = recipe_from_dict({"model": {"family": "mixtral", "num_layers": 2, "hidden_size": 32,
+                                         "num_attention_heads": 4, "intermediate_size": 48, "moe_num_experts": 4,
+                                         "seq_length": 16}, "peft": {"method": "lora"}, "train": {"precision": "fp32"}})
+    model = wrap_with_peft(_build(recipe), recipe.peft).train()  # GPT-NeoX's default names → q/k/v/o_proj
+    trained = {n.split(".")[-4] for n, p in model.named_parameters() if p.requires_grad}
+    assert trained == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    ids = torch.randint(0, 500, (2, 16))
+    LMObjective().loss(model, {"input_ids": ids, "labels": ids}).loss_sum.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
 def test_moe_with_pipeline_stages_is_refused_by_name():
     with pytest.raises(RecipeError, match="pipeline_parallel"):
         recipe_from_dict({"model": {"family": "mixtral", "moe_num_experts": 4}, "parallel": {"pipeline_parallel": 2}})
@@ -289,3 +307,46 @@ def test_a_llama_style_gpt_neox_moe_config_is_mixtral(tmp_path):
     assert any("MixtralForCausalLM" in note and "ParallelGroupedLLaMAMLP" in note for note in args.notices)
     model = _build(args.recipe)
     assert isinstance(model, MixtralForCausalLM) and model.config.router_jitter_noise == 0.1
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_neox_moe"])
+def test_eval_and_generate_load_the_saved_folder_as_trained(tmp_path, family):
+    """`neox_hf eval` / `generate` load a saved MoE folder (`neox_hf.inference.load_base_model`, no remote code) to
+    the logits of the model that was saved, routing included (fp32)."""
+    from neox_hf.inference import load_base_model
+    from neox_hf.model.folder import save_hf_folder
+
+    extra = {"use_parallel_residual": False, "moe_top_k": 2} if family == "gpt_neox_moe" else {}
+    model = _build(recipe_from_dict({"model": {"family": family, "num_layers": 2, "hidden_size": 32,
+                                               "num_attention_heads": 4, "intermediate_size": 48,
+                                               "moe_num_experts": 4, "seq_length": 16, **extra},
+                                     "train": {"precision": "fp32"}})).eval()
+    save_hf_folder(model, tmp_path)
+    loaded = load_base_model(tmp_path)
+    ids = torch.randint(0, 500, (2, 16))
+    assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=0)
+    assert loaded.generate(ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
+
+
+def test_dpo_on_a_mixtral_adds_the_router_loss_as_trl_does(tmp_path):
+    """DPO's loss per pair on a Mixtral = the DPO loss + router_aux_loss_coef × load_balancing_loss_func over the
+    micro-batch's rows (TRL's DPOTrainer where `output_router_logits`); the frozen reference (a deep copy) routes
+    into its own records, not the policy's."""
+    import copy
+
+    from neox_hf.objectives.dpo import DPOObjective
+
+    folder = save_tiny_stock_mixtral(tmp_path / "stock", output_router_logits=True, router_aux_loss_coef=0.3)
+    policy = _build(recipe_from_dict({"model": {"from_pretrained": str(folder)}})).train()
+    reference = copy.deepcopy(policy).eval()
+    torch.manual_seed(2)
+    ids = torch.randint(2, 500, (4, 12))  # 2 pairs: chosen rows, then rejected rows
+    labels = ids.clone()
+    labels[:, :5] = -100  # the prompt
+    batch = {"input_ids": ids, "labels": labels}
+    with_router = DPOObjective(beta=0.1, reference_model=reference).loss(policy, batch)
+    policy.config.output_router_logits = False  # transformers' switch: no router loss
+    without = DPOObjective(beta=0.1, reference_model=reference).loss(policy, batch)
+    with torch.no_grad():
+        aux = load_balancing_loss_func(policy(ids, output_router_logits=True).router_logits, 8, 2)
+    assert abs((with_router.loss_sum - without.loss_sum).item() / 2 - 0.3 * aux.item()) < 1e-6

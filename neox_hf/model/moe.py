@@ -46,20 +46,25 @@ def attach_router_records(model: nn.Module, routers, trunk: nn.Module, *, num_ex
     """Record every router of `routers` (modules returning (logits, weights, selected experts)) in training forwards
     outside backward (activation checkpointing recomputes the forward inside it); each trunk forward starts afresh."""
     records = RouterRecords(num_experts, top_k)
-    object.__setattr__(model, RECORDS, records)  # not a submodule, not in the state dict
-
-    def record(module, args, output):
-        if module.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-            records.logits.append(output[0])
-            records.selected.append(output[2])
-
-    def start(module, args, kwargs):
-        if torch._C._current_graph_task_id() == -1:
-            records.clear()
-
+    # Held by the model, its trunk and each router (not submodules, not in the state dict), and read by the hooks
+    # from the module they fire on: a deep copy (DPO's frozen reference) records into its own copy, not ours.
+    for module in (model, trunk, *routers):
+        object.__setattr__(module, RECORDS, records)
     for router in routers:
-        router.register_forward_hook(record)
-    trunk.register_forward_pre_hook(start, with_kwargs=True)
+        router.register_forward_hook(_record)
+    trunk.register_forward_pre_hook(_start, with_kwargs=True)
+
+
+def _record(module, args, output) -> None:
+    if module.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        records = getattr(module, RECORDS)
+        records.logits.append(output[0])
+        records.selected.append(output[2])
+
+
+def _start(module, args, kwargs) -> None:
+    if torch._C._current_graph_task_id() == -1:
+        getattr(module, RECORDS).clear()
 
 
 def router_records(model) -> RouterRecords | None:

@@ -1082,6 +1082,11 @@ def _validate_moe(recipe: Recipe) -> None:
         _require(not m.use_parallel_residual, "`model.use_parallel_residual: true` with `model.family: gpt_neox_moe` "
                  "is refused: GPT-NeoX's MoE layers under gpt_j_residual add the experts' output alone (the attention "
                  "output is lost); set it false (GPT-NeoX gpt_j_residual: false, as 125M-dmoe.yml)")
+    experts = {"gate_up_proj", "up_proj", "down_proj", "gate_proj", "experts", "w1", "w2", "w3", "gate"}
+    named = sorted(experts & set(recipe.peft.target_modules)) if recipe.peft.method else []
+    _require(not named, f"`peft.target_modules` names {', '.join(named)}: the experts of `model.family: {m.family}` "
+             "are 3-D parameters, not linear layers, and LoRA on them is not wired here; LoRA trains the attention "
+             "(query_key_value / dense, or q_proj / k_proj / v_proj / o_proj): remove them")
     for refused, what in ((p.pipeline_parallel > 1, "`parallel.pipeline_parallel` > 1"),
                           (p.sequence_parallel, "`parallel.sequence_parallel: true`"),
                           (p.context_parallel > 1, "`parallel.context_parallel` > 1"),
