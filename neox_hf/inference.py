@@ -45,9 +45,9 @@ def check_model_folder(path) -> Path:
         model_type = json.loads((folder / "config.json").read_text()).get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
         raise CheckpointError(f"{folder}/config.json is not a JSON object ({err}); save the model again") from err
-    if model_type not in ("gpt_neox", "llama", "mistral"):
+    if model_type not in ("gpt_neox", "llama", "mistral", "mixtral", "gpt_neox_moe"):
         raise CheckpointError(f"{folder}/config.json has model_type {model_type!r}; neox_hf loads 'gpt_neox', "
-                              "'llama' and 'mistral' models")
+                              "'llama', 'mistral', 'mixtral' and 'gpt_neox_moe' models")
     return folder
 
 

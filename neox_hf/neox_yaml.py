@@ -185,7 +185,6 @@ _SUPPORTED_VALUES = {
 _MUST_BE_FALSY = {
     "gmlp_attn_dim": "gMLP blocks are not GPTNeoX",
     "use_qk_layernorm": "QK layer norm is not part of GPTNeoX",
-    "moe_num_experts": "mixture of experts is not part of GPTNeoX",
     "rotary_interleaved": "GPTNeoX and Llama rotate halves, not interleaved pairs",
     "use_mup": "muP parametrisation is not supported",
 }
@@ -333,6 +332,7 @@ def translate_neox_args(args: dict) -> NeoXTranslation:
     if args.get("intermediate_size") is None and args.get("expansion_factor") and "hidden_size" in args:
         _put(recipe, "model.intermediate_size", int(float(args["expansion_factor"]) * int(args["hidden_size"])))
     handled |= _translate_family(args, recipe, notices)
+    handled |= _translate_moe(args, recipe, notices)
     handled |= _translate_objective(args, recipe, notices)
     handled |= _translate_batch(args, recipe, notices)
     handled |= _translate_optimizer(args, recipe, notices)
@@ -1161,3 +1161,103 @@ def _translate_context_parallel(args: dict, recipe: dict) -> None:
     if size > 1:
         _put(recipe, "parallel.context_parallel", size)
 
+
+# ----------------------------------------------------------------------------------------------------------------
+# Mixture of experts: GPT-NeoX main's dropless MoE, and the DeepSpeed-MoE / MegaBlocks era's keys
+# ----------------------------------------------------------------------------------------------------------------
+
+# Old-era keys with nothing to do in a dropless MoE here (kernels, optimizer groups, capacities unused when no token
+# is dropped); `moe_use_residual` only changed DeepSpeed-MoE layers (moe_type: deepspeed, refused below).
+_MOE_NO_EFFECT = ("moe_lbl_in_fp32", "create_moe_param_group", "use_tutel", "moe_train_capacity_factor",
+                  "moe_eval_capacity_factor", "moe_min_capacity", "moe_use_residual")
+_MOE_KEYS = {"moe_num_experts", "num_experts", "moe_top_k", "moe_expert_interval", "expert_interval",
+             "moe_router_type", "moe_jitter_eps", "moe_loss_coeff", "moe_type", "moe_token_dropping", "moe_glu",
+             "moe_expert_parallel_size", "enable_expert_tensor_parallelism", *_MOE_NO_EFFECT}
+
+
+def _translate_moe(args: dict, recipe: dict, notices: list[str]) -> set[str]:
+    """`moe_num_experts` > 1 (older configs: `num_experts`) → an MoE family: GPT-NeoX layers → `gpt_neox_moe` (GPT-NeoX
+    main's dropless MoE: non-gated experts every `moe_expert_interval` layers, Sinkhorn or top-k routing without
+    renormalisation, no load-balancing loss); Llama-style layers → `mixtral` (MixtralForCausalLM: the gated experts
+    GPT-NeoX defines for Llama layers, ParallelGroupedLLaMAMLP, with Mixtral's router and load-balancing loss).
+    The DeepSpeed-MoE era's keys are translated where they still mean something and refused by name otherwise."""
+    experts = args.get("moe_num_experts", args.get("num_experts"))
+    if "num_experts" in args and "moe_num_experts" not in args:
+        notices.append(f"num_experts {args['num_experts']} → model.moe_num_experts (GPT-NeoX's later name)")
+    experts = _convert("moe_num_experts", experts if experts is not None else 1, _int)
+    if experts <= 1:
+        return _MOE_KEYS
+    if args.get("moe_type", "megablocks") != "megablocks":
+        raise _refuse("moe_type", args["moe_type"], "DeepSpeed-MoE's capacity-limited gating is not reproduced; the "
+                                                   "dropless MegaBlocks MoE (moe_type: megablocks, GPT-NeoX main's) is")
+    if args.get("moe_token_dropping"):
+        raise _refuse("moe_token_dropping", args["moe_token_dropping"], "every token reaches its top-k experts here "
+                                                                         "(dropless, as GPT-NeoX main); set it false")
+    mixtral = recipe.get("model", {}).get("family") == "llama"
+    _put(recipe, "model.family", "mixtral" if mixtral else "gpt_neox_moe")
+    _put(recipe, "model.moe_num_experts", experts)
+    if args.get("moe_top_k") is not None:
+        _put(recipe, "model.moe_top_k", _convert("moe_top_k", args["moe_top_k"], _int))
+    else:
+        _put(recipe, "model.moe_top_k", 1)  # GPT-NeoX's default (Mixtral's own is 2)
+    interval_key = "moe_expert_interval" if "moe_expert_interval" in args else "expert_interval"
+    interval = _convert(interval_key, args.get(interval_key, 1), _int)
+    if args.get("moe_jitter_eps") is not None:
+        _put(recipe, "model.moe_jitter_eps", _convert("moe_jitter_eps", args["moe_jitter_eps"], float))
+    if mixtral:
+        _translate_mixtral(args, recipe, notices, interval_key, interval)
+    else:
+        _translate_gpt_neox_moe(args, recipe, notices, interval)
+    if _int(args.get("moe_expert_parallel_size") or 1) > 1:
+        _put(recipe, "parallel.expert_parallel", _convert("moe_expert_parallel_size",
+                                                          args["moe_expert_parallel_size"], _int))
+    ignored = [k for k in _MOE_NO_EFFECT if k in args]
+    if ignored:
+        notices.append("no effect on a dropless MoE here: " + ", ".join(ignored))
+    if args.get("enable_expert_tensor_parallelism"):
+        notices.append("enable_expert_tensor_parallelism: where experts live is `parallel.expert_parallel` here")
+    return _MOE_KEYS
+
+
+def _translate_mixtral(args: dict, recipe: dict, notices: list[str], interval_key: str, interval: int) -> None:
+    if interval != 1:
+        raise _refuse(interval_key, args[interval_key], "Llama-style MoE layers build MixtralForCausalLM, which has "
+                                                        "experts in every layer; set it 1")
+    for key, name in (("use_bias_in_attn_linear", "attention_bias"), ("use_bias_in_mlp", "mlp_bias")):
+        if args.get(key) is True:
+            raise _refuse(key, True, "MixtralForCausalLM's linears have no biases; set it false")
+        _put(recipe, f"model.{name}", False)
+    notices[:] = [n for n in notices if not n.startswith("GPT-NeoX builds these biases")]
+    hidden = int(args.get("hidden_size") or 0)
+    width = args.get("intermediate_size") or 256 * -(-int(2 * hidden * 4 / 3) // 256)
+    _put(recipe, "model.intermediate_size", _convert("intermediate_size", width, _int))
+    coef = _convert("moe_loss_coeff", args["moe_loss_coeff"], float) if "moe_loss_coeff" in args else 0.02
+    _put(recipe, "model.moe_aux_loss_coef", coef)
+    notices.append(f"moe_num_experts with rmsnorm + swiglu → MixtralForCausalLM: gated SwiGLU experts of width {width} "
+                   "(GPT-NeoX's ParallelGroupedLLaMAMLP; GPT-NeoX main's dMoE builds ParallelGroupedMLP with a "
+                   "non-gated swish instead), routed by Mixtral's softmax top-k renormalised over the chosen experts "
+                   f"with its load-balancing loss (weight {coef}"
+                   + (", moe_loss_coeff" if "moe_loss_coeff" in args else ", transformers' default")
+                   + f"); moe_router_type {args.get('moe_router_type', 'sinkhorn')} and the biases do not apply")
+    if args.get("moe_jitter_eps") is not None:
+        notices.append("moe_jitter_eps → Mixtral's router_jitter_noise, which jitters the experts' input as well as "
+                       "the router's (GPT-NeoX's top-k router jitters the router's input only)")
+
+
+def _translate_gpt_neox_moe(args: dict, recipe: dict, notices: list[str], interval: int) -> None:
+    if args.get("moe_glu"):
+        raise _refuse("moe_glu", args["moe_glu"], "GPT-NeoX layers' experts are non-gated (GPT-NeoX main's "
+                                                  "ParallelGroupedMLP); use rmsnorm + swiglu for gated experts")
+    if args.get("moe_loss_coeff"):
+        raise _refuse("moe_loss_coeff", args["moe_loss_coeff"], "GPT-NeoX main's dropless MoE has no load-balancing "
+                                                                "loss (Sinkhorn balances); remove it or set 0")
+    _put(recipe, "model.moe_expert_interval", interval)
+    router = args.get("moe_router_type") or "sinkhorn"
+    _put(recipe, "model.moe_router_type", router)
+    hidden = int(args.get("hidden_size") or 0)
+    width = args.get("intermediate_size") or 256 * -(-4 * hidden // 256)
+    _put(recipe, "model.intermediate_size", _convert("intermediate_size", width, _int))
+    notices.append(f"moe_num_experts {args.get('moe_num_experts', args.get('num_experts'))} → GPT-NeoX's dropless MoE "
+                   f"every {interval} layer(s) from layer 0 (non-gated experts of width {width}, {router} routing, no "
+                   "renormalisation, no load-balancing loss); saved as a folder transformers loads with "
+                   "trust_remote_code=True")

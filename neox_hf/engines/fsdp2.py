@@ -38,7 +38,9 @@ from neox_hf.engines.replica import ReplicaEngine, enable_activation_checkpointi
 from neox_hf.errors import LaunchError, RecipeError
 from neox_hf.ops.context_parallel import HEAD_TAIL
 from neox_hf.ops.ring_attention import register_ring_attention
-from neox_hf.parallel.layout import cp_group_ranks
+from neox_hf.parallel.expert_parallel import (apply_expert_parallel, describe_experts, expert_modules,
+                                              expert_squares_over_group, gather_experts, is_expert_parameter)
+from neox_hf.parallel.layout import cp_group_ranks, dp_cp_group_ranks
 from neox_hf.parallel.tp_plan import partition_dim
 
 
@@ -65,7 +67,13 @@ class FSDP2Engine(ReplicaEngine):
     def startup_lines(self) -> list[str]:
         compiled = ", each decoder layer compiled" if compiles(self.recipe.train, self.accelerator.device) else ""
         return [f"engine: {self.describe()}, per decoder layer, mixed precision {self.recipe.train.precision}"
-                f"{compiled}", *self._context_parallel_lines()]
+                f"{compiled}", *self._context_parallel_lines(), *self._expert_lines()]
+
+    def _expert_lines(self) -> list[str]:
+        line = describe_experts(self.model, self.layout)
+        if line and self.layout.experts_over_data:
+            line += f"; FSDP2 shards each expert block over the {self.layout.edp * self.layout.tp} rank(s) holding it"
+        return [line] if line else []
 
     def _context_parallel_lines(self) -> list[str]:
         cp, length = self.layout.cp, self.recipe.model.seq_length
@@ -122,6 +130,7 @@ class FSDP2Engine(ReplicaEngine):
                               "is sharded as its own group for the fused loss; set `model.tie_word_embeddings: false` "
                               "or use `parallel.backend: deepspeed`")
         model = tensor_parallel_once(model, self.layout, sequence_parallel=recipe.parallel.sequence_parallel)
+        model = apply_expert_parallel(model, self.layout)
         if recipe.parallel.activation_checkpointing:
             enable_activation_checkpointing(model)
         if compiles(recipe.train, self.accelerator.device):
@@ -136,6 +145,7 @@ class FSDP2Engine(ReplicaEngine):
         # shards every parameter on its own, frozen or not, and reduces gradients only for those that require grad;
         # the PeftModel around it holds no parameter of its own and stays unsharded (peft saves through it).
         core = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self._shard_experts(core, policy)
         layer_classes = set(getattr(core, "_no_split_modules", None) or ())
         for module in [m for m in core.modules() if type(m).__name__ in layer_classes]:
             fully_shard(module, mesh=mesh, mp_policy=policy)
@@ -152,6 +162,36 @@ class FSDP2Engine(ReplicaEngine):
         if self.layout.cp > 1:
             self.context_parallel_attention = register_ring_attention(self.context_parallel_mesh())
         return self.model, self.optimizer
+
+    def _shard_experts(self, core, policy) -> None:
+        """With experts over data-parallel ranks, each experts module its own group over the ranks holding the same
+        experts (the expert-data-parallel mesh), before the layers take the dense parameters over every data-parallel
+        rank. Its gradient, which the backward all-to-all already summed over the expert group, is summed over that
+        mesh and divided by every data-parallel rank (not by the mesh's size: DeepSpeed #5618's scaling bug), so an
+        expert steps as on one process. (With experts over the TP group they are TP shards: nothing here.)"""
+        from torch.distributed.fsdp import fully_shard
+
+        if not self.layout.experts_over_data:
+            return
+        self.expert_mesh = self._expert_meshes()
+        self.expert_shard_mesh = self.expert_mesh["efsdp"]
+        for _, experts in expert_modules(core):
+            fully_shard(experts, mesh=self.expert_shard_mesh, mp_policy=policy)
+            experts.set_gradient_divide_factor(float(self.layout.dp_cp))
+            # a divide factor is NCCL's PreMulSum otherwise (not in gloo); over one rank FSDP2 divides once already
+            experts.set_force_sum_reduction_for_comms(self.layout.edp * self.layout.tp > 1)
+
+    def _expert_meshes(self):
+        """The (ep, efsdp) mesh of the experts: an expert block is Shard(0) over the expert group and held by every
+        rank of the same expert-group rank (the expert-data-parallel ranks × the TP ranks, whose token slices
+        differ), which FSDP2 shards it over (Shard(0) of the block: the layout-free state's view). Collective."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        layout = self.layout
+        ranks = torch.tensor([[[((pp * layout.dp_cp + edp * layout.ep + ep) * layout.tp + tp)
+                                for edp in range(layout.edp) for tp in range(layout.tp)]
+                               for ep in range(layout.ep)] for pp in range(layout.pp)])
+        return DeviceMesh(self.accelerator.device.type, ranks, mesh_dim_names=("pp", "ep", "efsdp"))["ep", "efsdp"]
 
     def before_micro_batch(self, last: bool) -> None:
         """Reduce-scatter (and under HSDP all-reduce) the gradients in the last micro-batch's backward only: the
@@ -171,18 +211,25 @@ class FSDP2Engine(ReplicaEngine):
         import torch.distributed as dist
 
         named = [(name, p) for name, p in self.model.named_parameters() if p.grad is not None]
+        on_expert_mesh = [p for name, p in named if self.layout.experts_over_data and is_expert_parameter(name)]
+        named = [(name, p) for name, p in named if not (self.layout.experts_over_data and is_expert_parameter(name))]
         params = [p for _, p in named]
-        split = [p.grad for name, p in named if self.layout.tp > 1 and partition_dim(name) is not None]
-        whole = [p.grad for name, p in named if not (self.layout.tp > 1 and partition_dim(name) is not None)]
+        experts = [p.grad for p in on_expert_mesh]
+        split = [p.grad for name, p in named if _split_dim(name, self.layout) is not None]
+        whole = [p.grad for name, p in named if _split_dim(name, self.layout) is None]
         device = self.accelerator.device
         squares = _norm(whole, device) ** 2
+        if experts:  # on their own mesh; each rank of the expert group holds other experts
+            squares = squares + expert_squares_over_group(_norm(experts, device) ** 2, self.layout)
         if split:
             split_squares = _norm(split, device) ** 2
             dist.all_reduce(split_squares, group=self.layout.tp_group)
             squares = squares + split_squares
         norm = squares.sqrt()
         if self.recipe.train.clip_grad > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.recipe.train.clip_grad, norm)
+            for group in (params, on_expert_mesh):  # one mesh at a time
+                if group:
+                    torch.nn.utils.clip_grads_with_norm_(group, self.recipe.train.clip_grad, norm)
         return norm
 
     def full_state_dict(self) -> dict | None:
@@ -193,21 +240,21 @@ class FSDP2Engine(ReplicaEngine):
         from neox_hf.parallel.mappings import gather_along_dim
 
         self._reshard()
-        if self.layout.tp == 1:
+        if self.layout.tp == 1 and self.layout.ep == 1:
             return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         merged = {}
         for key, tensor in self.model.state_dict().items():
             local = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            dim = partition_dim(key)
+            dim = None if is_expert_parameter(key) else _split_dim(key, self.layout)
             merged[key] = (local if dim is None else gather_along_dim(local, dim, self.layout.tp_group)).detach().cpu()
-        return merged
+        return gather_experts(merged, self.layout)  # each rank's expert block, whole over the expert group
 
     def named_full_parameters(self):
         """(name, the sharded parameter, its TP dimension) of every trained parameter; resharded first."""
         self._reshard()
         for name, param in self.model.named_parameters():
             if param.requires_grad:
-                yield name, param, partition_dim(name) if self.layout.tp > 1 else None
+                yield name, param, _split_dim(name, self.layout)
 
     def _reshard(self) -> None:
         """Every group's parameters back to their shards (DTensors). The objectives call the decoder, not the model
@@ -264,7 +311,10 @@ class FSDP2Engine(ReplicaEngine):
 
     def _full_view(self, value, tp_dim):
         """`value` (a DTensor over the data-parallel mesh, whose whole is this rank's TP slice) as a DTensor of the
-        full tensor over the whole mesh: TP split (or replicated) first, then FSDP2's sharding of the slice."""
+        full tensor over the whole mesh: TP split (or replicated) first, then FSDP2's sharding of the slice. An expert
+        block over data-parallel ranks: Shard(0) over the expert group, then FSDP2's Shard(0) of the block."""
+        if self.layout.experts_over_data and getattr(value, "device_mesh", None) == self.expert_shard_mesh:
+            return _expert_view(value, self.expert_mesh, self.layout.ep)
         if self.layout.tp == 1:
             return value
         from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -277,6 +327,27 @@ class FSDP2Engine(ReplicaEngine):
         placements = [Shard(tp_dim) if tp_dim is not None else Replicate(), *replicas, *value.placements]
         return DTensor.from_local(value.to_local(), self.mesh, placements, run_check=False, shape=full,
                                   stride=torch.empty(full, device="meta").stride())
+
+
+def _split_dim(name: str, layout) -> int | None:
+    """The dimension `name` is split along over the tensor-parallel group (experts over it: the expert dim)."""
+    if layout.tp == 1:
+        return None
+    if layout.experts_over == "tensor" and layout.ep > 1 and is_expert_parameter(name):
+        return 0
+    return partition_dim(name)
+
+
+def _expert_view(value, mesh, ep: int):
+    """`value` (a DTensor of this rank's expert block over the expert-data-parallel mesh) as a DTensor of the whole
+    tensor over the (ep, edp) mesh."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = list(value.shape)
+    shape[0] *= ep
+    full = torch.Size(shape)
+    return DTensor.from_local(value.to_local(), mesh, [Shard(0), *value.placements], run_check=False, shape=full,
+                              stride=torch.empty(full, device="meta").stride())
 
 
 def _keep_checkpoint_key_renames(model) -> None:

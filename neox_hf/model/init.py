@@ -40,13 +40,14 @@ def parameter_generator(seed: int, name: str) -> torch.Generator:
 def initial_tensor(config, name: str, shape, seed: int) -> torch.Tensor:
     """The full-size fp32 initial value of the parameter `name` (its key in the family's CausalLM, e.g.
     `gpt_neox.layers.3.attention.dense.weight`): GPT-NeoX's per-role normal for matrices (Linear and Embedding weights,
-    the only 2-D parameters of our families), zeros for biases, ones for norm gains — as `_init_weights` gives, but
-    independent of which modules a rank builds and in which order."""
+    routers, the 3-D expert weights of MoE families), zeros for biases, ones for norm gains — as `_init_weights`
+    gives, but independent of which modules a rank builds and in which order."""
     if name.endswith(".bias"):
         return torch.zeros(shape)
     if len(shape) == 1:
         return torch.ones(shape)
-    output_layer = name.rsplit(".", 1)[0].endswith(spec_for_config(config).output_layers)
+    # a Linear's `…mlp.down_proj.weight` names its module; a 3-D experts tensor (`…mlp.experts.down_proj`) is its own
+    output_layer = name.removesuffix(".weight").endswith(spec_for_config(config).output_layers)
     method = config.output_layer_init_method if output_layer else config.init_method
     std = init_std(method, hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
                    sigma=config.initializer_range)

@@ -23,8 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from neox_hf.errors import DataError
+from neox_hf.model.moe import micro_batch_router_loss
 from neox_hf.objectives.base import Objective, ObjectiveLoss, reference_logps_for, sequence_logps
 from neox_hf.ops.context_parallel import counts_sequences
+from neox_hf.ops.loss import causal_lm_module
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -81,7 +83,11 @@ class DPOObjective(Objective):
                        "rewards/margins": (reward_c - reward_r).sum(),
                        "logps/chosen": chosen.sum(), "logps/rejected": rejected.sum()}
         counted = float(counts_sequences(batch))
-        return ObjectiveLoss(loss_sum=losses.sum() * counted, units=self.units(batch),
+        loss_sum = losses.sum() * counted
+        router_loss = micro_batch_router_loss(causal_lm_module(model), batch, self.units(batch))  # MoE, as TRL's
+        if router_loss is not None:
+            loss_sum = loss_sum + router_loss
+        return ObjectiveLoss(loss_sum=loss_sum, units=self.units(batch),
                              metric_sums={k: v.detach() * counted for k, v in metrics.items()})
 
     def _reference(self, batch: dict, fused: bool) -> torch.Tensor:

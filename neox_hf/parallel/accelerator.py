@@ -88,9 +88,11 @@ def deepspeed_config(parallel: ParallelConfig, train: TrainConfig) -> dict:
         "wall_clock_breakdown": False,
     }
     model_parallel = parallel.tensor_parallel * parallel.pipeline_parallel
-    if model_parallel > 1:
+    # experts over data-parallel ranks: DeepSpeed's data-parallel group is the expert-data-parallel one (tp_groups)
+    experts = parallel.expert_parallel if parallel.expert_parallel > 1 and parallel.experts_over == "data" else 1
+    if model_parallel * experts > 1:
         # accelerate would fill "auto" with every process; the data-parallel size is world / (TP × PP).
-        data_parallel = max(1, int(os.environ.get("WORLD_SIZE", "1")) // model_parallel)
+        data_parallel = max(1, int(os.environ.get("WORLD_SIZE", "1")) // model_parallel // experts)
         config["train_batch_size"] = train.micro_batch_size * train.gradient_accumulation_steps * data_parallel
     if parallel.pipeline_parallel > 1:
         # DeepSpeed would send each TP rank 1/TP of an activation and all-gather it on the next stage, caching the

@@ -20,6 +20,7 @@ is refused with the exact command to use, not with a process-group traceback.
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import sys
@@ -50,6 +51,17 @@ class Layout:
     # The tensor-parallel group even when tp == 1 (this rank alone), for DeepSpeed's mpu: DeepSpeed's fp32 ZeRO-0
     # clipping all-reduces the squared norm over `get_model_parallel_group()`, where None means every rank
     tp_self_group: object = None
+    # Expert parallelism (`neox_hf.parallel.expert_parallel`): each MoE layer's experts split over `ep` ranks that
+    # exchange tokens by all-to-all. `experts_over` "data": the ep ranks are consecutive ranks of the dp × cp axis
+    # (different tokens, the same dense parameters; dp_cp index = edp_rank × ep + ep_rank, DeepSpeed's MoE order);
+    # "tensor": GPT-NeoX's layout, the experts split over the tensor-parallel group (ep = tp, one batch).
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: object = None  # None when ep == 1
+    experts_over: str = "data"
+    # the ranks holding the same experts (their gradients are reduced, ZeRO / FSDP2 shard them, over it): dp × cp / ep
+    # ranks with experts over data, the dp × cp group with experts over the TP group
+    edp_group: object = None
 
     @property
     def world_size(self) -> int:
@@ -68,6 +80,17 @@ class Layout:
     @property
     def dp_cp_rank(self) -> int:
         return self.dp_rank * self.cp + self.cp_rank
+
+    @property
+    def edp(self) -> int:
+        """Ranks that hold the same experts: data × context parallel, less the ranks the experts are split over."""
+        return self.dp_cp // self.ep if self.experts_over == "data" else self.dp_cp
+
+    @property
+    def experts_over_data(self) -> bool:
+        """Whether experts are split over ranks that read different tokens (their dense gradients then need the
+        expert group's sum too: `neox_hf.parallel.expert_parallel`)."""
+        return self.ep > 1 and self.experts_over == "data"
 
     @property
     def is_first_stage(self) -> bool:
@@ -93,6 +116,9 @@ class Layout:
             parts.append(f"context parallel {self.cp}")
         if self.tp > 1:
             parts.append(f"tensor parallel {self.tp}")
+        if self.ep > 1:
+            over = "the tensor-parallel group" if self.experts_over == "tensor" else "data-parallel ranks"
+            parts.append(f"expert parallel {self.ep} (over {over})")
         if self.pp > 1:
             parts.append(f"{self.pp} pipeline stages")
         return " × ".join(parts) + f" = {self.world_size} process(es)"
@@ -199,6 +225,7 @@ def check_launch(recipe, recipe_path: str | None = None) -> None:
     need = required_model_parallel(p)
     world = launch_world_size()
     if world % need == 0:
+        _check_expert_groups(p, world // need * getattr(p, "context_parallel", 1), need, recipe_path)
         _check_train_batch(recipe, world // need, need, recipe_path)
         return
     what = " × ".join(f"{name} {size}" for name, size in (("pipeline", p.pipeline_parallel), ("tensor parallel", p.tensor_parallel),
@@ -213,6 +240,18 @@ def check_launch(recipe, recipe_path: str | None = None) -> None:
         f"processes must be a multiple of {need}; launch it with: "
         f"{launch_command(need, recipe_path, backend=p.backend)}"
     )
+
+
+def _check_expert_groups(parallel, data_cp: int, model_parallel: int, recipe_path: str | None) -> None:
+    """Experts over data-parallel ranks need a multiple of `expert_parallel` of them (× context parallel)."""
+    ep = getattr(parallel, "expert_parallel", 1)
+    if ep == 1 or getattr(parallel, "experts_over", "data") != "data" or data_cp % ep == 0:
+        return
+    cp = getattr(parallel, "context_parallel", 1)
+    processes = model_parallel * ep // math.gcd(ep, cp) if cp > 1 else model_parallel * ep
+    raise LaunchError(f"`parallel.expert_parallel: {ep}` splits the experts over {ep} data-parallel ranks, but this "
+                      f"launch has {data_cp // cp}{f' (× context parallel {cp})' if cp > 1 else ''}; launch with: "
+                      f"{launch_command(processes, recipe_path, backend=parallel.backend)}")
 
 
 def _check_train_batch(recipe, data_parallel: int, model_parallel: int, recipe_path: str | None) -> None:
@@ -259,9 +298,42 @@ def build_layout(parallel) -> Layout:
     # Only with context parallelism: the groups of a layout without it stay exactly as they were.
     cp_group = _group_containing(rank, cp_group_ranks(pp, dp, tp, cp)) if cp > 1 else None
     dp_cp_group = _group_containing(rank, dp_cp_group_ranks(pp, dp, tp, cp)) if cp > 1 else dp_group
-    return Layout(pp=pp, tp=tp, dp=dp, pp_rank=pp_rank, tp_rank=tp_rank, dp_rank=dp_rank,
-                  tp_group=tp_group if tp > 1 else None, dp_group=dp_group, pp_group=pp_group if pp > 1 else None,
-                  cp=cp, cp_rank=cp_rank, cp_group=cp_group, dp_cp_group=dp_cp_group, tp_self_group=tp_group)
+    layout = Layout(pp=pp, tp=tp, dp=dp, pp_rank=pp_rank, tp_rank=tp_rank, dp_rank=dp_rank,
+                    tp_group=tp_group if tp > 1 else None, dp_group=dp_group, pp_group=pp_group if pp > 1 else None,
+                    cp=cp, cp_rank=cp_rank, cp_group=cp_group, dp_cp_group=dp_cp_group, tp_self_group=tp_group)
+    return _with_expert_groups(layout, getattr(parallel, "expert_parallel", 1),
+                               getattr(parallel, "experts_over", "data"))
+
+
+def ep_group_ranks(pp: int, dp: int, tp: int, cp: int, ep: int) -> list[list[int]]:
+    """Experts over data: the groups of `ep` ranks that split the experts and exchange tokens, consecutive along
+    each dp × cp group (DeepSpeed's `_create_expert_and_data_parallel` order)."""
+    return [ranks[i:i + ep] for ranks in dp_cp_group_ranks(pp, dp, tp, cp) for i in range(0, len(ranks), ep)]
+
+
+def edp_group_ranks(pp: int, dp: int, tp: int, cp: int, ep: int) -> list[list[int]]:
+    """Experts over data: the ranks of each dp × cp group that hold the same experts (strided by `ep`)."""
+    return [ranks[i::ep] for ranks in dp_cp_group_ranks(pp, dp, tp, cp) for i in range(ep)]
+
+
+def _with_expert_groups(layout: Layout, ep: int, experts_over: str) -> Layout:
+    """`layout` with its expert groups (collective: every rank creates every group, in the same order)."""
+    from dataclasses import replace
+
+    if ep == 1:
+        return replace(layout, edp_group=layout.dp_cp_group)
+    if experts_over == "tensor":
+        return replace(layout, ep=ep, ep_rank=layout.tp_rank, ep_group=layout.tp_group, experts_over="tensor",
+                       edp_group=layout.dp_cp_group)
+    if layout.dp_cp % ep:
+        raise LaunchError(f"`parallel.expert_parallel: {ep}` must divide the {layout.dp_cp} data-parallel ranks "
+                          f"(× context parallel) that read different tokens; launch a multiple of {ep} of them")
+    shape = (layout.pp, layout.dp, layout.tp, layout.cp)
+    rank = layout.rank
+    ep_group = _group_containing(rank, ep_group_ranks(*shape, ep))
+    edp_group = _group_containing(rank, edp_group_ranks(*shape, ep))
+    return replace(layout, ep=ep, ep_rank=layout.dp_cp_rank % ep, ep_group=ep_group, experts_over="data",
+                   edp_group=edp_group)
 
 
 def _group_containing(rank: int, all_ranks: list[list[int]]):

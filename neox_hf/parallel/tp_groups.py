@@ -50,12 +50,18 @@ class DeepSpeedMPU:
         self.groups = groups
 
     def get_model_parallel_rank(self) -> int:
+        if self.groups.experts_over_data:  # the ranks whose parameters differ: the expert group (tp is 1)
+            return self.groups.ep_rank
         return self.groups.tp_rank
 
     def get_model_parallel_world_size(self) -> int:
+        if self.groups.experts_over_data:
+            return self.groups.ep
         return self.groups.tp_size
 
     def get_model_parallel_group(self):
+        if self.groups.experts_over_data:
+            return self.groups.ep_group
         # never None: DeepSpeed's ZeRO-0 fp32 clipping (runtime/utils.clip_grad_norm_) sums the squared gradient norm
         # over this group, and None is the whole world — every data- and context-parallel replica counted again
         # (the norm × √replicas, clipping steps one process would not clip)
@@ -68,19 +74,26 @@ class DeepSpeedMPU:
     get_tensor_model_parallel_group = get_model_parallel_group
 
     def get_tensor_model_parallel_src_rank(self) -> int:
-        return dist.get_global_rank(self.groups.tp_group, 0)
+        return dist.get_global_rank(self.get_model_parallel_group(), 0)
 
+    # With experts over data-parallel ranks, DeepSpeed's data-parallel group is the expert-data-parallel one (the
+    # ranks holding the same experts): `neox_hf.parallel.expert_parallel.divide_gradients_for_deepspeed` averages
+    # the dense gradients over the expert group before DeepSpeed's reduction.
     def get_data_parallel_rank(self) -> int:
+        if self.groups.experts_over_data:
+            return self.groups.dp_cp_rank // self.groups.ep
         return self.groups.dp_cp_rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self.groups.dp_cp
+        return self.groups.edp if self.groups.experts_over_data else self.groups.dp_cp
 
     def get_data_parallel_group(self):
-        return self.groups.dp_cp_group
+        return self.groups.edp_group if self.groups.experts_over_data else self.groups.dp_cp_group
 
     def get_data_parallel_group_ranks(self) -> list[int]:
         g = self.groups
+        if g.experts_over_data:
+            return dist.get_process_group_ranks(g.edp_group)
         return dp_cp_group_ranks(g.pp, g.dp, g.tp, g.cp)[g.pp_rank * g.tp + g.tp_rank]
 
     def get_pipe_parallel_world_size(self) -> int:

@@ -41,9 +41,13 @@ class ModelConfig:
     # gpt_neox: transformers' GPTNeoXForCausalLM. llama: LlamaForCausalLM (RMSNorm, gated MLP, grouped-query
     # attention), MistralForCausalLM where sliding_window is set; its defaults: rotary_pct 1, hidden_act silu
     # (SwiGLU), use_parallel_residual false, no biases. A from_pretrained folder's config.json decides instead.
-    family: Literal["gpt_neox", "llama"] = field(default="gpt_neox", metadata={
+    # mixtral: MixtralForCausalLM (Llama attention, SwiGLU experts in every layer; Llama's defaults). gpt_neox_moe:
+    # GPT-NeoX's dropless MoE on GPTNeoX layers (non-gated experts every moe_expert_interval layers, Sinkhorn routing)
+    family: Literal["gpt_neox", "llama", "mixtral", "gpt_neox_moe"] = field(default="gpt_neox", metadata={
         "help": "gpt_neox builds transformers' GPTNeoXForCausalLM; llama builds LlamaForCausalLM (MistralForCausalLM with"
-                " a sliding_window), with rotary_pct 1, silu, sequential residual and no biases as its defaults.",
+                " a sliding_window), with rotary_pct 1, silu, sequential residual and no biases as its defaults; "
+                "mixtral builds MixtralForCausalLM (SwiGLU experts in every layer); gpt_neox_moe GPT-NeoX's dropless "
+                "MoE (non-gated experts every moe_expert_interval layers, Sinkhorn routing).",
         "neox": "norm, activation"})
     num_layers: int = field(default=2, metadata={"help": "Number of transformer layers.", "neox": "num_layers"})
     hidden_size: int = field(default=64, metadata={"help": "Width of the residual stream.", "neox": "hidden_size"})
@@ -106,6 +110,26 @@ class ModelConfig:
     mlp_bias: Optional[bool] = field(default=None, metadata={
         "help": "Biases on the MLP's linears; default the family's (gpt_neox yes, llama no).",
         "neox": "use_bias_in_mlp"})
+    # Mixture of experts (model.family mixtral or gpt_neox_moe)
+    moe_num_experts: int = field(default=1, metadata={
+        "help": "Experts per MoE layer (1: a dense MLP); model.family mixtral and gpt_neox_moe need more than 1.",
+        "neox": "moe_num_experts"})
+    moe_top_k: Optional[int] = field(default=None, metadata={
+        "help": "Experts each token is routed to; default 2 for mixtral (transformers' num_experts_per_tok), 1 for "
+                "gpt_neox_moe (GPT-NeoX's default).", "neox": "moe_top_k"})
+    moe_expert_interval: int = field(default=1, metadata={
+        "help": "gpt_neox_moe: layer i (from 0) has experts when i % moe_expert_interval == 0, the others a dense "
+                "MLP; mixtral has experts in every layer (1 only).", "neox": "moe_expert_interval"})
+    moe_router_type: Optional[Literal["sinkhorn", "topk"]] = field(default=None, metadata={
+        "help": "gpt_neox_moe: sinkhorn (default; Sinkhorn-balanced choice in training, top-k in eval) or topk "
+                "(softmax top-k); neither renormalises the chosen weights. mixtral routes as transformers does "
+                "(softmax top-k, renormalised).", "neox": "moe_router_type"})
+    moe_jitter_eps: Optional[float] = field(default=None, metadata={
+        "help": "Multiplicative noise U(1 - eps, 1 + eps) in training: mixtral's router_jitter_noise (on the MoE "
+                "input), gpt_neox_moe's topk router input.", "neox": "moe_jitter_eps"})
+    moe_aux_loss_coef: Optional[float] = field(default=None, metadata={
+        "help": "mixtral: weight of transformers' load-balancing loss (router_aux_loss_coef, default 0.02; 0 "
+                "turns it off); gpt_neox_moe has none (Sinkhorn balances), as GPT-NeoX.", "neox": "moe_loss_coeff"})
 
 
 # What `model.family: llama` changes in ModelConfig's defaults (a key the recipe sets stands).
@@ -317,6 +341,15 @@ class ParallelConfig:
     # save and merges) must fit in it. torch's NCCL default is 10 minutes, DeepSpeed's 30.
     timeout_minutes: float = field(default=60.0, metadata={
         "help": "How long a collective waits for every rank; rank-0-only work such as the final save must fit in it.",
+        "neox": ""})
+    expert_parallel: int = field(default=1, metadata={
+        "help": "Split each MoE layer's experts over this many ranks, which send each token to its experts' rank by "
+                "all-to-all (1: every rank holds every expert).",
+        "neox": "moe_expert_parallel_size"})
+    experts_over: Literal["data", "tensor"] = field(default="data", metadata={
+        "help": "Which ranks the experts are split over: `data`, ranks that read different batches (DeepSpeed's "
+                "and torchtitan's expert parallelism), or `tensor`, the tensor-parallel group (GPT-NeoX's layout, "
+                "`expert_parallel` = `tensor_parallel`).",
         "neox": ""})
 
 
@@ -543,7 +576,7 @@ def settled(recipe: Recipe) -> Recipe:
 def _with_family_defaults(raw: dict) -> dict:
     """`raw` with the Llama family's defaults under `model` where it names `family: llama`."""
     model = raw.get("model") if isinstance(raw, dict) else None
-    if not isinstance(model, dict) or model.get("family") != "llama":
+    if not isinstance(model, dict) or model.get("family") not in ("llama", "mixtral"):
         return raw
     keys = {str(k).replace("-", "_") for k in model}
     return {**raw, "model": {**{k: v for k, v in LLAMA_DEFAULTS.items() if k not in keys}, **model}}
@@ -651,7 +684,8 @@ def _validate_family(recipe: Recipe) -> None:
     m, tp = recipe.model, recipe.parallel.tensor_parallel
     if m.from_pretrained is not None:
         return  # the folder's config.json decides the architecture
-    if m.family == "gpt_neox":
+    _validate_moe(recipe)
+    if m.family in ("gpt_neox", "gpt_neox_moe"):
         for name in ("num_kv_heads", "sliding_window"):
             _require(getattr(m, name) is None, f"`model.{name}` is a Llama-family option; set `model.family: llama` "
                                                "(GPTNeoX has neither grouped-query nor sliding-window attention)")
@@ -793,6 +827,7 @@ def validate(recipe: Recipe) -> None:
     _require(p.context_parallel >= 1, f"`parallel.context_parallel` must be ≥ 1, got {p.context_parallel}")
     if p.context_parallel > 1:
         _validate_context_parallel(recipe)
+    _validate_expert_parallel(recipe)
     _require(0.0 <= d.max_skipped_fraction <= 1.0,
              f"`data.max_skipped_fraction` must be in [0, 1], got {d.max_skipped_fraction}")
     _require(d.buffer_size >= 1, f"`data.buffer_size` must be ≥ 1, got {d.buffer_size}")
@@ -1177,3 +1212,86 @@ def merge_dicts(base: dict, update: dict) -> dict:
         else:
             merged[key] = value
     return merged
+
+def _validate_expert_parallel(recipe: Recipe) -> None:
+    """What `parallel.expert_parallel` > 1 runs (`neox_hf.parallel.expert_parallel`), each refusal naming the key and
+    the fix. Whether the model has experts, and whether their number divides, is checked when the model is split."""
+    p = recipe.parallel
+    ep = p.expert_parallel
+    _require(ep >= 1, f"`parallel.expert_parallel` must be ≥ 1, got {ep}")
+    if ep == 1:
+        return
+    over_tensor = p.experts_over == "tensor"
+    refusals = (
+        (p.pipeline_parallel > 1, "`parallel.pipeline_parallel` > 1", "use pipeline_parallel: 1"),
+        (p.zero_stage == 3, "`parallel.zero_stage: 3`", "use zero_stage 0-2, or `parallel.backend: fsdp2`"),
+        (p.sequence_parallel, "`parallel.sequence_parallel: true`", "set sequence_parallel: false"),
+        (p.dp_replicate > 1, "`parallel.dp_replicate` > 1 (HSDP)", "use dp_replicate: 1"),
+        (recipe.peft.method is not None, "`peft.method`", "train the full model, or expert_parallel: 1"),
+        (not over_tensor and p.tensor_parallel > 1 and p.backend != "fsdp2", "`parallel.tensor_parallel` > 1 and "
+         "`parallel.experts_over: data` on DeepSpeed (its one data-parallel group cannot reduce the experts over the "
+         "tensor-parallel ranks too)", "set `parallel.experts_over: tensor` (GPT-NeoX's layout: the experts split over "
+         "the tensor-parallel group) with expert_parallel = tensor_parallel, or `parallel.backend: fsdp2`"),
+        (over_tensor and p.tensor_parallel != ep, f"`parallel.experts_over: tensor` and `parallel.tensor_parallel: "
+         f"{p.tensor_parallel}`", f"set tensor_parallel: {ep}, or experts_over: data"),
+        (over_tensor and p.context_parallel > 1, "`parallel.experts_over: tensor` and `parallel.context_parallel` > 1",
+         "use experts_over: data"),
+    )
+    for refused, what, fix in refusals:
+        _require(not refused, f"`parallel.expert_parallel: {ep}` with {what} is refused (not supported); {fix}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Mixture of experts
+# ----------------------------------------------------------------------------------------------------------------
+
+_MOE_FAMILIES = {"mixtral": "llama", "gpt_neox_moe": "gpt_neox"}  # MoE family → its dense family
+
+
+def _validate_moe(recipe: Recipe) -> None:
+    """The `moe_*` keys against the family that builds them; what the MoE model cannot run with is refused by name."""
+    m, p = recipe.model, recipe.parallel
+    moe_of = {dense: moe for moe, dense in _MOE_FAMILIES.items()}
+    if m.family not in _MOE_FAMILIES:
+        _require(m.moe_num_experts == 1, f"`model.moe_num_experts: {m.moe_num_experts}` needs an MoE family: set "
+                                         f"`model.family: {moe_of[m.family]}` ({m.family}'s layers with experts)")
+        set_keys = [k for k in ("moe_top_k", "moe_router_type", "moe_jitter_eps", "moe_aux_loss_coef")
+                    if getattr(m, k) is not None] + (["moe_expert_interval"] if m.moe_expert_interval != 1 else [])
+        _require(not set_keys, f"`model.{set_keys[0] if set_keys else ''}` is an MoE option; set `model.family: "
+                               f"{moe_of[m.family]}` and `model.moe_num_experts` > 1, or remove it")
+        return
+    _require(m.moe_num_experts > 1, f"`model.family: {m.family}` needs `model.moe_num_experts` > 1, got "
+                                    f"{m.moe_num_experts} (for a dense model use `model.family: {_MOE_FAMILIES[m.family]}`)")
+    top_k = m.moe_top_k or (2 if m.family == "mixtral" else 1)
+    _require(1 <= top_k <= m.moe_num_experts, f"`model.moe_top_k` ({top_k}) must be in [1, model.moe_num_experts = "
+                                              f"{m.moe_num_experts}]")
+    _require(m.moe_jitter_eps is None or 0 <= m.moe_jitter_eps < 1,
+             f"`model.moe_jitter_eps` must be in [0, 1), got {m.moe_jitter_eps}")
+    _require(m.moe_aux_loss_coef is None or m.moe_aux_loss_coef >= 0,
+             f"`model.moe_aux_loss_coef` must be ≥ 0, got {m.moe_aux_loss_coef}")
+    if m.family == "mixtral":
+        _require(m.moe_expert_interval == 1, "`model.moe_expert_interval` > 1 is not expressible in "
+                 "MixtralForCausalLM, which has experts in every layer; set it 1 (or use `model.family: gpt_neox_moe`)")
+        _require(m.moe_router_type is None, f"`model.moe_router_type: {m.moe_router_type}` is GPT-NeoX's routing, on "
+                 "`model.family: gpt_neox_moe`; mixtral routes as MixtralForCausalLM (softmax top-k, renormalised): "
+                 "remove it")
+        _require(not m.attention_bias and not m.mlp_bias, "`model.attention_bias` / `model.mlp_bias` are not "
+                 "expressible in MixtralForCausalLM, whose linears have no biases; remove them")
+    else:
+        _require(m.moe_expert_interval >= 1, f"`model.moe_expert_interval` must be ≥ 1, got {m.moe_expert_interval}")
+        _require(not m.moe_aux_loss_coef, "`model.moe_aux_loss_coef` with `model.family: gpt_neox_moe` is refused: "
+                 "GPT-NeoX's dropless MoE has no load-balancing loss (Sinkhorn balances); remove it or use mixtral")
+        _require(not m.use_parallel_residual, "`model.use_parallel_residual: true` with `model.family: gpt_neox_moe` "
+                 "is refused: GPT-NeoX's MoE layers under gpt_j_residual add the experts' output alone (the attention "
+                 "output is lost); set it false (GPT-NeoX gpt_j_residual: false, as 125M-dmoe.yml)")
+    experts = {"gate_up_proj", "up_proj", "down_proj", "gate_proj", "experts", "w1", "w2", "w3", "gate"}
+    named = sorted(experts & set(recipe.peft.target_modules)) if recipe.peft.method else []
+    _require(not named, f"`peft.target_modules` names {', '.join(named)}: the experts of `model.family: {m.family}` "
+             "are 3-D parameters, not linear layers, and LoRA on them is not wired here; LoRA trains the attention "
+             "(query_key_value / dense, or q_proj / k_proj / v_proj / o_proj): remove them")
+    for refused, what in ((p.pipeline_parallel > 1, "`parallel.pipeline_parallel` > 1"),
+                          (p.sequence_parallel, "`parallel.sequence_parallel: true`"),
+                          (p.context_parallel > 1, "`parallel.context_parallel` > 1"),
+                          (p.zero_stage == 3, "`parallel.zero_stage: 3`")):
+        _require(not refused, f"{what} with `model.family: {m.family}` is refused (the experts and the router "
+                              "loss are not wired into it); use tensor, expert or data parallelism with ZeRO 0–2")

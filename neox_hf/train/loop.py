@@ -40,6 +40,7 @@ from neox_hf.train.mfu import flops_per_token, mfu
 from neox_hf.train.prefetch import Prefetcher, pinned, workers_for
 from neox_hf.checkpoint.run_log import RECIPE_NAME, append_step_entries, record_evaluation, truncate_train_log
 from neox_hf.train.preemption import Preempted, StopRequest
+from neox_hf.train.routing import MOE_METRICS, moe_startup_lines, with_routing_metrics
 from neox_hf.train.schedule import build_lr_scheduler
 from neox_hf.engines import build_engine
 from neox_hf.ops.library_loss import describe as describe_loss_kernel
@@ -249,7 +250,7 @@ def _run_steps(run: TrainingRun, state: TrainState, history: History, stop: Stop
     try:
         while state.step < t.train_iters:
             micro_batches = [_to_device(next(batches), run.accelerator.device) for _ in range(t.gradient_accumulation_steps)]
-            result = run.engine.train_step(micro_batches)
+            result = with_routing_metrics(run, run.engine.train_step(micro_batches))  # MoE: router loss, balance
             scale = run.engine.loss_scale()
             lr = _advance_schedule(run, state, result)
             step_log.record(result, lr, scale, data_wait=batches.take_wait(),
@@ -366,7 +367,7 @@ class StepLogger:
                    "train/data_wait_s": sum(e["data_wait_s"] for e in entries)}
         if "mfu" in entries[-1]:
             metrics["train/mfu"] = entries[-1]["mfu"]
-        for name in self.run.engine.objective.metric_names:  # TRL's names, e.g. train/rewards/margins
+        for name in (*self.run.engine.objective.metric_names, *MOE_METRICS):  # TRL's names, e.g. train/rewards/margins
             logged = [e[name] for e in entries if name in e]
             if logged:
                 metrics[f"train/{name}"] = sum(logged) / len(logged)
@@ -557,7 +558,7 @@ def startup_report(run: TrainingRun, notices: list[str]) -> str:
     if run.peak is not None:
         lines.append(f"mfu: {run.flops_per_token / 1e9:.3g} GFLOP per token (6 × matmul parameters + 12 × layers × "
                      f"hidden × seq_length {m.seq_length}) against {run.peak.source} per device × {layout.world_size}")
-    lines += run.engine.startup_lines()
+    lines += run.engine.startup_lines() + moe_startup_lines(run)
     lines += [f"note: {n}" for n in notices]
     return "\n".join(lines)
 

@@ -24,9 +24,15 @@ def flops_per_token(config, seq_length: int) -> float:
     intermediate = config.intermediate_size or 4 * hidden
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     kv_width = hidden * kv // config.num_attention_heads  # grouped-query attention: smaller K and V
-    mlp_matrices = 3 if getattr(config, "model_type", "") in ("llama", "mistral") else 2  # SwiGLU: gate, up, down
+    mlp_matrices = 3 if getattr(config, "model_type", "") in ("llama", "mistral", "mixtral") else 2  # SwiGLU: gate, up, down
     per_layer = 2 * hidden * hidden + 2 * hidden * kv_width + mlp_matrices * hidden * intermediate
     matmul_params = layers * per_layer + config.vocab_size * hidden  # + the LM head
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "moe_num_experts", 1)
+    if experts > 1:  # a mixture of experts: its active parameters (top-k experts and the router, in its MoE layers)
+        top_k = getattr(config, "num_experts_per_tok", None) or config.moe_top_k
+        interval = getattr(config, "moe_expert_interval", 1)
+        moe_layers = len(range(0, layers, interval))
+        matmul_params += moe_layers * hidden * ((top_k - 1) * mlp_matrices * intermediate + experts)
     return 6 * matmul_params + 12 * layers * hidden * seq_length
 
 
