@@ -1255,8 +1255,7 @@ def _translate_gpt_neox_moe(args: dict, recipe: dict, notices: list[str], interv
     router = args.get("moe_router_type") or "sinkhorn"
     _put(recipe, "model.moe_router_type", router)
     hidden = int(args.get("hidden_size") or 0)
-    width = args.get("intermediate_size") or 256 * -(-4 * hidden // 256)
-    _put(recipe, "model.intermediate_size", _convert("intermediate_size", width, _int))
+    width = args.get("intermediate_size") or 256 * -(-4 * hidden // 256)  # the model computes it the same way
     notices.append(f"moe_num_experts {args.get('moe_num_experts', args.get('num_experts'))} → GPT-NeoX's dropless MoE "
                    f"every {interval} layer(s) from layer 0 (non-gated experts of width {width}, {router} routing, no "
                    "renormalisation, no load-balancing loss); saved as a folder transformers loads with "

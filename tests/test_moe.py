@@ -61,7 +61,8 @@ def save_tiny_stock_mixtral(folder, seed: int = 0, **config):
     torch.manual_seed(seed)
     MixtralForCausalLM(MixtralConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                      num_key_value_heads=2, intermediate_size=32, num_local_experts=8,
-                                     num_experts_per_tok=2, max_position_embeddings=64, **config)).save_pretrained(folder)
+                                     num_experts_per_tok=2, max_position_embeddings=64, **config)
+                       ).save_pretrained(folder)
     return folder
 
 
@@ -247,8 +248,8 @@ def test_the_dmoe_config_trains_and_saves_a_folder_transformers_loads_with_remot
     if not path.is_file():
         pytest.skip(f"{path} not present")
     args = parse_run_args([str(path), "--model.num_layers", "3", "--model.hidden_size", "32",
-                           "--model.num_attention_heads", "4", "--model.intermediate_size", "48",
-                           "--model.seq_length", "16", "--model.moe_expert_interval", "2", "--model.moe_top_k", "2",
+                           "--model.num_attention_heads", "4", "--model.seq_length", "16",
+                           "--model.moe_expert_interval", "2", "--model.moe_top_k", "2",
                            "--train.precision", "fp32", "--parallel.zero_stage", "0"])
     m = args.recipe.model
     assert (m.family, m.moe_num_experts, m.moe_router_type, m.moe_jitter_eps) == ("gpt_neox_moe", 8, "sinkhorn", None)
@@ -256,7 +257,9 @@ def test_the_dmoe_config_trains_and_saves_a_folder_transformers_loads_with_remot
     model = _build(args.recipe)
     assert isinstance(model, NeoXMoEForCausalLM) and model.config._experts_implementation == "grouped_mm"
     assert [isinstance(layer.mlp, GPTNeoXMoEBlock) for layer in model.gpt_neox.layers] == [True, False, True]
-    assert model.gpt_neox.layers[0].mlp.experts.up_proj.shape == (8, 48, 32)  # experts on dim 0
+    # GPT-NeoX's widths: experts 4 × hidden rounded up to 256 (ParallelGroupedMLP), dense layers 4 × hidden
+    assert model.gpt_neox.layers[0].mlp.experts.up_proj.shape == (8, 256, 32)  # experts on dim 0
+    assert model.gpt_neox.layers[1].mlp.dense_h_to_4h.out_features == 128
     model.save_pretrained(tmp_path)
     # What AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True) does in a process without neox_hf
     # (here neox_hf registered the model type, so the Auto class would pick our copy): the folder's own file.

@@ -98,7 +98,8 @@ def with_legacy_rotary_keys(model_config: dict) -> dict:
     """transformers 5 configs keep the rotary fraction and base in `rope_parameters`; the card shows GPT-NeoX's names."""
     rope = model_config.get("rope_parameters") or {}
     legacy = {"rotary_pct": rope.get("partial_rotary_factor"), "rotary_emb_base": rope.get("rope_theta")}
-    if model_config.get("model_type") in ("llama", "mistral", "mixtral"):  # whole-head rotary, attention then MLP in sequence
+    # whole-head rotary, attention then MLP in sequence
+    if model_config.get("model_type") in ("llama", "mistral", "mixtral"):
         legacy.update(rotary_pct=legacy["rotary_pct"] or 1.0, use_parallel_residual=False)
     return {**{k: v for k, v in legacy.items() if v is not None}, **model_config}
 

@@ -81,7 +81,8 @@ def _register_stock_key_renames() -> None:
     3-D `mlp.experts.gate_up_proj` / `down_proj`): transformers applies it by class name or `model_type`, but skips
     classes defined outside the library unless registered by name, so a stock folder would load with random
     experts."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+    from transformers.conversion_mapping import (get_checkpoint_conversion_mapping,
+                                                 register_checkpoint_conversion_mapping)
 
     stock = get_checkpoint_conversion_mapping("mixtral")
     if stock is None:

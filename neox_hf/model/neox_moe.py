@@ -10,6 +10,7 @@ start-up report says so. The experts are transformers' experts kernels (`@use_ex
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from huggingface_hub.dataclasses import strict
@@ -99,6 +100,9 @@ def gpt_neox_moe_config_from_recipe(model_cfg, *, vocab_size: int, bos_token_id:
         use_parallel_residual=model_cfg.use_parallel_residual,
         layer_norm_eps=model_cfg.layer_norm_eps,
         hidden_dropout=model_cfg.hidden_dropout,
+        # GPT-NeoX's ParallelGroupedMLP: intermediate_size, else 4 × hidden rounded up to a multiple of 256 (the
+        # dense layers keep 4 × hidden)
+        moe_intermediate_size=model_cfg.intermediate_size or 256 * math.ceil(4 * model_cfg.hidden_size / 256),
         moe_num_experts=model_cfg.moe_num_experts,
         moe_top_k=model_cfg.moe_top_k or 1,
         moe_expert_interval=model_cfg.moe_expert_interval,

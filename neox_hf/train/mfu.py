@@ -24,7 +24,8 @@ def flops_per_token(config, seq_length: int) -> float:
     intermediate = config.intermediate_size or 4 * hidden
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     kv_width = hidden * kv // config.num_attention_heads  # grouped-query attention: smaller K and V
-    mlp_matrices = 3 if getattr(config, "model_type", "") in ("llama", "mistral", "mixtral") else 2  # SwiGLU: gate, up, down
+    gated = getattr(config, "model_type", "") in ("llama", "mistral", "mixtral")
+    mlp_matrices = 3 if gated else 2  # SwiGLU: gate, up, down
     per_layer = 2 * hidden * hidden + 2 * hidden * kv_width + mlp_matrices * hidden * intermediate
     matmul_params = layers * per_layer + config.vocab_size * hidden  # + the LM head
     experts = getattr(config, "num_local_experts", None) or getattr(config, "moe_num_experts", 1)
