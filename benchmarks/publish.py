@@ -34,6 +34,7 @@ BENCHMARKS = {
     "startup_memory": "Peak host memory per rank at start-up",
     "neox_index": "Building GPT-NeoX's index",
     "checkpoint_save": "A checkpoint with and without the layout-free state",
+    "moe": "A tiny Mixtral against stock transformers' Mixtral and a dense model",
 }
 
 
