@@ -243,9 +243,12 @@ class TrainConfig:
     eval_iters: int = 10
     save_interval: Optional[int] = None  # resumable checkpoint every N steps
     keep_last_n: int = 2
-    # every checkpoint also holds the state any layout resumes (`layout_free/`); false: the per-rank files only, about
-    # half the disk and save time under DeepSpeed (benchmarks/checkpoint_save.py), resumable on the same layout only
+    # a checkpoint is the state any layout resumes (`layout_free/`, DCP) plus small per-rank states; false: accelerate's
+    # / DeepSpeed's per-rank files instead (DeepSpeed's own tools read them), resumable on the same layout only
     layout_free_checkpoint: bool = True
+    async_checkpoint: bool = field(default=False, metadata={
+        "help": "Write checkpoints in the background: the step waits only while the state is copied to host memory, "
+                "and `latest` moves once the write is complete on every rank.", "neox": ""})
     resume: Optional[str] = None  # "auto" (latest under output.dir) or a checkpoint path
     push_to_hub: Optional[PushToHubConfig] = None
     # token: every labelled token of an optimizer step weighs the same, whatever micro-batch or data-parallel rank
