@@ -82,7 +82,7 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
     staging = root / f"{TMP_PREFIX}{final.name}"
     several = accelerator.num_processes > 1
     if background is not None:
-        _wait_for_previous(background, output_dir, root, several=several)
+        background.wait()  # the write in flight is published first (or its failure reported, as a save's)
     if accelerator.is_main_process:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
@@ -123,7 +123,8 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
         else None
     if layout_free_tensors is not None:  # the host copy is made here; the write and `publish` follow in the background
         try:
-            background.start(layout_free_tensors, staging, publish)
+            background.start(layout_free_tensors, staging, publish,
+                             failed=lambda err: _save_failed(output_dir, staging, err, several=several))
         except Exception as err:
             raise _save_failed(output_dir, staging, err, several=several) from err
         return final
@@ -142,17 +143,6 @@ def _publish(root: Path, staging: Path, final: Path, keep_last_n: int, step: int
     os.replace(staging, final)
     atomic_write_text(root / LATEST, final.name)
     prune_checkpoints(root, keep_last_n, current_step=step)
-
-
-def _wait_for_previous(background, output_dir, root: Path, *, several: bool) -> None:
-    """Wait until the background write in flight is written and published; a failed one is reported as a failed
-    save (its staging folder removed, the intact checkpoint named)."""
-    try:
-        background.wait()
-    except Exception as err:
-        stagings = sorted(root.glob(f"{TMP_PREFIX}step_*"))
-        staging = stagings[-1] if stagings else root / f"{TMP_PREFIX}step"
-        raise _save_failed(output_dir, staging, err, several=several) from err
 
 
 def writes_layout_free(accelerator, engine, asked: bool = True, *, background: bool = False) -> bool:

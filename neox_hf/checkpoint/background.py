@@ -40,9 +40,11 @@ class BackgroundWrites:
     def in_flight(self) -> bool:
         return self._job is not None and not self._job.done()
 
-    def start(self, tensors: dict, folder: Path, publish) -> None:
+    def start(self, tensors: dict, folder: Path, publish, failed=None) -> None:
         """Copy `tensors` (this rank's layout-free chunks) to host memory now; write them under `folder/layout_free`
-        in the background, then call `publish()` (rank 0's rename and `latest`; None elsewhere). Collective."""
+        in the background, then call `publish()` (rank 0's rename and `latest`; None elsewhere). A failed write is
+        raised by the next `wait` as `failed(error)` returns it (the save's own report: a full disk in one line).
+        Collective."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
@@ -65,17 +67,18 @@ class BackgroundWrites:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neox_hf-checkpoint")
         self._abandoned.clear()
-        self._job = self._pool.submit(self._finish, future, publish)
+        self._job = self._pool.submit(self._finish, future, publish, failed or (lambda err: err))
 
-    def _finish(self, future: Future, publish) -> None:
+    def _finish(self, future: Future, publish, failed) -> None:
         from neox_hf.checkpoint.layout_free import _first_failure
 
         try:
             future.result()
+            if publish is not None and not self._abandoned.is_set():
+                publish()
         except BaseException as err:  # noqa: BLE001 — DCP's CheckpointException is a BaseException
-            raise _first_failure(err) if not isinstance(err, Exception) else err
-        if publish is not None and not self._abandoned.is_set():
-            publish()
+            cause = err if isinstance(err, Exception) else _first_failure(err)
+            raise failed(cause) from cause
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is written and published; raise what it raised."""
@@ -105,3 +108,26 @@ def host_copy_bytes(parameters: int, *, shards: int) -> int:
     """Host memory a background checkpoint's copy takes on one rank: its 1/`shards` of every parameter's fp32 master
     value and Adam's two moments (12 bytes a parameter), what `neox_hf plan` counts for `train.async_checkpoint`."""
     return 12 * parameters // max(shards, 1)
+
+
+def check_host_memory(parameters: int, *, shards: int, local_ranks: int | None = None,
+                      available: int | None = None) -> None:
+    """Refuse `train.async_checkpoint` where this node's ranks' host copies would not fit in the memory available
+    now (one line, before the first step): a copy that does not fit would swap or be killed mid-run. `local_ranks`:
+    the launcher's LOCAL_WORLD_SIZE (torchrun's and accelerate's), 1 without one."""
+    import os
+
+    from neox_hf.errors import RecipeError
+
+    if local_ranks is None:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+    if available is None:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    need = host_copy_bytes(parameters, shards=shards) * local_ranks
+    if need > available:
+        raise RecipeError(f"`train.async_checkpoint: true` copies the checkpoint to host memory: {need / 2**30:.1f} GiB "
+                          f"for this node's {local_ranks} rank(s), {available / 2**30:.1f} GiB available; set "
+                          "`train.async_checkpoint: false` (the step then waits for the write), or use more nodes")

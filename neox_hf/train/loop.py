@@ -26,7 +26,7 @@ from neox_hf.plot import model_card_section, write_run_plot
 from neox_hf.recipe import Recipe, settled
 from neox_hf.trackers import init_tracker_kwargs, tracker_names
 from neox_hf.checkpoint import TrainState, find_resume_checkpoint, load_checkpoint, save_checkpoint
-from neox_hf.checkpoint.background import BackgroundWrites
+from neox_hf.checkpoint.background import BackgroundWrites, check_host_memory
 from neox_hf.train.guards import (
     OverflowGuard,
     check_before_build,
@@ -228,6 +228,7 @@ class History:
 def run_steps(run: TrainingRun, state: TrainState, history: History | None = None) -> History:
     history = history if history is not None else History()
     if run.recipe.train.async_checkpoint and run.checkpoint_writes is None:
+        check_host_memory(run.engine.parameter_count(), shards=run.layout.world_size)
         run.checkpoint_writes = BackgroundWrites(pinned=run.accelerator.device.type == "cuda")
     with StopRequest() as stop:  # before the prefetcher: a forked data worker starts with these handlers
         try:
