@@ -112,18 +112,20 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
     except Exception as err:
         raise _save_failed(output_dir, staging, err, several=several) from err
     if accelerator.is_main_process:
-        try:  # config + tokenizer make the checkpoint self-describing for `neox_hf export`.
+        try:  # config + tokenizer make the checkpoint self-describing for `neox_hf export`. Here, not in the background
+            # (a fast tokenizer used by the data thread meanwhile may refuse a second borrower): ~2 MB
             if model_config is not None:
                 model_config.save_pretrained(staging)
             if tokenizer is not None:
                 tokenizer.save_pretrained(staging)
         except Exception as err:
             raise _save_failed(output_dir, staging, err) from err
-    publish = (lambda: _publish(root, staging, final, keep_last_n, state.step)) if accelerator.is_main_process \
-        else None
-    if layout_free_tensors is not None:  # the host copy is made here; the write and `publish` follow in the background
+    step, in_background = state.step, layout_free_tensors is not None  # publish runs later: the values of now
+    publish = (lambda: _publish(root, staging, final, keep_last_n, step)) if accelerator.is_main_process else None
+    if in_background:  # the host copy is made here; the write and `publish` follow in the background
+        tensors, layout_free_tensors = layout_free_tensors, None
         try:
-            background.start(layout_free_tensors, staging, publish,
+            background.start(tensors, staging, publish,
                              failed=lambda err: _save_failed(output_dir, staging, err, several=several))
         except Exception as err:
             raise _save_failed(output_dir, staging, err, several=several) from err
