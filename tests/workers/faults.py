@@ -82,12 +82,10 @@ def _kill_in_step(step: int, marker: Path, faulty: Path) -> None:
             resumed_at = getattr(engine, "_fault_start", None)
             if resumed_at is None:
                 resumed_at = engine._fault_start = _steps_done(faulty)
-            if resumed_at + len(calls) == step:  # the first matrix multiply of this stage's forward
-                import torch
-
+            if resumed_at + len(calls) == step:  # the first module of this rank's forward
                 module = getattr(engine.model, "module", engine.model)
-                for linear in (m for m in module.modules() if isinstance(m, torch.nn.Linear)):
-                    linear.register_forward_pre_hook(lambda *_: _strike(marker, faulty, signal.SIGKILL))
+                for leaf in (m for m in module.modules() if not list(m.children())):
+                    leaf.register_forward_pre_hook(lambda *_: _strike(marker, faulty, signal.SIGKILL))
             return train_step(micro_batches)
 
         engine.train_step = with_fault
