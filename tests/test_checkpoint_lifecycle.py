@@ -277,7 +277,8 @@ def test_a_background_checkpoint_that_would_not_fit_in_host_memory_is_refused_in
 def test_plan_counts_the_host_copy_of_a_background_checkpoint():
     from neox_hf.plan import plan_for_recipe, plan_table, read_recipe
 
-    args = [str(REPO / "recipes" / "tiny.yaml"), "--model.num_layers", "2", "--model.hidden_size", "64"]
+    args = [str(REPO / "recipes" / "tiny.yaml"), "--model.num_layers", "2", "--model.hidden_size", "64",
+            "--train.precision", "fp32"]
     assert plan_for_recipe(read_recipe(args)).host_checkpoint_bytes is None
     plan = plan_for_recipe(read_recipe([*args, "--train.async_checkpoint", "true"]))
     params = 2 * 50304 * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64  # embedding, head, layers, final norm
