@@ -1,34 +1,36 @@
-"""Time and peak host memory of one training checkpoint save, per layout, old format vs layout-free (issue 27):
+"""A training checkpoint against the disk it is written to: bytes, save and load speed, and what a save costs a step.
 
-    python benchmarks/checkpoint_save.py [--layers 12 --hidden 768] [--layouts "DP2 ZeRO-2,TP2 (ZeRO-1)"]
+    python benchmarks/checkpoint_save.py [--layers 6 --hidden 512] [--layouts "1 process,DP2 ZeRO-2,FSDP2"]
 
-Each layout is one `accelerate launch` of this file's worker, which builds exactly the run `run_clm_neox.py` trains
-(`neox_hf.train.loop.build_run` on `recipes/tiny.yaml` with the model shape and layout given; fp32), trains one step
-(so Adam's moments exist) and then saves three times into fresh folders, every rank timing between barriers:
+First the disk: a 1 GiB file written sequentially and fsynced (`dd conv=fsync`), then read back after the page cache
+was dropped where this process may (`/proc/sys/vm/drop_caches`; else read from the cache, and the table says so).
+Then each layout is one launch of this file's worker, which builds exactly the run `run_clm_neox.py` trains
+(`neox_hf.train.loop.build_run` on `recipes/tiny.yaml` with the model shape and layout given; fp32, Adam) and times,
+every rank between barriers:
 
-- old: `accelerator.save_state`, the per-rank format (DeepSpeed's engine files, or accelerate's model + optimizer
-  files for one process) that resumes only on the layout that wrote it: the baseline;
-- layout-free: `Engine.layout_free_state` + `save_layout_free` (torch.distributed.checkpoint): every rank writes
-  its own chunks of each parameter and Adam moment under its full name and shape;
-- checkpoint: `save_checkpoint` as the training loop calls it today (both of the above where DeepSpeed runs or there
-  are several processes; one process without DeepSpeed writes only the old files, which are layout-free already),
-  plus trainer state, config and tokenizer.
+- steps: the median step without a save; the median step that also saves, synchronously (`save_checkpoint` as the
+  loop calls it) and in the background (`train.async_checkpoint`: the step waits for the host copy only);
+- old: the two-format save this replaced, as it was for several processes or DeepSpeed (accelerate's `save_state`:
+  DeepSpeed's per-rank engine files, or accelerate's model + optimizer, then the layout-free DCP state beside them):
+  the baseline;
+- save: the checkpoint the loop writes now (one format: the layout-free state + small per-rank states; one process
+  without DeepSpeed: accelerate's model + optimizer files, which are that state already), its bytes against the
+  ideal (fp32 masters + Adam's two moments: 12 bytes a parameter in an fp32 run, which keeps no 16-bit weights) and
+  its GB/s against the disk's;
+- load: `load_checkpoint` of it into the same run (page cache dropped first where permitted), GB/s against the
+  disk's read speed.
 
-"of which state" is the part of the layout-free save spent in `layout_free_state` (under ZeRO-1/2/3, DeepSpeed's
-`safe_get_full_*` gathering each parameter and moment whole, one at a time), the rest being DCP's write.
-Peak memory is the largest, over ranks, of the peak resident set during that save (VmHWM, reset through
-/proc/self/clear_refs before it) minus the resident set just before it: what the save itself needed on top of the
-run. Size is the bytes the save left on disk. Times on a shared 2-core CPU: compare rows of one invocation.
+Times on a shared CPU machine: compare rows of one invocation.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,90 +40,129 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the checkout's neox_hf, installed or not
 
-from bench_common import status_mb  # noqa: E402
-
-LAYOUTS = {  # name: (processes, zero stage, tensor parallel, pipeline stages)
-    "1 process": (1, 0, 1, 1),
-    "DP2 ZeRO-1": (2, 1, 1, 1),
-    "DP2 ZeRO-2": (2, 2, 1, 1),
-    "DP2 ZeRO-3": (2, 3, 1, 1),
-    "TP2 (ZeRO-1)": (2, 1, 2, 1),
-    "pipeline 2": (2, 1, 1, 2),
-    "pipeline 2 × TP2": (4, 1, 2, 2),
+LAYOUTS = {  # name: (processes, zero stage, backend)
+    "1 process": (1, 0, "deepspeed"),
+    "DP2 ZeRO-2": (2, 2, "deepspeed"),
+    "FSDP2": (2, 0, "fsdp2"),
 }
-PHASES = ("old", "layout-free", "checkpoint")
+STEPS = 5  # timed steps of each kind (medians)
+GB = 1e9
+
+
+# -- the disk ----------------------------------------------------------------------------------------------------
+
+
+def drop_page_cache() -> bool:
+    """Whether the page cache could be dropped (root on the host; a container usually may not)."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def disk_speeds(folder: Path, size: int = 1 << 30) -> tuple[float, float, bool]:
+    """(sequential write GB/s, fsynced; sequential read GB/s; whether the read missed the page cache)."""
+    path, block = folder / "dd.bin", os.urandom(8 << 20)
+    started = time.perf_counter()
+    with path.open("wb") as handle:
+        for _ in range(size // len(block)):
+            handle.write(block)
+        handle.flush()
+        os.fsync(handle.fileno())
+    write = size / (time.perf_counter() - started) / GB
+    cold = drop_page_cache()
+    started = time.perf_counter()
+    with path.open("rb") as handle:
+        while handle.read(8 << 20):
+            pass
+    read = size / (time.perf_counter() - started) / GB
+    path.unlink()
+    return write, read, cold
 
 
 # -- worker (one rank of one layout) ------------------------------------------------------------------------------
 
 
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as refs:  # "5": reset VmHWM to the current resident set
-        refs.write("5")
-
-
-def _folder_mb(folder: Path) -> float:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
-
-
-def _measured(phase: str, save, folder: Path, accelerator) -> dict:
-    """Seconds (between barriers), peak MB added over the resident set before, MB written."""
-    gc.collect()
-    accelerator.wait_for_everyone()
-    _reset_peak()
-    before = status_mb("VmRSS")
-    started = time.perf_counter()
-    save(folder)
-    accelerator.wait_for_everyone()
-    seconds = time.perf_counter() - started
-    return {"phase": phase, "seconds": seconds, "peak_added_mb": status_mb("VmHWM") - before,
-            "disk_mb": _folder_mb(folder) if accelerator.is_main_process else 0.0}
-
-
-def _savers(run, state, gather_seconds: list) -> dict:
-    from neox_hf.checkpoint import save_checkpoint
-    from neox_hf.checkpoint.layout_free import save_layout_free
-
-    def old(folder: Path) -> None:
-        run.accelerator.save_state(str(folder))
-
-    def layout_free(folder: Path) -> None:
-        started = time.perf_counter()
-        tensors, _ = run.engine.layout_free_state()
-        gather_seconds.append(time.perf_counter() - started)
-        save_layout_free(tensors, folder)
-
-    def checkpoint(folder: Path) -> None:
-        save_checkpoint(run.accelerator, output_dir=folder, state=state, scheduler=run.scheduler,
-                        data_loader=run.loader_position or run.loader, keep_last_n=2,
-                        model_config=run.accelerator.unwrap_model(run.model).config, tokenizer=run.tokenizer,
-                        precision="fp32", engine=run.engine)
-
-    return {"old": old, "layout-free": layout_free, "checkpoint": checkpoint}
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def worker(argv: list[str], scratch: Path, result: Path) -> None:
+    from neox_hf.checkpoint import checkpoint_root, load_checkpoint, save_checkpoint
+    from neox_hf.checkpoint.background import BackgroundWrites
+    from neox_hf.checkpoint.layout_free import save_layout_free
+    from neox_hf.parallel.accelerator import uses_deepspeed
     from neox_hf.recipe import settled
     from neox_hf.recipe.args import parse_run_args
-    from neox_hf.train.loop import build_run, run_steps
+    from neox_hf.train.loop import _layout_free_engine, build_run
+    from neox_hf.train.prefetch import Prefetcher
 
     recipe = settled(parse_run_args(argv).recipe)
     run, state = build_run(recipe)
-    run_steps(run, state)  # one step: Adam's moments exist, as at any real checkpoint
-    rank = run.accelerator.process_index
-    rows, gather_seconds = [], []
-    for phase, save in _savers(run, state, gather_seconds).items():
-        folder = scratch / phase
-        if run.accelerator.is_main_process:
-            folder.mkdir(parents=True, exist_ok=True)
-        run.accelerator.wait_for_everyone()
-        rows.append(_measured(phase, save, folder, run.accelerator))
-        rows[-1]["gather_seconds"] = gather_seconds.pop() if gather_seconds else None
-    result.with_name(f"{result.name}.rank{rank}").write_text(json.dumps(rows))
-    run.accelerator.end_training()
+    accelerator, engine = run.accelerator, run.engine
+    batches = Prefetcher(run.loader)
+    run.loader_position = batches
+    gas = recipe.train.gradient_accumulation_steps
+
+    def barrier_seconds(work) -> float:
+        accelerator.wait_for_everyone()
+        started = time.perf_counter()
+        work()
+        accelerator.wait_for_everyone()
+        return time.perf_counter() - started
+
+    def step() -> None:
+        engine.train_step([next(batches) for _ in range(gas)])
+        state.step += 1
+
+    def save(output_dir: Path, background=None) -> Path:
+        return save_checkpoint(accelerator, output_dir=output_dir, state=state, scheduler=run.scheduler,
+                               data_loader=batches, keep_last_n=1,
+                               model_config=accelerator.unwrap_model(run.model).config, tokenizer=run.tokenizer,
+                               precision="fp32", engine=_layout_free_engine(engine, recipe), background=background)
+
+    for _ in range(2):  # warm-up: Adam's moments exist, as at any real checkpoint
+        step()
+    plain = [barrier_seconds(step) for _ in range(STEPS)]
+    sync = [barrier_seconds(lambda: (step(), save(scratch / "sync"))) for _ in range(STEPS)]
+    writes = BackgroundWrites(pinned=accelerator.device.type == "cuda")
+    background, between = [], []
+    for _ in range(STEPS):
+        background.append(barrier_seconds(lambda: (step(), save(scratch / "async", writes))))
+        between.append(barrier_seconds(step))  # a step beside the write in flight
+    writes.close()
+
+    def old(folder: Path) -> None:  # the save this replaced: both formats wherever there were several processes
+        accelerator.save_state(str(folder))
+        if accelerator.num_processes > 1 or uses_deepspeed(accelerator) or engine.backend == "fsdp2":
+            tensors, _ = engine.layout_free_state()
+            save_layout_free(tensors, folder)
+
+    old_folder = scratch / "old"
+    if accelerator.is_main_process:
+        old_folder.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    old_seconds = barrier_seconds(lambda: old(old_folder))
+    new_seconds = barrier_seconds(lambda: save(scratch / "new"))
+    folder = checkpoint_root(scratch / "new") / f"step_{state.step:08d}"
+    cold = drop_page_cache() if accelerator.is_main_process else False
+    load_seconds = barrier_seconds(lambda: load_checkpoint(accelerator, folder, scheduler=run.scheduler,
+                                                           data_loader=batches,
+                                                           engine=_layout_free_engine(engine, recipe)))
+    batches.close()
+    parameters = engine.parameter_count()
+    rows = {"plain": plain, "sync": sync, "background": background, "between": between, "old_seconds": old_seconds,
+            "new_seconds": new_seconds, "load_seconds": load_seconds, "cold_load": cold, "parameters": parameters,
+            "old_bytes": _folder_bytes(old_folder) if accelerator.is_main_process else 0,
+            "new_bytes": _folder_bytes(folder) if accelerator.is_main_process else 0,
+            "new_entries": sorted(p.name for p in folder.iterdir()) if accelerator.is_main_process else []}
+    result.with_name(f"{result.name}.rank{accelerator.process_index}").write_text(json.dumps(rows))
+    accelerator.end_training()
 
 
-# -- parent: one launch per layout, one table ----------------------------------------------------------------------
+# -- parent: the disk, one launch per layout, one table ------------------------------------------------------------
 
 
 def _free_port() -> int:
@@ -131,52 +172,60 @@ def _free_port() -> int:
 
 
 def _recipe_args(args, layout: str, out: Path) -> list[str]:
-    processes, zero, tp, pp = LAYOUTS[layout]
-    dp = processes // (tp * pp)
+    processes, zero, backend = LAYOUTS[layout]
     return [str(REPO / "recipes" / "tiny.yaml"), "--model.num_layers", str(args.layers),
             "--model.hidden_size", str(args.hidden), "--model.num_attention_heads", str(args.hidden // 64),
-            "--model.seq_length", "128", "--train.micro_batch_size", "1", "--train.train_iters", "1",
-            "--train.gradient_accumulation_steps", str(2 // dp) if dp <= 2 else "1",
-            "--train.save_interval", "1000", "--train.eval_iters", "0", "--train.log_interval", "1",
+            "--model.seq_length", "128", "--train.micro_batch_size", "1", "--train.train_iters", "1000",
+            "--train.gradient_accumulation_steps", "1", "--train.eval_iters", "0", "--train.log_interval", "1000",
             "--train.precision", "fp32", "--output.tensorboard", "false", "--output.dir", str(out),
-            "--parallel.zero_stage", str(zero), "--parallel.tensor_parallel", str(tp),
-            "--parallel.pipeline_parallel", str(pp)]
+            *(["--parallel.backend", "fsdp2", "--parallel.use_deepspeed", "false"] if backend == "fsdp2"
+              else ["--parallel.zero_stage", str(zero)])]
 
 
-def measure(args, layout: str, scratch: Path) -> list[list[dict]]:
-    """Every rank's rows for `layout`."""
-    processes = LAYOUTS[layout][0]
+def measure(args, layout: str, scratch: Path) -> dict:
+    """Rank 0's row for `layout` (times are between barriers: every rank's agree)."""
+    processes, _, backend = LAYOUTS[layout]
     result = scratch / "result.json"
-    worker_args = ["--worker", str(scratch / "saves"), str(result), "--",
-                   *_recipe_args(args, layout, scratch / "run")]
+    worker_args = ["--worker", str(scratch / "saves"), str(result), "--", *_recipe_args(args, layout, scratch / "run")]
     if processes == 1:
         command = [sys.executable, __file__, *worker_args]
+    elif backend == "fsdp2":
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+                   __file__, *worker_args]
     else:
         command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed",
                    "--main_process_port", str(_free_port()), __file__, *worker_args]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "") if processes == 1 else "",
+           "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise SystemExit(f"{layout}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
-    return [json.loads(result.with_name(f"{result.name}.rank{r}").read_text()) for r in range(processes)]
+    return json.loads(result.with_name(f"{result.name}.rank0").read_text())
 
 
-def table(measured: dict[str, list[list[dict]]]) -> str:
-    head = (f"{'layout':<18} {'save':<12} {'seconds':>8} {'of which state':>15} {'peak added MB (max rank)':>25} "
-            f"{'on disk MB':>11} {'time vs old':>12}")
-    lines = [head, "-" * len(head)]
-    for layout, ranks in measured.items():
-        old_seconds = ranks[0][0]["seconds"]
-        for i, phase in enumerate(PHASES):
-            seconds = ranks[0][i]["seconds"]
-            peak = max(rank[i]["peak_added_mb"] for rank in ranks)
-            disk = sum(rank[i]["disk_mb"] for rank in ranks)
-            gather = ranks[0][i].get("gather_seconds")
-            gather = f"{gather:>15.2f}" if gather is not None else f"{'':>15}"
-            lines.append(f"{layout if i == 0 else '':<18} {phase:<12} {seconds:>8.2f} {gather} {peak:>25.0f} "
-                         f"{disk:>11.0f} {seconds / old_seconds:>11.2f}×")
-    return "\n".join(lines)
+def table(measured: dict[str, dict], write: float, read: float, cold: bool) -> list[str]:
+    median = statistics.median
+    head = (f"{'layout':<11} {'save':<9} {'GB':>6} {'×ideal':>7} {'s':>6} {'GB/s':>6} {'×disk':>6} │ "
+            f"{'step s':>7} {'+sync':>7} {'+async':>7} {'async×':>7} {'beside':>7} │ {'load s':>7} {'GB/s':>6} "
+            f"{'×disk':>6}")
+    lines = [head, "─" * len(head)]
+    for layout, m in measured.items():
+        ideal = 12 * m["parameters"]
+        step = median(m["plain"])
+        for name, seconds, size in (("old (2×)", m["old_seconds"], m["old_bytes"]),
+                                    ("one", m["new_seconds"], m["new_bytes"])):
+            speed = size / seconds / GB
+            steps = (f"{step:>7.3f} {median(m['sync']):>7.3f} {median(m['background']):>7.3f} "
+                     f"{median(m['background']) / step:>6.2f}× {median(m['between']):>7.3f}" if name == "one"
+                     else f"{'':>7} {'':>7} {'':>7} {'':>7} {'':>7}")
+            load = (f"{m['load_seconds']:>7.2f} {size / m['load_seconds'] / GB:>6.2f} "
+                    f"{size / m['load_seconds'] / GB / read:>5.2f}×" if name == "one" else f"{'':>7} {'':>6} {'':>6}")
+            lines.append(f"{layout if name.startswith('old') else '':<11} {name:<9} {size / GB:>6.2f} "
+                         f"{size / ideal:>6.2f}× {seconds:>6.2f} {speed:>6.2f} {speed / write:>5.2f}× │ {steps} │ {load}")
+    lines.append(f"disk: sequential write {write:.2f} GB/s (1 GiB, fsynced), read {read:.2f} GB/s "
+                 f"({'page cache dropped' if cold else 'page cache NOT dropped: not permitted here'})")
+    return lines
 
 
 def main() -> None:
@@ -185,27 +234,33 @@ def main() -> None:
         worker(sys.argv[sys.argv.index("--") + 1:], Path(sys.argv[i + 1]), Path(sys.argv[i + 2]))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated names from: " + ", ".join(LAYOUTS))
+    parser.add_argument("--scratch", default=None, help="a folder on the disk to measure (default: the temp folder)")
     args = parser.parse_args()
     layouts = [name.strip() for name in args.layouts.split(",")]
     unknown = [name for name in layouts if name not in LAYOUTS]
     if unknown:
         print(f"error: unknown layout {unknown[0]!r}; choose from {', '.join(LAYOUTS)}", file=sys.stderr)
         raise SystemExit(2)
-    measured = {}
-    for layout in layouts:
-        scratch = Path(tempfile.mkdtemp(prefix="neox_hf_save_bench_"))
-        try:
+    base = Path(tempfile.mkdtemp(prefix="neox_hf_save_bench_", dir=args.scratch))
+    try:
+        write, read, cold = disk_speeds(base)
+        measured = {}
+        for layout in layouts:
+            scratch = base / layout.replace(" ", "_")
+            scratch.mkdir()
             started = time.time()
             measured[layout] = measure(args, layout, scratch)
             print(f"{layout}: {time.time() - started:.0f} s", file=sys.stderr)
-        finally:
             shutil.rmtree(scratch, ignore_errors=True)
-    params = "model: {} layers × {} hidden, fp32, Adam".format(args.layers, args.hidden)
-    print(params)
-    print(table(measured))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    params = next(iter(measured.values()))["parameters"]
+    print(f"model: {args.layers} layers × {args.hidden} hidden, {params / 1e6:.1f}M parameters ({4 * params / GB:.2f} GB "
+          f"fp32), Adam, fp32; {STEPS} steps of each kind (medians); ×ideal: bytes / (12 bytes a parameter)")
+    print("\n".join(table(measured, write, read, cold)))
 
 
 if __name__ == "__main__":

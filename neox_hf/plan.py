@@ -184,10 +184,11 @@ class Plan:
     by_longest_sequence: bool = False  # `ranked` ordered by the longest sequence each fits, not by step time
     seq_length: int = 0  # the recipe's
     note: str | None = None  # why the recipe's row is not on `gpus` (its layout does not divide them)
+    host_checkpoint_bytes: int | None = None  # `train.async_checkpoint`: host memory per rank for the copy it writes
 
     def to_dict(self) -> dict:
         return {"gpus": self.gpus, "gpu_memory_bytes": self.gpu_memory_bytes, "precision": self.precision,
-                "note": self.note,
+                "note": self.note, "async_checkpoint_host_bytes_per_rank": self.host_checkpoint_bytes,
                 "ranked_by": "longest_sequence" if self.by_longest_sequence else "step_seconds",
                 "assumptions": asdict(self.assumptions), "layouts_considered": self.considered,
                 "layouts_fitting": self.fitting,
@@ -856,6 +857,7 @@ def plan_for_recipe(recipe, gpus: int | None = None, gpu_memory_bytes: int | Non
         else:
             plan.ranked = sorted(fitting, key=lambda p: (p.step_seconds, p.largest_stage.total))[:top]
     plan.by_longest_sequence, plan.seq_length = by_longest_sequence, shape.seq_length
+    plan.host_checkpoint_bytes = async_checkpoint_host_bytes(recipe, shape, own_layout)
     if gpu_memory_bytes is not None:
         for p in [own, *plan.ranked]:
             if p.longest_sequence is None:
@@ -1121,6 +1123,7 @@ def plan_table(plan: Plan) -> list[str]:
     own = plan.recipe_layout
     lines += [f"note: {plan.note}"] if plan.note else []
     lines += _rows(own, "recipe: ", every_stage=True)
+    lines += async_checkpoint_lines(plan)
     if plan.gpus is not None:
         memory = f" in {_gib(plan.gpu_memory_bytes)} GiB" if plan.gpu_memory_bytes else ""
         if plan.by_longest_sequence:
@@ -1155,3 +1158,27 @@ def _rows(p: LayoutPlan, prefix: str, every_stage: bool = False) -> list[str]:
         rows.append(f"| {name:<104} | {cells} | {fits} | {p.step_seconds:6.2f} | {p.bubble:6.3f} | "
                     f"{_longest(p.longest_sequence):>11} |")
     return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# `train.async_checkpoint`: the host memory of the copy a background checkpoint writes (neox_hf.checkpoint.background)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def async_checkpoint_host_bytes(recipe, shape: ModelShape, layout: Layout) -> int | None:
+    """Host bytes per rank that `train.async_checkpoint` copies its checkpoint into (fp32 master + Adam's two moments
+    of the rank's chunk: its stage's TP shard split over data × context ranks); None when it is off."""
+    from neox_hf.checkpoint.background import host_copy_bytes
+
+    if not recipe.train.async_checkpoint:
+        return None
+    stage = max(stage_parameters(shape, layout.pipeline, layout.tensor, recipe.parallel.pipe_partition_method))
+    return host_copy_bytes(stage, shards=layout.data * layout.context)
+
+
+def async_checkpoint_lines(plan: Plan) -> list[str]:
+    if plan.host_checkpoint_bytes is None:
+        return []
+    per_rank = plan.host_checkpoint_bytes
+    return [f"async checkpoint: {_gib(per_rank)} GiB of host memory per rank ({_gib(per_rank * GPUS_PER_NODE)} GiB "
+            f"per node of {GPUS_PER_NODE} GPUs), pinned, for the copy written in the background"]

@@ -21,15 +21,25 @@ pytestmark = pytest.mark.distributed  # slow tier: every test here runs (or resu
 
 
 @pytest.fixture(scope="module")
-def zero2_run(tmp_path_factory, small_text) -> Path:
-    """A real 2-process DeepSpeed ZeRO-2 run (fp32) with checkpoints at steps 1 and 2 (the latest); its final folder
-    holds the step-2 weights. One launch (~15 s on 2 cores) serves every test of this module that needs DeepSpeed."""
-    out = tmp_path_factory.mktemp("zero2") / "run"
-    command = accelerate_launch_command(REPO / "run_clm_neox.py", *tiny_args(
-        out, small_text, "--parallel.zero_stage", "2", "--train.precision", "fp32", steps=2, save=1), zero_stage=2)
+def zero2_runs(tmp_path_factory, small_text) -> Path:
+    """Real 2-process DeepSpeed ZeRO-2 runs (fp32) with checkpoints at steps 1 and 2 (the latest), their final folders
+    holding the step-2 weights: `run` in the one format (the layout-free state), `ds_files` with DeepSpeed's per-rank
+    files instead (`train.layout_free_checkpoint: false`, and what checkpoints were before the layout-free state
+    existed). One launch (tests/workers/init_layouts.py, ~15 s of start-up on 2 cores) serves every test of this module
+    that needs DeepSpeed."""
+    root = tmp_path_factory.mktemp("zero2")
+    command = accelerate_launch_command(REPO / "tests/workers/init_layouts.py", root, "run=",
+                                        "ds_files=--train.layout_free_checkpoint false", "--", *tiny_args(
+        root / "unused", small_text, "--parallel.zero_stage", "2", "--train.precision", "fp32", steps=2, save=1),
+                                        zero_stage=2)
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=launch_env(), timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return out
+    return root
+
+
+@pytest.fixture(scope="module")
+def zero2_run(zero2_runs) -> Path:
+    return zero2_runs / "run"
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +82,34 @@ def assert_every_checkpoint_exports(run: Path, tmp_path: Path, capsys) -> None:
     assert any(not torch.equal(earlier[k], latest[k]) for k in latest)
 
 
-def test_every_zero2_step_folder_exports_not_only_the_latest(zero2_run, tmp_path, capsys):
-    assert (zero2_run / "checkpoints" / checkpoint_name(1) / "latest").is_file()  # DeepSpeed's, naming its tag
-    assert_every_checkpoint_exports(zero2_run, tmp_path, capsys)
+def test_every_zero2_step_folder_exports_not_only_the_latest(zero2_runs, tmp_path, capsys):
+    """Both formats: the one format, and DeepSpeed's files (which write a `latest` of their own in each step)."""
+    assert (zero2_runs / "ds_files" / "checkpoints" / checkpoint_name(1) / "latest").is_file()  # DeepSpeed's
+    (tmp_path / "run").mkdir()
+    (tmp_path / "ds_files").mkdir()
+    assert_every_checkpoint_exports(zero2_runs / "run", tmp_path / "run", capsys)
+    assert_every_checkpoint_exports(zero2_runs / "ds_files", tmp_path / "ds_files", capsys)
+
+
+def test_a_zero2_checkpoint_is_written_once(zero2_runs):
+    """One format: the layout-free state (fp32 masters and Adam's two moments, each rank writing its own chunks) and
+    the small per-rank states, no DeepSpeed engine files; its tensor bytes are ≤ 1.05× the 12 bytes a parameter
+    those three fp32 tensors need. DeepSpeed's own files (train.layout_free_checkpoint: false) hold the same state."""
+    from neox_hf.checkpoint.layout_free import stored_model_shapes
+
+    step = zero2_runs / "run" / "checkpoints" / checkpoint_name(2)
+    assert sorted(p.name for p in step.iterdir()) == [
+        "config.json", "layout_free", "random_states_0.pkl", "random_states_1.pkl", "tokenizer.json",
+        "tokenizer_config.json", "trainer_state_rank0.pt", "trainer_state_rank1.pt"]
+    parameters = sum(torch.Size(shape).numel() for shape in stored_model_shapes(step).values())
+    written = sum(p.stat().st_size for p in (step / "layout_free").iterdir())
+    assert 12 * parameters <= written <= 1.05 * 12 * parameters, (written, parameters)
+    assert len(list((step / "layout_free").glob("*.distcp"))) == 2  # each rank its own chunks
+    assert not (zero2_runs / "ds_files" / "checkpoints" / checkpoint_name(2) / "layout_free").exists()
 
 
 def test_a_zero_checkpoint_resumes_on_one_plain_process_and_one_without_layout_free_state_is_refused(
-        zero2_run, small_text, tmp_path, capsys, fresh_accelerate_state):
+        zero2_run, zero2_runs, small_text, tmp_path, capsys, fresh_accelerate_state):
     """DP2 ZeRO-2 → one process without DeepSpeed, in process: the layout-free state resumes it (streamed data: the
     rest of both ranks' pass dealt to the one rank). A checkpoint without that state (written before it existed) is
     refused naming both launches: it was once called truncated or corrupt, with advice (start again with
@@ -96,8 +127,7 @@ def test_a_zero_checkpoint_resumes_on_one_plain_process_and_one_without_layout_f
 
     reset_accelerate_state()
     older = tmp_path / "older"
-    shutil.copytree(zero2_run, older)
-    shutil.rmtree(older / "checkpoints" / checkpoint_name(2) / "layout_free")
+    shutil.copytree(zero2_runs / "ds_files", older)
     before = {p: p.read_bytes() for p in (older / "checkpoints").rglob("*") if p.is_file()}
     code = main(tiny_args(older, small_text, "--parallel.zero_stage", "0", "--train.precision", "fp32", "--resume",
                           steps=3, save=3))
@@ -130,11 +160,13 @@ def test_a_runs_files_get_the_umasks_mode(small_text, tmp_path, capsys, fresh_ac
     assert set(modes.values()) == {"0o644"}, modes
 
 
-@pytest.mark.parametrize("kind", ["plain", "zero2", "zero2-before-layout-free"])
+@pytest.mark.parametrize("kind", ["plain", "zero2", "zero2-deepspeed-files"])
 def test_export_of_a_truncated_checkpoint_names_the_file(kind, request, tmp_path, capsys):
     """Export reads one process's accelerate files, a DeepSpeed run's layout-free state, or (a checkpoint written
-    before there was one) DeepSpeed's files: a truncated file is named, with the previous checkpoint to use."""
-    run = request.getfixturevalue("plain_run" if kind == "plain" else "zero2_run")
+    with train.layout_free_checkpoint: false, or before there was one) DeepSpeed's files: a truncated file is named,
+    with the previous checkpoint to use."""
+    run = (request.getfixturevalue("plain_run") if kind == "plain" else request.getfixturevalue("zero2_runs") /
+           ("run" if kind == "zero2" else "ds_files"))
     out = tmp_path / "run"
     shutil.copytree(run, out)
     step = out / "checkpoints" / checkpoint_name(2)
@@ -143,7 +175,6 @@ def test_export_of_a_truncated_checkpoint_names_the_file(kind, request, tmp_path
     elif kind == "zero2":
         damaged = sorted((step / "layout_free").glob("*.distcp"))[-1]
     else:
-        shutil.rmtree(step / "layout_free")
         (damaged,) = (step / "pytorch_model").glob("zero_pp_rank_1_*optim_states.pt")
     damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
     code, err = export(out / "checkpoints", tmp_path / "hf", capsys)

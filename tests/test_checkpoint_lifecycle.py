@@ -206,3 +206,81 @@ def test_auto_precision_resumes_in_the_precision_the_checkpoint_was_trained_in(t
     assert code == 0, err
     assert f"`train.precision: auto` resumes in {trained_in}, the precision step_00000002 was trained in" in outp
     assert f"precision: {trained_in}" in (out / "recipe.yaml").read_text()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# train.async_checkpoint: the write in the background (the kill during it: tests/test_failure_preemption.py's matrix)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed  # slow tier: three tiny trainings in this process, ~15 s
+def test_a_background_checkpoint_resumes_exactly_and_a_failed_write_leaves_latest_on_the_previous_one(
+        tmp_path, small_text, capsys, fresh_accelerate_state, monkeypatch):
+    """One process, `train.async_checkpoint: true`: its checkpoints are the layout-free state (the one format), and
+    a resume from one gives the uninterrupted run's losses exactly. A background write that fails (the disk fills:
+    ENOSPC inside DCP's writer, in its thread) is reported at the next save as one line naming the intact
+    checkpoint, `latest` never having moved to the failed one, nothing staged left behind."""
+    import errno
+    import shutil
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    from tests.test_failure_preemption import step_losses
+
+    background = ("--train.async_checkpoint", "true", "--train.precision", "fp32", "--train.log_interval", "1")
+    straight = tmp_path / "straight"
+    code, out, err = run(tiny_args(straight, small_text, *background, steps=6, save=2, keep=3), capsys)
+    assert code == 0, err
+    step4 = latest(straight).parent / checkpoint_name(4)
+    assert sorted(p.name for p in step4.iterdir()) == ["config.json", "layout_free", "random_states_0.pkl",
+                                                       "tokenizer.json", "tokenizer_config.json",
+                                                       "trainer_state_rank0.pt"]
+    reset_accelerate_state()
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(step4, resumed / "checkpoints" / step4.name)
+    (resumed / "checkpoints" / "latest").write_text(step4.name)
+    code, out, err = run(tiny_args(resumed, small_text, *background, "--resume", steps=6, save=2, keep=3), capsys)
+    assert code == 0, err
+    want, got = step_losses(straight), step_losses(resumed)
+    assert sorted(got) == [5, 6] and all(got[s] == want[s] for s in got), (got, want)
+
+    reset_accelerate_state()
+    write_data = FileSystemWriter.write_data
+
+    def full_disk_at_step_4(self, plan, planner):
+        if "step_00000004" in str(self.path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_disk_at_step_4)
+    failed = tmp_path / "failed"
+    code, out, err = run(tiny_args(failed, small_text, *background, steps=6, save=2, keep=3), capsys)
+    assert_refused(code, err, "no space left on", "checkpoint step_00000004", "step_00000002, is intact")
+    assert (failed / "checkpoints" / "latest").read_text() == checkpoint_name(2) and checkpoints(failed) == [2]
+    assert not [p for p in (failed / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_a_background_checkpoint_that_would_not_fit_in_host_memory_is_refused_in_one_line():
+    from neox_hf.checkpoint.background import check_host_memory, host_copy_bytes
+    from neox_hf.errors import RecipeError
+
+    assert host_copy_bytes(10**9, shards=8) == 1.5e9  # fp32 master + two moments of an eighth of 1B parameters
+    check_host_memory(10**9, shards=8, local_ranks=8, available=13 * 10**9)
+    with pytest.raises(RecipeError) as refused:
+        check_host_memory(10**9, shards=8, local_ranks=8, available=11 * 10**9)
+    assert str(refused.value) == ("`train.async_checkpoint: true` copies the checkpoint to host memory: 11.2 GiB for "
+                                  "this node's 8 rank(s), 10.2 GiB available; set `train.async_checkpoint: false` "
+                                  "(the step then waits for the write), or use more nodes")
+
+
+def test_plan_counts_the_host_copy_of_a_background_checkpoint():
+    from neox_hf.plan import plan_for_recipe, plan_table, read_recipe
+
+    args = [str(REPO / "recipes" / "tiny.yaml"), "--model.num_layers", "2", "--model.hidden_size", "64",
+            "--train.precision", "fp32"]
+    assert plan_for_recipe(read_recipe(args)).host_checkpoint_bytes is None
+    plan = plan_for_recipe(read_recipe([*args, "--train.async_checkpoint", "true"]))
+    params = 2 * 50304 * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64  # embedding, head, layers, final norm
+    assert plan.host_checkpoint_bytes == 12 * params
+    assert any(line.startswith("async checkpoint: ") for line in plan_table(plan))

@@ -149,8 +149,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def trained_zero1(tmp_path_factory, small_text) -> Path:
     out = tmp_path_factory.mktemp("zero1") / "run"
-    done = run_cli(*tiny_args(out, small_text, "--parallel.zero_stage", "1", "--train.precision", "fp32", steps=2,
-                              save=2))
+    # DeepSpeed's own engine files (not the default layout-free state): what their loader reads is under test
+    done = run_cli(*tiny_args(out, small_text, "--parallel.zero_stage", "1", "--train.precision", "fp32",
+                              "--train.layout_free_checkpoint", "false", steps=2, save=2))
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
@@ -172,7 +173,7 @@ def deepspeed_resumes(trained_zero1, small_text, tmp_path_factory) -> Path:
             (target,) = (root / name / "checkpoints" / "step_00000002" / "pytorch_model").glob(pattern)
             with_payload(target, root / f"{name}.marker")
     resume = tiny_args(root / "unused", small_text, "--parallel.zero_stage", "1", "--train.precision", "fp32",
-                       "--resume", steps=3, save=3)
+                       "--train.layout_free_checkpoint", "false", "--resume", steps=3, save=3)
     done = subprocess.run([sys.executable, str(REPO / "tests/workers/init_layouts.py"), "--keep-going", str(root),
                            "untouched=", *(f"{name}=" for name in ENGINE_FILES), "--", *resume],
                           capture_output=True, text=True, cwd=REPO, env=launch_env(), timeout=600)

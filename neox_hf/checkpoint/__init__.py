@@ -67,27 +67,40 @@ def checkpoint_name(step: int) -> str:
 
 def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, data_loader, keep_last_n: int,
                     model_config=None, tokenizer=None, precision: str | None = None, engine=None,
-                    write_layout_free: bool = True) -> Path:
+                    write_layout_free: bool = True, background=None) -> Path:
     """Write a complete checkpoint atomically; return its folder. Collective: every rank must call it. `precision`
     (what ran) is recorded so that a resumed `train.precision: auto` run keeps it (see `checkpoint_precision`).
-    With the run's `engine`, the layout-free state is written too (`layout_free/`), which any layout resumes, unless
-    `write_layout_free` is False (`train.layout_free_checkpoint`; one process without DeepSpeed has it for free)."""
+
+    One format (`writes_layout_free`): with the run's `engine`, its layout-free state (`layout_free/`, which any
+    layout resumes, the same one exactly) plus each rank's trainer state and RNG; accelerate's / DeepSpeed's per-rank
+    files only where that state cannot describe the run (no `engine`: PEFT under DeepSpeed, optimizers other than
+    Adam; a pipeline with tied embeddings), where `write_layout_free` is False (`train.layout_free_checkpoint`), and
+    for one process without DeepSpeed, whose accelerate files are the layout-free state already. With `background`
+    (a `BackgroundWrites`, `train.async_checkpoint`) the tensors are only copied to host memory here: the folder is
+    renamed into place and `latest` moved once every rank's write is complete."""
     root = checkpoint_root(output_dir)
     final = root / checkpoint_name(state.step)
     staging = root / f"{TMP_PREFIX}{final.name}"
+    several = accelerator.num_processes > 1
+    if background is not None:
+        background.wait()  # the write in flight is published first (or its failure reported, as a save's)
     if accelerator.is_main_process:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     accelerator.wait_for_everyone()
+    layout_free_tensors = None
     try:
-        accelerator.save_state(str(staging))
         layout_free = None
-        # else accelerate's files are it (an engine whose state Accelerate does not hold always writes it)
-        several = _uses_deepspeed(accelerator) or accelerator.num_processes > 1 or _layout_free_only(engine)
-        if engine is not None and engine.has_layout_free_state() and (write_layout_free or not several):
-            tensors, layout_free = engine.layout_free_state()
-            if several:
-                save_layout_free(tensors, staging)
+        if writes_layout_free(accelerator, engine, write_layout_free, background=background is not None):
+            layout_free_tensors, layout_free = engine.layout_free_state()
+            _save_rng_state(accelerator, staging)
+            if background is None:
+                save_layout_free(layout_free_tensors, staging)
+                layout_free_tensors = None
+        else:
+            accelerator.save_state(str(staging))
+            if engine is not None and engine.has_layout_free_state() and not several and not _uses_deepspeed(accelerator):
+                layout_free = engine.layout_free_state()[1]  # Adam's step and the scaler, beside accelerate's files
         trainer_state = {
             "layout_free": layout_free,
             "train_state": asdict(state),
@@ -98,24 +111,74 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
         }
         atomic_torch_save(trainer_state, staging / f"trainer_state_rank{accelerator.process_index}.pt")
     except Exception as err:
-        raise _save_failed(output_dir, staging, err, several=accelerator.num_processes > 1) from err
-    accelerator.wait_for_everyone()
+        raise _save_failed(output_dir, staging, err, several=several) from err
     if accelerator.is_main_process:
-        try:  # config + tokenizer make the checkpoint self-describing for `neox_hf export`.
+        try:  # config + tokenizer make the checkpoint self-describing for `neox_hf export`. Here, not in the background
+            # (a fast tokenizer used by the data thread meanwhile may refuse a second borrower): ~2 MB
             if model_config is not None:
                 model_config.save_pretrained(staging)
             if tokenizer is not None:
                 tokenizer.save_pretrained(staging)
         except Exception as err:
             raise _save_failed(output_dir, staging, err) from err
-        # Not neox_hf.io.atomic_folder: every rank writes into the staging folder, so its name must be known to all.
-        give_umask_modes(staging)  # safetensors writes the weights 0600
-        shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an abandoned timeline
-        os.replace(staging, final)
-        atomic_write_text(root / LATEST, final.name)
-        prune_checkpoints(root, keep_last_n, current_step=state.step)
+    step, in_background = state.step, layout_free_tensors is not None  # publish runs later: the values of now
+    publish = (lambda: _publish(root, staging, final, keep_last_n, step)) if accelerator.is_main_process else None
+    if in_background:  # the host copy is made here; the write and `publish` follow in the background
+        tensors, layout_free_tensors = layout_free_tensors, None
+        try:
+            background.start(tensors, staging, publish,
+                             failed=lambda err: _save_failed(output_dir, staging, err, several=several))
+        except Exception as err:
+            raise _save_failed(output_dir, staging, err, several=several) from err
+        return final
+    accelerator.wait_for_everyone()
+    if publish is not None:
+        publish()
     accelerator.wait_for_everyone()
     return final
+
+
+def _publish(root: Path, staging: Path, final: Path, keep_last_n: int, step: int) -> None:
+    """Rank 0, once every rank's part is written: rename the staging folder into place, move `latest`, prune."""
+    # Not neox_hf.io.atomic_folder: every rank writes into the staging folder, so its name must be known to all.
+    give_umask_modes(staging)  # safetensors writes the weights 0600
+    shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an abandoned timeline
+    os.replace(staging, final)
+    atomic_write_text(root / LATEST, final.name)
+    prune_checkpoints(root, keep_last_n, current_step=step)
+
+
+def writes_layout_free(accelerator, engine, asked: bool = True, *, background: bool = False) -> bool:
+    """Whether a checkpoint of this run is its layout-free state (DCP) plus the small per-rank states, rather than
+    accelerate's `save_state` files (see `save_checkpoint`)."""
+    if engine is None or not engine.has_layout_free_state():
+        return False
+    if _layout_free_only(engine):
+        return True
+    one_plain_process = not _uses_deepspeed(accelerator) and accelerator.num_processes == 1
+    return asked and (background or not one_plain_process)
+
+
+def _save_rng_state(accelerator, folder: Path) -> None:
+    """This rank's RNG states (Python, numpy, torch, the device's) and accelerate's step counter, in accelerate's
+    own file (`random_states_{rank}.pkl`): what `save_state` writes beside the model, without the model."""
+    from accelerate.checkpointing import save_accelerator_state
+
+    save_accelerator_state(str(folder), [], [], [], [], accelerator.process_index, accelerator.step)
+
+
+def _load_rng_state(accelerator, folder: Path) -> None:
+    """Restore what `_save_rng_state` wrote for this rank, when there (an unreadable file is refused, naming it)."""
+    from accelerate.checkpointing import load_accelerator_state
+
+    path = folder / f"random_states_{accelerator.process_index}.pkl"
+    if not path.is_file():
+        return
+    _read_torch_file(path, folder)  # refuses a file that names code, or a damaged one, naming it
+    with weights_only_loads(deepspeed=False):
+        attributes = load_accelerator_state(str(folder), [], [], [], [], accelerator.process_index)
+    if "step" in attributes:
+        accelerator.step = attributes["step"]
 
 
 class SaveAbandoned(RuntimeError):
@@ -314,8 +377,8 @@ def load_checkpoint(accelerator, folder: Path, *, scheduler, data_loader, engine
     the run's `engine` is given; `notify` says what changed), else refused saying which, before anything is read."""
     current = run_description(accelerator, engine)
     writer = checkpoint_writer(folder)
-    if engine is not None and (writer_differs(writer, current) or _layout_free_only(engine)) \
-            and _layout_free_reader(folder, writer):
+    if engine is not None and (writer_differs(writer, current) or _layout_free_only(engine)
+                               or has_layout_free_state(folder)) and _layout_free_reader(folder, writer):
         return load_layout_free_checkpoint(engine, folder, writer=writer, scheduler=scheduler,
                                            data_loader=data_loader, notify=notify)
     check_same_writer(folder, current)
@@ -465,9 +528,11 @@ def load_layout_free_checkpoint(engine, folder: Path, *, writer: dict, scheduler
     another data-parallel size a streamed loader reads every writer data-parallel rank's, to deal out the rest of
     their pass; the loader maps it onto this layout or refuses). Collective."""
     current = run_description(engine.accelerator, engine)
-    state = _read_torch_file(folder / "trainer_state_rank0.pt", folder)
+    same_layout = not writer_differs(writer, current)
+    own = folder / f"trainer_state_rank{engine.accelerator.process_index}.pt"
+    state = _read_torch_file(own if same_layout else folder / "trainer_state_rank0.pt", folder)
     resized = _resizes_data_position(writer, engine.layout.dp, data_loader)
-    data_state = (_writer_data_states(folder, writer) if resized else
+    data_state = (state["data"] if same_layout else _writer_data_states(folder, writer) if resized else
                   _writer_rank_data_state(folder, writer, engine.layout.dp_rank))
     if data_state is not None and hasattr(data_loader, "load_state_dict"):
         from neox_hf.errors import DataError
@@ -480,10 +545,11 @@ def load_layout_free_checkpoint(engine, folder: Path, *, writer: dict, scheduler
         except DataError as err:
             raise CheckpointError(other_launch_message(folder, writer, current, why=str(err))) from err
     notify = notify or engine.accelerator.print
-    notify(f"resuming step {state['train_state']['step']} written by {describe_run(writer)} on "
-           f"{describe_run(current)}")
-    if data_state is not None and hasattr(data_loader, "describe_position"):
-        notify(data_loader.describe_position())
+    if not same_layout:
+        notify(f"resuming step {state['train_state']['step']} written by {describe_run(writer)} on "
+               f"{describe_run(current)}")
+        if data_state is not None and hasattr(data_loader, "describe_position"):
+            notify(data_loader.describe_position())
     try:
         engine.load_layout_free_state(_layout_free_reader(folder, writer), state["layout_free"])
     except CheckpointError as err:
@@ -491,6 +557,8 @@ def load_layout_free_checkpoint(engine, folder: Path, *, writer: dict, scheduler
             raise
         raise CheckpointError(f"{err}; {_resume_hint(folder)}") from err
     scheduler.load_state_dict(state["scheduler"])
+    if same_layout:  # dropout and the rest continue as if never stopped; another layout draws its own
+        _load_rng_state(engine.accelerator, folder)
     return TrainState(**state["train_state"])
 
 

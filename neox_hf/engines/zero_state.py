@@ -191,8 +191,8 @@ def _master_and_moments(param, base_optimizer):
         return
     state = base_optimizer.state.get(param, {})
     yield "model", param.detach().float()
-    for key in MOMENTS:
-        yield key, state.get(key, torch.zeros_like(param)).detach().float()
+    for key in MOMENTS:  # (not `state.get(key, zeros)`: that allocated two zero tensors per parameter every save)
+        yield key, (state[key] if key in state else torch.zeros_like(param)).detach().float()
 
 
 def _set_master_and_moments(param, base_optimizer, values: dict[str, torch.Tensor], step: float) -> None:

@@ -447,12 +447,16 @@ class TrainConfig:
         "help": "Save a resumable checkpoint every this many steps (unset: only at the end).",
         "neox": "checkpoint_factor, save_interval"})
     keep_last_n: int = field(default=2, metadata={"help": "Checkpoints kept; older ones are deleted.", "neox": ""})
-    # every checkpoint also holds the state any layout resumes (`layout_free/`); false: the per-rank files only, about
-    # half the disk and save time under DeepSpeed (benchmarks/checkpoint_save.py), resumable on the same layout only
+    # a checkpoint is the state any layout resumes (`layout_free/`, DCP) plus small per-rank states; false: accelerate's
+    # / DeepSpeed's per-rank files instead (DeepSpeed's own tools read them), resumable on the same layout only
     layout_free_checkpoint: bool = field(default=True, metadata={
-        "help": "Every checkpoint also holds the state any layout resumes from; false halves the save, resumable on the "
-                "same layout only.",
+        "help": "Checkpoints hold the state any layout resumes from (DCP) plus small per-rank states; false writes "
+                "DeepSpeed's / accelerate's per-rank files instead (for DeepSpeed's tools), resumable on the same "
+                "layout only.",
         "neox": ""})
+    async_checkpoint: bool = field(default=False, metadata={
+        "help": "Write checkpoints in the background: the step waits only while the state is copied to host memory, "
+                "and `latest` moves once the write is complete on every rank.", "neox": ""})
     resume: Optional[str] = field(default=None, metadata={
         "help": "auto (the latest checkpoint under output.dir) or a checkpoint path.", "neox": ""})
     push_to_hub: Optional[PushToHubConfig] = field(default=None, metadata={

@@ -26,6 +26,7 @@ from neox_hf.plot import model_card_section, write_run_plot
 from neox_hf.recipe import Recipe, settled
 from neox_hf.trackers import init_tracker_kwargs, tracker_names
 from neox_hf.checkpoint import TrainState, find_resume_checkpoint, load_checkpoint, save_checkpoint
+from neox_hf.checkpoint.background import BackgroundWrites, check_host_memory
 from neox_hf.train.guards import (
     OverflowGuard,
     check_before_build,
@@ -187,6 +188,7 @@ class TrainingRun:
     pusher: object = None  # HubPusher on the main process when train.push_to_hub is set
     engine: object = None  # neox_hf.engines.Engine; None: the layout's engine around model and optimizer
     loader_position: object = None  # set by run_steps: the prefetcher, whose state is the last consumed batch's
+    checkpoint_writes: object = None  # set by run_steps under train.async_checkpoint: neox_hf.checkpoint.background
     has_eval: bool = field(init=False, default=False)  # any data-parallel rank has eval batches
     flops_per_token: float | None = field(init=False, default=None)  # model FLOPs (None: not a GPTNeoX config)
     peak: Peak | None = field(init=False, default=None)  # the device peak MFU is measured against
@@ -231,9 +233,31 @@ class History:
 
 def run_steps(run: TrainingRun, state: TrainState, history: History | None = None) -> History:
     history = history if history is not None else History()
+    if run.recipe.train.async_checkpoint and run.checkpoint_writes is None:
+        check_host_memory(run.engine.parameter_count(), shards=run.layout.world_size)
+        run.checkpoint_writes = BackgroundWrites(pinned=run.accelerator.device.type == "cuda")
     with StopRequest() as stop:  # before the prefetcher: a forked data worker starts with these handlers
-        _run_steps(run, state, history, stop)
+        try:
+            _run_steps(run, state, history, stop)
+        except Preempted:
+            _end_background_writes(run, abandon=False)  # the stop's checkpoint is whole before the run exits
+            raise
+        except BaseException:
+            _end_background_writes(run, abandon=True)  # a dead peer would hold the write's collectives
+            raise
+        _end_background_writes(run, abandon=False)  # the last checkpoint is published before the final save
     return history
+
+
+def _end_background_writes(run: TrainingRun, *, abandon: bool) -> None:
+    """Publish (wait for) or abandon the checkpoint write in flight (`train.async_checkpoint`)."""
+    writes, run.checkpoint_writes = run.checkpoint_writes, None
+    if writes is None:
+        return
+    if abandon:
+        writes.abandon()
+    else:
+        writes.close()
 
 
 def _run_steps(run: TrainingRun, state: TrainState, history: History, stop: StopRequest) -> None:
@@ -264,6 +288,7 @@ def _run_steps(run: TrainingRun, state: TrainState, history: History, stop: Stop
                 step_log.flush()
                 with step_log.paused():
                     save_checkpoint_of(run, state)
+                    _end_background_writes(run, abandon=False)
                 raise Preempted(state.step, signal_name)
             if _due(state.step, t.eval_interval) and state.step < t.train_iters and (run.has_eval or t.eval_tasks):
                 with step_log.paused():  # tokens/s and MFU leave out the evaluation
@@ -482,7 +507,7 @@ def save_checkpoint_of(run: TrainingRun, state: TrainState) -> Path:
                            data_loader=run.loader_position or run.loader, keep_last_n=t.keep_last_n,
                            model_config=run.accelerator.unwrap_model(run.model).config, tokenizer=run.tokenizer,
                            precision=t.precision, engine=_layout_free_engine(run.engine, run.recipe),
-                           write_layout_free=t.layout_free_checkpoint)
+                           write_layout_free=t.layout_free_checkpoint, background=run.checkpoint_writes)
 
 
 # ----------------------------------------------------------------------------------------------------------------
