@@ -47,6 +47,20 @@ NOT_RUN = {
     "--output.dir outputs/pythia-160m-gsm8k": "downloads Pythia-160M from the Hub; the same recipe on outputs/tiny runs",
     "neox_hf push outputs/pythia-160m-gsm8k/merged my-org/pythia-160m-gsm8k":
         "needs a Hub and a token; test_hub pushes through the CLI to a local fake Hub",
+    "torchrun --standalone --nproc_per_node 4 run_clm_neox.py recipes/tiny-mixtral.yaml --parallel.expert_parallel 2":
+        "4 processes; test_expert_parallel launches the same entry point under torchrun (EP2, EP4, ZeRO-2, FSDP2)",
+    "accelerate launch --use_deepspeed --num_processes 4 run_clm_neox.py recipes/tiny-mixtral.yaml "
+    "--parallel.expert_parallel 2": "4 DeepSpeed processes; test_expert_parallel runs EP2 under ZeRO in its 4-process "
+                                    "launches",
+    "torchrun --standalone --nproc_per_node 4 run_clm_neox.py recipes/tiny-mixtral.yaml --parallel.tensor_parallel 2 "
+    "--parallel.expert_parallel 2 --parallel.experts_over tensor":
+        "4 processes; test_expert_parallel launches GPT-NeoX's layout (TP2, experts over TP) under torchrun",
+    "python run_clm_neox.py llama3-8b-dpo.yml --model.from_pretrained SFT_FOLDER":
+        "needs GPT-NeoX's tokenized pair files and an 8B starting model; test_neox_post_training trains the DPO, RM, "
+        "KTO and SFT configs on tiny files",
+    "neox_hf preprocess --chat-template CHATS.jsonl --tokenizer TOKENIZER_FOLDER --output-prefix data/pairwise/train "
+    "--jsonl-keys chosen rejected --only-last": "needs a tokenizer with a chat template (the bundled one has none); "
+                                               "test_neox_post_training runs it on one",
 }
 # GPU-cluster commands: the multi-node launch, the GPU launch configs (test_launch_files loads each with
 # Accelerate's own loader) and the SLURM script.
