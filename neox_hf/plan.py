@@ -489,9 +489,10 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, element: int) -> i
     elements, so the whole layer falls by the context-parallel size. The ring keeps its own positions of all heads,
     its keys and values repeated to the query heads (grouped-query attention expanded before the ring)."""
     t, tokens = layout.tensor, local_tokens(shape, layout)
-    if shape.cache["family"] == "llama":
+    if shape.cache["family"] in ("llama", "mixtral"):  # Mixtral: Llama attention, plus its experts below
         kv_heads = shape.heads if layout.ring else shape.kv_heads
         per_token = _llama_layer_bytes_per_token(shape, t, layout.sequence_parallel, element, kv_heads)
+        per_token += moe_layer_extra_bytes_per_token(shape, layout, element)  # 0 for a dense model
     else:
         replicated = REPLICATED_PER_LAYER * shape.hidden / (t if layout.sequence_parallel else 1)
         per_token = (replicated + SPLIT_PER_LAYER * shape.hidden / t) * element
@@ -701,7 +702,7 @@ def recipe_layout(recipe, gpus: int | None = None) -> Layout:
     p, t = recipe.parallel, recipe.train
     model_parallel = p.pipeline_parallel * p.tensor_parallel * p.context_parallel
     if gpus is None:
-        dp = data_parallel_for_train_batch(t) or 1
+        dp = least_expert_data(p, data_parallel_for_train_batch(t) or 1)
     else:
         dp = max(1, gpus // model_parallel)
     accumulation = accumulation_for_train_batch(t, dp) or t.gradient_accumulation_steps
@@ -1021,6 +1022,40 @@ def expert_seconds(shape: ModelShape, layout: Layout, engine: Engine, dense_para
     return all_to_all / group_bandwidth + (hooks + reduce) / assumptions.dp_bandwidth
 
 
+def moe_layer_extra_bytes_per_token(shape: ModelShape, layout: Layout, element: int) -> float:
+    """What a Mixtral layer (transformers' MixtralDecoderLayer, `grouped_mm` experts, sdpa) saves per token beyond
+    the Llama layer's formula, fitted to saved-tensor hooks (tests/test_plan.py holds it within 1%): per routed
+    copy (top_k of them) the token's hidden state sent to its expert and the expert's output, four expert-width
+    tensors (gate, its SiLU, up, their product) and 40 bytes of routing indices and weights; the router's fp32
+    logits and probabilities; less the dense MLP's four tensors the formula counted. Experts are not split by tensor
+    parallelism; with experts over the tensor-parallel group each of its ranks routes 1/tp of the tokens."""
+    experts, top_k, moe_layers = moe_settings(shape)
+    if moe_layers == 0 or shape.cache["family"] != "mixtral":
+        return 0.0
+    c, t = shape.cache, layout.tensor
+    routed = top_k * (element * (2 * c["hidden"] + 4 * c["intermediate"]) + 40) + 4 * experts + 4
+    routed /= t if layout.experts_over == "tensor" and layout.expert > 1 else 1
+    return (routed - element * 4 * c["intermediate"] / t) * moe_layers / c["layers"]
+
+
+def least_expert_data(parallel, dp: int) -> int:
+    """The data-parallel size of the recipe's own layout without `--gpus`: with experts over data, a multiple of
+    `parallel.expert_parallel` (the launcher refuses fewer data ranks than it)."""
+    ep = parallel.expert_parallel
+    return math.lcm(dp, ep) if ep > 1 and parallel.experts_over == "data" else dp
+
+
+def check_gpus_hold_experts(parallel, gpus: int, model_parallel: int) -> None:
+    """UsageError when the recipe's experts over data do not divide the data-parallel ranks `gpus` leave."""
+    from neox_hf.errors import UsageError
+
+    ep, dp = parallel.expert_parallel, gpus // model_parallel
+    if ep > 1 and parallel.experts_over == "data" and dp % ep:
+        raise UsageError(f"--gpus {gpus}: `parallel.expert_parallel: {ep}` splits the experts over data-parallel "
+                         f"ranks, and {gpus} GPUs give {dp} of them, not a multiple of {ep}; give --gpus "
+                         f"{model_parallel * math.lcm(dp, ep)}, or another expert_parallel")
+
+
 def moe_layouts(shape: ModelShape, layouts: list[Layout]) -> list[Layout]:
     """`layouts` as an MoE model takes them (a dense model's unchanged): without pipeline stages, sequence or
     context parallelism and ZeRO-3, which the recipe refuses with experts; each with every expert-parallel size
@@ -1202,6 +1237,7 @@ def check_gpus_hold_layout(recipe, gpus: int | None) -> None:
     need = p.pipeline_parallel * p.tensor_parallel * p.context_parallel
     if gpus is None or gpus % need:
         return  # the recipe's layout does not divide the GPUs: the plan ranks what they allow (recipe_layout_off_gpus)
+    check_gpus_hold_experts(p, gpus, need)
     t = recipe.train
     if gpus is not None and t.train_batch_size is not None and accumulation_for_train_batch(t, gpus // need) is None:
         dp, per_replica = gpus // need, f" (× {need} per replica)" if need > 1 else ""

@@ -575,3 +575,43 @@ def test_dense_plan_has_no_expert_dimension():
         for s in p.stages:
             assert s.experts == 0
             assert (s.params, s.grads, s.optimizer) == tuple(model_state_bytes(n[s.stage], engine).values())
+
+
+def _saved_bytes_of_a_mixtral_layer(config, tokens: int) -> int:
+    """`_saved_bytes_of_a_llama_layer` for transformers' MixtralDecoderLayer with the `grouped_mm` experts kernel."""
+    import torch
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralRotaryEmbedding
+
+    config._experts_implementation, config._attn_implementation = "grouped_mm", "sdpa"
+    torch.manual_seed(0)
+    layer = MixtralDecoderLayer(config, 0).to(torch.bfloat16)
+    x = torch.randn(1, tokens, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.arange(tokens)[None]
+    cos, sin = (t.detach() for t in MixtralRotaryEmbedding(config)(x, positions))
+    saved = {}
+
+    def pack(tensor):
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        layer(x, attention_mask=None, position_ids=positions, position_embeddings=(cos, sin))
+    left_out = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), cos, sin)}
+    return sum(n for ptr, n in saved.items() if ptr not in left_out)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_mixtral_layer_activations_match_saved_tensors(top_k):
+    from neox_hf.plan import Layout, layer_activation_bytes, model_shape
+
+    shape = model_shape(_recipe(MIXTRAL, "--model.moe_top_k", str(top_k)))
+    config = shape.config
+    planned = layer_activation_bytes(shape, Layout(1, 1, 1, 2, 1, 1, False, False), element=2)
+    assert planned == pytest.approx(_saved_bytes_of_a_mixtral_layer(config, shape.seq_length), rel=0.01)
+
+
+def test_moe_gpus_that_do_not_hold_the_recipe_s_expert_groups_are_refused(capsys):
+    from neox_hf import cli
+
+    assert cli.main(["plan", MIXTRAL, "--parallel.expert_parallel", "2", "--gpus", "3"]) == 2
+    assert "give --gpus 6" in capsys.readouterr().err
