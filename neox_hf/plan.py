@@ -587,7 +587,7 @@ def loss_bytes(shape: ModelShape, layout: Layout, fused: bool, engine: Engine) -
 def stage_bytes(shape: ModelShape, layout: Layout, engine: Engine, fused_loss: bool, method: str) -> list[StageBytes]:
     params = stage_parameters(shape, layout.pipeline, layout.tensor, method)
     layers = stage_transformer_layers(shape, layout.pipeline, method)
-    largest_layer = max(layer_parameters_per_rank(shape, layout.tensor))  # the embedding and head are layers too
+    largest_layer = largest_layer_on_rank(shape, layout)  # the embedding and head are layers too
     stages = []
     for s, (n, n_layers) in enumerate(zip(params, layers)):
         parts = model_state_parts(shape, layout, engine, n)  # a dense model: [(n, engine)]
@@ -1036,6 +1036,19 @@ def moe_layer_extra_bytes_per_token(shape: ModelShape, layout: Layout, element: 
     routed = top_k * (element * (2 * c["hidden"] + 4 * c["intermediate"]) + 40) + 4 * experts + 4
     routed /= t if layout.experts_over == "tensor" and layout.expert > 1 else 1
     return (routed - element * 4 * c["intermediate"] / t) * moe_layers / c["layers"]
+
+
+def largest_layer_on_rank(shape: ModelShape, layout: Layout) -> int:
+    """The parameters of the largest pipeline layer on one rank (what FSDP2 gathers while it runs): a MoE layer
+    holds its 1/ep share of the experts."""
+    counts = layer_parameters_per_rank(shape, layout.tensor)
+    if layout.expert == 1:
+        return max(counts)
+    from neox_hf.parallel.expert_parallel import is_expert_parameter
+
+    tensors = shape.cached("tensors", lambda: _pipeline_layer_tensors(shape.config.to_json_string()))
+    experts = [sum(n for key, n, _ in layer if is_expert_parameter(key)) for layer in tensors]
+    return max(n - e + e // layout.expert for n, e in zip(counts, experts))
 
 
 def least_expert_data(parallel, dp: int) -> int:

@@ -506,6 +506,14 @@ def test_moe_experts_memory_per_rank_is_the_parameter_arithmetic():
     # ZeRO-2 on 4 ranks, EP2: the experts' grads and optimizer states shard over the 2 ranks holding the same experts
     zero2 = plan_for_recipe(_recipe(MIXTRAL, "--parallel.expert_parallel", "2", "--parallel.zero_stage", "2"), 4)
     assert zero2.recipe_layout.stages[0].experts == (4 + (4 + 12) // 2) * experts // 2
+    # FSDP2 gathers a layer with its rank's half of the experts while it runs
+    from neox_hf.plan import largest_layer_on_rank
+
+    small_vocab = ("--model.vocab_size", "256")  # so that a transformer layer is the largest
+    fsdp = _recipe(MIXTRAL, "--parallel.expert_parallel", "2", "--parallel.backend", "fsdp2", *small_vocab)
+    layer = 2 * 128 * 128 + 2 * 128 * 64 + 8 * 128 + 2 * 128  # q, o; k, v (2 of 4 heads); router; two norms
+    layout = plan_for_recipe(fsdp, 2).recipe_layout.layout
+    assert largest_layer_on_rank(model_shape(fsdp), layout) == layer + experts // 2 // 2  # a layer's half
 
 
 def test_moe_step_time_counts_active_parameters_and_the_all_to_all():
