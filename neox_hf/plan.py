@@ -51,7 +51,7 @@ import functools
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -87,6 +87,8 @@ class Layout:
     backend: str = "deepspeed"  # `parallel.backend`; fsdp2 shards like ZeRO-3 (zero_stage is then 0)
     dp_replicate: int = 1  # FSDP2's HSDP replicas: each shards over data / dp_replicate ranks
     context: int = 1  # `parallel.context_parallel`: each sequence split over this many ranks (Ulysses or ring)
+    expert: int = 1  # `parallel.expert_parallel`: each MoE layer's experts split over this many ranks
+    experts_over: str = "data"  # `parallel.experts_over`: data-parallel ranks, or the tensor-parallel group (ep = tp)
 
     @property
     def gpus(self) -> int:
@@ -98,6 +100,12 @@ class Layout:
         (`groups._get_sequence_data_parallel_group`), data × context, since context-parallel ranks hold the same
         weights and see different tokens; FSDP2's mesh makes its context-parallel ranks shards the same way."""
         return self.data * self.context
+
+    @property
+    def expert_data(self) -> int:
+        """The ranks holding the same experts (`Layout.edp` of neox_hf.parallel.layout): their gradients are reduced,
+        and ZeRO / FSDP2 shard their states, over these."""
+        return self.sharding_ranks // self.expert if self.experts_over == "data" else self.sharding_ranks
 
     @property
     def ring(self) -> bool:
@@ -118,6 +126,7 @@ class StageBytes:
     activations: int
     loss: int
     total: int
+    experts: int = 0  # of params + grads + optimizer, the MoE experts' bytes on this rank (their 1/ep share)
 
     @property
     def model_states(self) -> int:
@@ -481,9 +490,10 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, element: int) -> i
     elements, so the whole layer falls by the context-parallel size. The ring keeps its own positions of all heads,
     its keys and values repeated to the query heads (grouped-query attention expanded before the ring)."""
     t, tokens = layout.tensor, local_tokens(shape, layout)
-    if shape.cache["family"] == "llama":
+    if shape.cache["family"] in ("llama", "mixtral"):  # Mixtral: Llama attention, plus its experts below
         kv_heads = shape.heads if layout.ring else shape.kv_heads
         per_token = _llama_layer_bytes_per_token(shape, t, layout.sequence_parallel, element, kv_heads)
+        per_token += moe_layer_extra_bytes_per_token(shape, layout, element)  # 0 for a dense model
     else:
         replicated = REPLICATED_PER_LAYER * shape.hidden / (t if layout.sequence_parallel else 1)
         per_token = (replicated + SPLIT_PER_LAYER * shape.hidden / t) * element
@@ -578,10 +588,11 @@ def loss_bytes(shape: ModelShape, layout: Layout, fused: bool, engine: Engine) -
 def stage_bytes(shape: ModelShape, layout: Layout, engine: Engine, fused_loss: bool, method: str) -> list[StageBytes]:
     params = stage_parameters(shape, layout.pipeline, layout.tensor, method)
     layers = stage_transformer_layers(shape, layout.pipeline, method)
-    largest_layer = max(layer_parameters_per_rank(shape, layout.tensor))  # the embedding and head are layers too
+    largest_layer = largest_layer_on_rank(shape, layout)  # the embedding and head are layers too
     stages = []
     for s, (n, n_layers) in enumerate(zip(params, layers)):
-        states = model_state_bytes(n, engine)
+        parts = model_state_parts(shape, layout, engine, n)  # a dense model: [(n, engine)]
+        states = {k: sum(model_state_bytes(m, e)[k] for m, e in parts) for k in ("params", "grads", "optimizer")}
         activations = stage_activation_bytes(shape, layout, n_layers, s, engine.activation_bytes)
         loss = loss_bytes(shape, layout, fused_loss, engine) if s == layout.pipeline - 1 else 0
         buffers = (deepspeed_buffer_bytes(shape, engine, largest_layer)
@@ -589,7 +600,7 @@ def stage_bytes(shape: ModelShape, layout: Layout, engine: Engine, fused_loss: b
         # ZeRO-3 keeps its gradient partition in one flat buffer from step to step
         held_grads = engine.weight_bytes * math.ceil(n / engine.data) if engine.deepspeed and engine.zero_stage == 3 else 0
         persistent = states["params"] + states["optimizer"] + buffers + held_grads
-        grads_at_backward = backward_gradient_bytes(n, engine) - held_grads
+        grads_at_backward = sum(backward_gradient_bytes(m, e) for m, e in parts) - held_grads
         # Over several micro-batches (accumulation, a pipeline's) the gradients of the earlier ones are held while
         # the next runs its forward and loss; with one, the loss's moment precedes every gradient but the head's.
         accumulated = grads_at_backward if layout.gradient_accumulation_steps > 1 else 0
@@ -599,7 +610,7 @@ def stage_bytes(shape: ModelShape, layout: Layout, engine: Engine, fused_loss: b
         peak = max(accumulated + activations + max(loss, one_layer) + gathered,  # a backward's transients: ~one layer's
                    grads_at_backward + 2 * one_layer + 2 * gathered, states["grads"] - held_grads)
         stages.append(StageBytes(s, states["params"], states["grads"], states["optimizer"], buffers, activations, loss,
-                                 persistent + peak))
+                                 persistent + peak, expert_state_bytes(parts)))
     return stages
 
 
@@ -619,7 +630,9 @@ def step_seconds(shape: ModelShape, layout: Layout, engine: Engine, params_per_r
     flops = per_token * tokens * (4 / 3 if layout.activation_checkpointing else 1)
     compute = flops / layout.gpus / (assumptions.peak_flops * assumptions.mfu)
     compute /= 1 - bubble(layout)
-    d = layout.sharding_ranks  # gradients are reduced over the data × context-parallel ranks
+    # gradients are reduced over the data × context-parallel ranks (DeepSpeed's group: the expert-data-parallel
+    # ranks when experts are over data, `engine_for`)
+    d = engine.data if engine.deepspeed else layout.sharding_ranks
     ring = 2 * (d - 1) / d * engine.weight_bytes * params_per_rank * (1.5 if engine.zero_stage == 3 else 1)
     if engine.fsdp2:
         # each shard group all-gathers every layer twice (forward, backward; compute dtype) and reduce-scatters its
@@ -632,7 +645,8 @@ def step_seconds(shape: ModelShape, layout: Layout, engine: Engine, params_per_r
     tp_volume = (4 * 2 * (t - 1) / t * local_tokens(shape, layout) * shape.hidden * engine.activation_bytes
                  * layers_micro)
     return (compute + ring / assumptions.dp_bandwidth + tp_volume / assumptions.tp_bandwidth
-            + context_parallel_seconds(shape, layout, engine, assumptions))
+            + context_parallel_seconds(shape, layout, engine, assumptions)
+            + expert_seconds(shape, layout, engine, params_per_rank, assumptions))
 
 
 def context_parallel_seconds(shape: ModelShape, layout: Layout, engine: Engine, assumptions: Assumptions) -> float:
@@ -689,12 +703,13 @@ def recipe_layout(recipe, gpus: int | None = None) -> Layout:
     p, t = recipe.parallel, recipe.train
     model_parallel = p.pipeline_parallel * p.tensor_parallel * p.context_parallel
     if gpus is None:
-        dp = data_parallel_for_train_batch(t) or 1
+        dp = least_expert_data(p, data_parallel_for_train_batch(t) or 1)
     else:
         dp = max(1, gpus // model_parallel)
     accumulation = accumulation_for_train_batch(t, dp) or t.gradient_accumulation_steps
     return Layout(p.pipeline_parallel, p.tensor_parallel, dp, p.zero_stage, t.micro_batch_size, accumulation,
-                  p.activation_checkpointing, p.sequence_parallel, p.backend, p.dp_replicate, p.context_parallel)
+                  p.activation_checkpointing, p.sequence_parallel, p.backend, p.dp_replicate, p.context_parallel,
+                  p.expert_parallel, p.experts_over)
 
 
 def engine_for(recipe, layout: Layout, precision: str) -> Engine:
@@ -705,7 +720,7 @@ def engine_for(recipe, layout: Layout, precision: str) -> Engine:
         return Engine(precision, False, 0, layout.sharding_ranks, fsdp2=True, shard=shards)
     deepspeed = layout.gpus > 1 or layout.zero_stage > 0 or bool(p.use_deepspeed) or p.deepspeed_config is not None
     # ZeRO partitions over DeepSpeed's sequence-data-parallel group: data × context ranks
-    return Engine(precision, deepspeed, layout.zero_stage, layout.sharding_ranks, p.offload_optimizer,
+    return Engine(precision, deepspeed, layout.zero_stage, deepspeed_data_ranks(layout), p.offload_optimizer,
                   p.offload_params)
 
 
@@ -714,8 +729,8 @@ def plan_layout(recipe, shape: ModelShape, layout: Layout, precision: str, assum
     engine = engine_for(recipe, layout, precision)
     method = recipe.parallel.pipe_partition_method
     stages = stage_bytes(shape, layout, engine, recipe.train.fused_cross_entropy, method)
-    seconds = step_seconds(shape, layout, engine, max(stage_parameters(shape, layout.pipeline, layout.tensor, method)),
-                           assumptions)
+    dense = max(stage_parameters(shape, layout.pipeline, layout.tensor, method)) - expert_parameters(shape)
+    seconds = step_seconds(shape, layout, engine, dense, assumptions)
     limit = None if gpu_memory_bytes is None else gpu_memory_bytes - assumptions.reserved_bytes
     fits = None if limit is None else max(s.total for s in stages) <= limit
     return LayoutPlan(layout, stages, seconds, bubble(layout), fits, limit)
@@ -784,7 +799,7 @@ def candidate_layouts(recipe, shape: ModelShape, gpus: int, global_batch: int, m
                             for sp in _sequence_parallel_options(pp, tp, shape.seq_length) if cp == 1 else (False,):
                                 layouts.append(Layout(pp, tp, dp, zero, micro, gas, checkpointing, sp, backend,
                                                       replicas, cp))
-    return layouts
+    return moe_layouts(shape, layouts)
 
 
 def _sharding_options(shape: ModelShape, pp: int, tp: int, cp: int, dp: int) -> list[tuple[str, int, int]]:
@@ -902,6 +917,184 @@ def gpu_memory_warnings(recipe, layout) -> list[str]:
         return []
     memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     return startup_memory_warnings(recipe, memory, gpus=layout.world_size)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Mixture of experts: the expert dimension
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def moe_settings(shape: ModelShape) -> tuple[int, int, int]:
+    """(experts per MoE layer, experts each token is routed to, MoE layers) of the model; (1, 1, 0) for a dense one.
+    Mixtral's config names them num_local_experts / num_experts_per_tok, GPT-NeoX's dMoE moe_num_experts /
+    moe_top_k / moe_expert_interval (layer i is MoE when i % interval == 0)."""
+    return shape.cached("moe", lambda: _moe_settings(shape.config))
+
+
+def _moe_settings(config) -> tuple[int, int, int]:
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "moe_num_experts", None) or 1
+    if experts <= 1:
+        return 1, 1, 0
+    top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_top_k", None) or 1
+    interval = getattr(config, "moe_expert_interval", None) or 1
+    return experts, top_k, len(range(0, config.num_hidden_layers, interval))
+
+
+def expert_parameters(shape: ModelShape) -> int:
+    """The experts' parameters of the whole model (every MoE layer's 3-D expert tensors, at expert parallel 1); 0
+    for a dense model. The router is a dense parameter: every rank holds it whole."""
+    return shape.cached("expert parameters", lambda: _expert_parameters(shape))
+
+
+def _expert_parameters(shape: ModelShape) -> int:
+    from neox_hf.parallel.expert_parallel import is_expert_parameter
+
+    if moe_settings(shape)[2] == 0:
+        return 0
+    tensors = shape.cached("tensors", lambda: _pipeline_layer_tensors(shape.config.to_json_string()))
+    return sum(numel for layer in tensors for key, numel, _ in layer if is_expert_parameter(key))
+
+
+def total_parameters(shape: ModelShape) -> int:
+    """Every parameter of the model (a tied embedding once)."""
+    return sum(stage_parameters(shape, 1, 1, "parameters"))
+
+
+def active_parameters(shape: ModelShape) -> int:
+    """Parameters one token runs through: the dense parts, the router and top_k of each MoE layer's experts."""
+    experts, top_k, _ = moe_settings(shape)
+    return total_parameters(shape) - expert_parameters(shape) + expert_parameters(shape) * top_k // experts
+
+
+def deepspeed_data_ranks(layout: Layout) -> int:
+    """The data-parallel group DeepSpeed reduces and partitions over: with experts over data ranks, its mpu's group
+    is the expert-data-parallel one (`neox_hf.parallel.expert_parallel`), so dense ZeRO states shard over dp / ep."""
+    return layout.expert_data if layout.expert > 1 else layout.sharding_ranks
+
+
+def model_state_parts(shape: ModelShape, layout: Layout, engine: Engine, params: int) -> list[tuple[int, Engine]]:
+    """(parameters on this rank, the engine state that holds them) of a stage of `params` parameters counted at
+    expert parallel 1: a dense model [(params, engine)]; an MoE model its dense part and its 1/ep share of the
+    experts, whose ZeRO-1/2 or FSDP2 states shard over the expert-data-parallel ranks (dp / ep with experts over
+    data, dp with experts over the tensor-parallel group)."""
+    experts = expert_parameters(shape)
+    if experts == 0:
+        return [(params, engine)]
+    edp = layout.expert_data
+    expert_engine = Engine(engine.precision, engine.deepspeed, engine.zero_stage, edp, engine.offload_optimizer,
+                           engine.offload_params, engine.fsdp2, edp)
+    return [(params - experts, engine), (math.ceil(experts / layout.expert), expert_engine)]
+
+
+def expert_state_bytes(parts: list[tuple[int, Engine]]) -> int:
+    """The experts' params + grads + optimizer bytes on this rank (0 for a dense model)."""
+    if len(parts) == 1:
+        return 0
+    return sum(model_state_bytes(*parts[1]).values())
+
+
+def expert_seconds(shape: ModelShape, layout: Layout, engine: Engine, dense_params: int,
+                   assumptions: Assumptions) -> float:
+    """The expert dimension's traffic per step, 0 for a dense model: each MoE layer's token all-to-all, four per
+    micro-batch (dispatch and combine, forward and backward; two more when checkpointing recomputes the forward),
+    each rank sending (ep − 1) / ep of its tokens × top_k hidden states; the experts' gradients reduced over the
+    expert-data-parallel ranks; and, on DeepSpeed with experts over data, the dense gradients averaged over the
+    expert group at every micro-batch (`divide_gradients_for_deepspeed`'s hooks)."""
+    experts = expert_parameters(shape)
+    if experts == 0:
+        return 0.0
+    _, top_k, moe_layers = moe_settings(shape)
+    ep, micro, element = layout.expert, layout.gradient_accumulation_steps, engine.activation_bytes
+    over_tensor = layout.experts_over == "tensor"
+    # with experts over the tensor-parallel group, each of its ranks dispatches a disjoint slice of the one batch
+    tokens = local_tokens(shape, layout) / (layout.tensor if over_tensor else 1)
+    passes = 3 if layout.activation_checkpointing else 2
+    all_to_all = 2 * passes * tokens * top_k * shape.hidden * element * (ep - 1) / ep * moe_layers * micro
+    group_span = layout.tensor * (1 if over_tensor else ep)  # consecutive ranks: NVLink while they share a node
+    group_bandwidth = assumptions.tp_bandwidth if group_span <= GPUS_PER_NODE else assumptions.dp_bandwidth
+    e, local = layout.expert_data, experts / ep
+    if engine.fsdp2:
+        reduce = (e - 1) / e * local * (2 * element + 4)
+    else:
+        reduce = 2 * (e - 1) / e * engine.weight_bytes * local
+    hooks = 0.0
+    if engine.deepspeed and ep > 1 and not over_tensor:
+        hooks = 2 * (ep - 1) / ep * engine.weight_bytes * dense_params * micro
+    # the hooks' all-reduce is data-parallel gradient traffic: at the bandwidth the plan gives the rest of it
+    return all_to_all / group_bandwidth + (hooks + reduce) / assumptions.dp_bandwidth
+
+
+def moe_layer_extra_bytes_per_token(shape: ModelShape, layout: Layout, element: int) -> float:
+    """What a Mixtral layer (transformers' MixtralDecoderLayer, `grouped_mm` experts, sdpa) saves per token beyond
+    the Llama layer's formula, fitted to saved-tensor hooks (tests/test_plan.py holds it within 1%): per routed
+    copy (top_k of them) the token's hidden state sent to its expert and the expert's output, four expert-width
+    tensors (gate, its SiLU, up, their product) and 40 bytes of routing indices and weights; the router's fp32
+    logits and probabilities; less the dense MLP's four tensors the formula counted. Experts are not split by tensor
+    parallelism; with experts over the tensor-parallel group each of its ranks routes 1/tp of the tokens."""
+    experts, top_k, moe_layers = moe_settings(shape)
+    if moe_layers == 0 or shape.cache["family"] != "mixtral":
+        return 0.0
+    c, t = shape.cache, layout.tensor
+    routed = top_k * (element * (2 * c["hidden"] + 4 * c["intermediate"]) + 40) + 4 * experts + 4
+    routed /= t if layout.experts_over == "tensor" and layout.expert > 1 else 1
+    return (routed - element * 4 * c["intermediate"] / t) * moe_layers / c["layers"]
+
+
+def largest_layer_on_rank(shape: ModelShape, layout: Layout) -> int:
+    """The parameters of the largest pipeline layer on one rank (what FSDP2 gathers while it runs): a MoE layer
+    holds its 1/ep share of the experts."""
+    counts = layer_parameters_per_rank(shape, layout.tensor)
+    if layout.expert == 1:
+        return max(counts)
+    from neox_hf.parallel.expert_parallel import is_expert_parameter
+
+    tensors = shape.cached("tensors", lambda: _pipeline_layer_tensors(shape.config.to_json_string()))
+    experts = [sum(n for key, n, _ in layer if is_expert_parameter(key)) for layer in tensors]
+    return max(n - e + e // layout.expert for n, e in zip(counts, experts))
+
+
+def least_expert_data(parallel, dp: int) -> int:
+    """The data-parallel size of the recipe's own layout without `--gpus`: with experts over data, a multiple of
+    `parallel.expert_parallel` (the launcher refuses fewer data ranks than it)."""
+    ep = parallel.expert_parallel
+    return math.lcm(dp, ep) if ep > 1 and parallel.experts_over == "data" else dp
+
+
+def check_gpus_hold_experts(parallel, gpus: int, model_parallel: int) -> None:
+    """UsageError when the recipe's experts over data do not divide the data-parallel ranks `gpus` leave."""
+    from neox_hf.errors import UsageError
+
+    ep, dp = parallel.expert_parallel, gpus // model_parallel
+    if ep > 1 and parallel.experts_over == "data" and dp % ep:
+        raise UsageError(f"--gpus {gpus}: `parallel.expert_parallel: {ep}` splits the experts over data-parallel "
+                         f"ranks, and {gpus} GPUs give {dp} of them, not a multiple of {ep}; give --gpus "
+                         f"{model_parallel * math.lcm(dp, ep)}, or another expert_parallel")
+
+
+def moe_layouts(shape: ModelShape, layouts: list[Layout]) -> list[Layout]:
+    """`layouts` as an MoE model takes them (a dense model's unchanged): without pipeline stages, sequence or
+    context parallelism and ZeRO-3, which the recipe refuses with experts; each with every expert-parallel size
+    that divides the experts and the data-parallel ranks (HSDP only at ep 1; on DeepSpeed, experts over data only
+    without tensor parallelism), and GPT-NeoX's layout, the experts over the tensor-parallel group (ep = tp)."""
+    experts = moe_settings(shape)[0]
+    if experts == 1:
+        return layouts
+    out = []
+    for layout in layouts:
+        if (layout.pipeline > 1 or layout.sequence_parallel or layout.context > 1
+                or (layout.backend == "deepspeed" and layout.zero_stage == 3)):
+            continue
+        out.append(layout)
+        if layout.backend == "deepspeed" and layout.tensor > 1:
+            data_sizes = []
+        elif layout.dp_replicate > 1:
+            continue
+        else:
+            data_sizes = [ep for ep in _divisors(layout.data) if ep > 1 and experts % ep == 0]
+        out += [replace(layout, expert=ep) for ep in data_sizes]
+        if layout.tensor > 1 and experts % layout.tensor == 0 and layout.dp_replicate == 1:
+            out.append(replace(layout, expert=layout.tensor, experts_over="tensor"))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1059,6 +1252,7 @@ def check_gpus_hold_layout(recipe, gpus: int | None) -> None:
     need = p.pipeline_parallel * p.tensor_parallel * p.context_parallel
     if gpus is None or gpus % need:
         return  # the recipe's layout does not divide the GPUs: the plan ranks what they allow (recipe_layout_off_gpus)
+    check_gpus_hold_experts(p, gpus, need)
     t = recipe.train
     if gpus is not None and t.train_batch_size is not None and accumulation_for_train_batch(t, gpus // need) is None:
         dp, per_replica = gpus // need, f" (× {need} per replica)" if need > 1 else ""
@@ -1096,6 +1290,8 @@ def describe_layout(layout: Layout) -> str:
     context = f" × context {layout.context}{' (ring)' if layout.ring else ''}" if layout.context > 1 else ""
     parts = [f"pipe {layout.pipeline} × tensor {layout.tensor}{context} × data {layout.data}", sharding,
              f"micro {layout.micro_batch} × accumulation {layout.gradient_accumulation_steps}"]
+    if layout.expert > 1:
+        parts.insert(1, f"expert {layout.expert}" + (" over tensor" if layout.experts_over == "tensor" else ""))
     if layout.activation_checkpointing:
         parts.append("checkpointing")
     if layout.sequence_parallel:

@@ -477,3 +477,149 @@ def test_llama2_7b_at_32k_on_8_gpus_of_80_gb(capsys):
         assert main(["plan", str(REPO / "recipes/llama2-7b-32k.yaml"), *bad]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1, err
+
+
+# ---- the expert dimension (MoE) ----
+
+MIXTRAL = "recipes/tiny-mixtral.yaml"
+
+
+def _recipe(path, *overrides):
+    from neox_hf.recipe.args import parse_run_args
+
+    return parse_run_args([path, "--train.precision", "fp32", *overrides]).recipe
+
+
+def test_moe_experts_memory_per_rank_is_the_parameter_arithmetic():
+    """tiny-mixtral: 2 layers × 8 SwiGLU experts of 3 × 128 × 128 parameters; fp32 weights, grads and two Adam
+    moments are 16 bytes per parameter: 12.0 MiB on one process, 6.0 MiB per rank at EP2 (as measured)."""
+    from neox_hf.plan import expert_parameters, model_shape, plan_for_recipe
+
+    experts = 2 * 8 * 3 * 128 * 128
+    assert expert_parameters(model_shape(_recipe(MIXTRAL))) == experts
+    one = plan_for_recipe(_recipe(MIXTRAL), 1).recipe_layout.stages[0]
+    ep2 = plan_for_recipe(_recipe(MIXTRAL, "--parallel.expert_parallel", "2"), 2).recipe_layout
+    assert ep2.layout.expert == 2 and ep2.layout.data == 2
+    assert one.experts == 16 * experts == 12 * 2**20
+    assert ep2.stages[0].experts == 16 * experts // 2 == 6 * 2**20
+    assert one.model_states - ep2.stages[0].model_states == 6 * 2**20  # the dense part is the same 16 bytes each
+    # ZeRO-2 on 4 ranks, EP2: the experts' grads and optimizer states shard over the 2 ranks holding the same experts
+    zero2 = plan_for_recipe(_recipe(MIXTRAL, "--parallel.expert_parallel", "2", "--parallel.zero_stage", "2"), 4)
+    assert zero2.recipe_layout.stages[0].experts == (4 + (4 + 12) // 2) * experts // 2
+    # FSDP2 gathers a layer with its rank's half of the experts while it runs
+    from neox_hf.plan import largest_layer_on_rank
+
+    small_vocab = ("--model.vocab_size", "256")  # so that a transformer layer is the largest
+    fsdp = _recipe(MIXTRAL, "--parallel.expert_parallel", "2", "--parallel.backend", "fsdp2", *small_vocab)
+    layer = 2 * 128 * 128 + 2 * 128 * 64 + 8 * 128 + 2 * 128  # q, o; k, v (2 of 4 heads); router; two norms
+    layout = plan_for_recipe(fsdp, 2).recipe_layout.layout
+    assert largest_layer_on_rank(model_shape(fsdp), layout) == layer + experts // 2 // 2  # a layer's half
+
+
+def test_moe_step_time_counts_active_parameters_and_the_all_to_all():
+    from neox_hf.plan import active_parameters, expert_parameters, model_shape, plan_for_recipe, total_parameters
+    from neox_hf.train.mfu import flops_per_token
+
+    recipe = _recipe(MIXTRAL)
+    shape = model_shape(recipe)
+    experts = expert_parameters(shape)
+    assert active_parameters(shape) == total_parameters(shape) - experts + experts * 2 // 8
+    # the model FLOPs are 6 × the active matmul parameters (not the total) + attention's 12·L·H·T
+    c = shape.config
+    embedding = c.vocab_size * c.hidden_size
+    norms = (2 * c.num_hidden_layers + 1) * c.hidden_size
+    active_matmul = active_parameters(shape) - embedding - norms
+    attention = 12 * c.num_hidden_layers * c.hidden_size * shape.seq_length
+    assert flops_per_token(c, shape.seq_length) == 6 * active_matmul + attention
+    one = plan_for_recipe(recipe, 1)
+    tokens = recipe.train.micro_batch_size * shape.seq_length
+    a = one.assumptions
+    assert one.recipe_layout.step_seconds == pytest.approx(
+        (6 * active_matmul + attention) * tokens / (a.peak_flops * a.mfu), rel=1e-12)
+    # EP2 on 2 ranks (DeepSpeed, ZeRO-0): the same compute, the all-to-all (4 × tokens × top_k × hidden × 4 bytes ×
+    # (ep − 1)/ep per layer, NVLink inside the node) and the dense gradients' all-reduce over the expert group
+    # (2 × ½ × 4 bytes each, data-parallel traffic); the experts' own gradients have no other holder to reduce with
+    ep2 = plan_for_recipe(_recipe(MIXTRAL, "--parallel.expert_parallel", "2"), 2).recipe_layout.step_seconds
+    all_to_all = 4 * tokens * 2 * 128 * 4 * 0.5 * c.num_hidden_layers / a.tp_bandwidth
+    dense_all_reduce = 2 * 0.5 * 4 * (total_parameters(shape) - experts) / a.dp_bandwidth
+    assert ep2 == pytest.approx(one.recipe_layout.step_seconds + all_to_all + dense_all_reduce, rel=1e-12)
+
+
+def test_moe_candidate_layouts_name_the_expert_dimension_and_leave_out_what_moe_refuses():
+    from neox_hf.plan import candidate_layouts, model_shape
+
+    recipe = _recipe(MIXTRAL)
+    shape = model_shape(recipe)
+    layouts = candidate_layouts(recipe, shape, 4, 16)
+    assert layouts and not any(l.pipeline > 1 or l.context > 1 or l.sequence_parallel for l in layouts)
+    assert not any(l.backend == "deepspeed" and l.zero_stage == 3 for l in layouts)
+    experts = {(l.expert, l.experts_over, l.tensor, l.backend) for l in layouts}
+    assert {(2, "data", 1, "deepspeed"), (4, "data", 1, "fsdp2"), (2, "tensor", 2, "deepspeed"),
+            (4, "tensor", 4, "fsdp2")} <= experts
+    assert not any(l.expert > 1 and l.experts_over == "data" and l.tensor > 1 and l.backend == "deepspeed"
+                   for l in layouts)  # the recipe refuses it
+    assert not any(l.expert > 1 and l.dp_replicate > 1 for l in layouts)
+    from neox_hf.plan import describe_layout
+    from dataclasses import replace
+
+    row = describe_layout(next(l for l in layouts if l.expert == 2 and l.experts_over == "data"))
+    assert "data 4, expert 2, ZeRO-" in row
+    assert "expert 2 over tensor" in describe_layout(replace(layouts[0], tensor=2, expert=2, experts_over="tensor"))
+
+
+def test_dense_plan_has_no_expert_dimension():
+    """A dense recipe's layouts and bytes are what they were: no expert rows, the model states one engine's."""
+    from neox_hf.plan import (candidate_layouts, engine_for, model_shape, model_state_bytes, plan_for_recipe,
+                              stage_parameters)
+
+    recipe = _recipe("recipes/tiny.yaml")
+    shape = model_shape(recipe)
+    layouts = candidate_layouts(recipe, shape, 4, 16)
+    assert all(l.expert == 1 for l in layouts) and any(l.pipeline > 1 for l in layouts)
+    plan = plan_for_recipe(recipe, 4)
+    for p in [plan.recipe_layout, *plan.ranked]:
+        engine = engine_for(recipe, p.layout, plan.precision)
+        n = stage_parameters(shape, p.layout.pipeline, p.layout.tensor, recipe.parallel.pipe_partition_method)
+        for s in p.stages:
+            assert s.experts == 0
+            assert (s.params, s.grads, s.optimizer) == tuple(model_state_bytes(n[s.stage], engine).values())
+
+
+def _saved_bytes_of_a_mixtral_layer(config, tokens: int) -> int:
+    """`_saved_bytes_of_a_llama_layer` for transformers' MixtralDecoderLayer with the `grouped_mm` experts kernel."""
+    import torch
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralRotaryEmbedding
+
+    config._experts_implementation, config._attn_implementation = "grouped_mm", "sdpa"
+    torch.manual_seed(0)
+    layer = MixtralDecoderLayer(config, 0).to(torch.bfloat16)
+    x = torch.randn(1, tokens, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.arange(tokens)[None]
+    cos, sin = (t.detach() for t in MixtralRotaryEmbedding(config)(x, positions))
+    saved = {}
+
+    def pack(tensor):
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        layer(x, attention_mask=None, position_ids=positions, position_embeddings=(cos, sin))
+    left_out = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), cos, sin)}
+    return sum(n for ptr, n in saved.items() if ptr not in left_out)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_mixtral_layer_activations_match_saved_tensors(top_k):
+    from neox_hf.plan import Layout, layer_activation_bytes, model_shape
+
+    shape = model_shape(_recipe(MIXTRAL, "--model.moe_top_k", str(top_k)))
+    config = shape.config
+    planned = layer_activation_bytes(shape, Layout(1, 1, 1, 2, 1, 1, False, False), element=2)
+    assert planned == pytest.approx(_saved_bytes_of_a_mixtral_layer(config, shape.seq_length), rel=0.01)
+
+
+def test_moe_gpus_that_do_not_hold_the_recipe_s_expert_groups_are_refused(capsys):
+    from neox_hf import cli
+
+    assert cli.main(["plan", MIXTRAL, "--parallel.expert_parallel", "2", "--gpus", "3"]) == 2
+    assert "give --gpus 6" in capsys.readouterr().err
