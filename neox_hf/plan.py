@@ -1369,7 +1369,10 @@ def async_checkpoint_host_bytes(recipe, shape: ModelShape, layout: Layout) -> in
     if not recipe.train.async_checkpoint:
         return None
     stage = max(stage_parameters(shape, layout.pipeline, layout.tensor, recipe.parallel.pipe_partition_method))
-    return host_copy_bytes(stage, shards=layout.data * layout.context)
+    parts = model_state_parts(shape, layout, engine_for(recipe, layout, "fp32"), stage)
+    dense = host_copy_bytes(parts[0][0], shards=layout.data * layout.context)
+    # an MoE rank copies its 1/ep share of the experts, whose states shard over the ranks holding the same experts
+    return dense + sum(host_copy_bytes(params, shards=layout.expert_data) for params, _ in parts[1:])
 
 
 def async_checkpoint_lines(plan: Plan) -> list[str]:
