@@ -270,7 +270,7 @@ def check_fsdp2_before_build(recipe: Recipe, config, data_parallel: int) -> None
 
 def check_reference_before_build(recipe: Recipe) -> None:
     """DPO's frozen reference and KTO's keep a whole copy of the model on every rank: refused under tensor
-    parallelism, pipelines and ZeRO-3 (what `train.preference.frozen_reference` refuses once the model exists); a
+    parallelism, pipelines and ZeRO-3 (`train.preference.frozen_reference` calls it again once the model exists); a
     precomputed DPO reference is the starting model (`with_reference_logps` refuses another after the build)."""
     t, p = recipe.train, recipe.parallel
     kto = t.objective == "kto"

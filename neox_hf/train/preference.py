@@ -19,6 +19,7 @@ import copy
 import torch
 
 from neox_hf.errors import RecipeError
+from neox_hf.train.guards import check_reference_before_build
 from neox_hf.parallel.layout import dp_sum
 
 
@@ -45,16 +46,7 @@ def frozen_reference(recipe, model, layout, device):
     kto = recipe.train.objective == "kto"
     if not kto and (recipe.train.objective != "dpo" or recipe.train.dpo_reference != "frozen"):
         return None
-    if layout.tp > 1 or layout.pp > 1 or recipe.parallel.zero_stage == 3:
-        if kto:
-            raise RecipeError("`train.objective: kto` keeps a frozen copy of the starting model on every rank as its "
-                              "reference, which tensor parallelism and ZeRO-3 do not shard; use ZeRO-1/2 or one "
-                              "process")
-        raise RecipeError("`train.dpo_reference: frozen` keeps a whole copy of the model on every rank; with tensor "
-                          "parallelism or ZeRO-3 use `train.dpo_reference: precompute` (the default)")
-    if recipe.train.dpo_reference_model and not kto:
-        raise RecipeError("`train.dpo_reference_model` is read by `train.dpo_reference: precompute`; a frozen "
-                          "reference is the starting model (model.from_pretrained)")
+    check_reference_before_build(recipe)  # refused before the build already; kept for callers that skip it
     reference = copy.deepcopy(model).to(device).eval()
     reference.requires_grad_(False)
     return reference
