@@ -4,6 +4,7 @@ same global batches), on a tiny Mixtral (recipes/tiny-mixtral.yaml shrunk: 2 lay
 router loss on) with micro-batches of one sequence everywhere, so that the router loss, taken per micro-batch, sees
 the same tokens on every layout:
 
+- every run starts from a stock Mixtral folder (`model.from_pretrained`);
 - EP2 (4 data-parallel ranks: 2 expert groups, each expert held by 2 ranks), EP4, EP2 × ZeRO-2, EP2 × FSDP2,
   GPT-NeoX's layout (the experts split over the tensor-parallel group, TP2 × 2 data-parallel) and TP2 attention ×
   EP2 over FSDP2 (the experts split over the 2 data-parallel ranks of each TP rank) train the same 6 steps as one
@@ -52,10 +53,25 @@ LAYOUTS = {
 TENSOR_PARALLEL = ("neox_tp2", "tp2_ep2_fsdp2")
 
 
+def _stock_mixtral(folder: Path) -> Path:
+    """A stock `MixtralForCausalLM` folder of MIXTRAL's shape (the router loss on, as the recipe has it)."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=50432, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                           max_position_embeddings=64, tie_word_embeddings=False, output_router_logits=True,
+                           router_aux_loss_coef=0.02)
+    MixtralForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, pack_data) -> Path:  # noqa: F811
     root = tmp_path_factory.mktemp("expert_parallel")
-    common = [*MIXTRAL, *pack_data]
+    # every run starts from a stock Mixtral folder: a transformers user's checkpoint round-trips through each layout
+    common = [*MIXTRAL, *pack_data, "--model.from_pretrained", str(_stock_mixtral(root / "stock"))]
     resume = lambda source: f"--train.resume {root / source / STEP3}"  # noqa: E731
     layouts = {**LAYOUTS,  # then EP2's checkpoint resumed on EP4 and on TP2 × EP2 over FSDP2
                "ep4_from_ep2": f"--parallel.expert_parallel 4 {resume('ep2')}",
@@ -164,10 +180,14 @@ def test_export_writes_the_stock_folder_from_an_expert_parallel_step(runs, tmp_p
 
     assert main(["export", str(runs / "ep2" / STEP3), str(tmp_path / "hf")]) == 0, capsys.readouterr().err
     assert main(["export", str(runs / "one" / STEP3), str(tmp_path / "one")]) == 0, capsys.readouterr().err
-    want = MixtralForCausalLM.from_pretrained(tmp_path / "one", dtype=torch.float32).state_dict()
-    got = MixtralForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).state_dict()
+    one = MixtralForCausalLM.from_pretrained(tmp_path / "one", dtype=torch.float32).eval()
+    ep2 = MixtralForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    want, got = one.state_dict(), ep2.state_dict()
     assert want.keys() == got.keys()
     assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-4
+    ids = torch.randint(0, 50000, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (one(ids).logits - ep2(ids).logits).abs().max().item() <= 1e-4
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ the full tensor. `safe_open(...).get_slice` reads just the requested bytes.
 
 import json
 import os
+import re
 from contextlib import ExitStack
 
 import torch
@@ -62,7 +63,10 @@ def load_tp_shard_state_dict(folder_or_file: str, config: GPTNeoXConfig, tp_rank
         for key in expected:
             stored = next((k for k in _STORED_ALIASES.get(key, (key,)) if k in key_to_file), None)
             if stored is None:
-                continue  # reported below, after tied weights are resolved
+                experts = _stock_mixtral_experts(key, key_to_file, handles)
+                if experts is not None:  # whole on every TP rank (expert parallelism splits experts, not TP)
+                    shard[key] = experts
+                continue  # anything else missing is reported below, after tied weights are resolved
             tensor_slice = handles[key_to_file[stored]].get_slice(stored)
             if key in _VOCAB_KEYS and tensor_slice.get_shape()[0] < config.vocab_size:
                 shard[key] = _read_padded_vocab_rows(tensor_slice, config.vocab_size, tp_rank, tp_size, stored)
@@ -77,6 +81,32 @@ def load_tp_shard_state_dict(folder_or_file: str, config: GPTNeoXConfig, tp_rank
                               f"is it a {type(config).__name__.replace('NeoX', '') or 'GPTNeoX'} checkpoint saved with "
                               "save_pretrained?")
     return shard
+
+
+_STOCK_MIXTRAL_MOE = re.compile(r"^(model\.layers\.\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)$")
+
+
+def _stock_mixtral_experts(key: str, key_to_file: dict, handles: dict):
+    """A Mixtral MoE tensor in transformers 5's fused layout, read from a stock folder's per-expert keys
+    (`block_sparse_moe.experts.N.w1/w3/w2`, `block_sparse_moe.gate`); None where the folder has none. Gap filled:
+    transformers converts these keys (conversion_mapping's "mixtral": stack the experts, gate and up concatenated on
+    dim 1) only inside its own `from_pretrained`, which a TP rank reading its slices does not go through."""
+    match = _STOCK_MIXTRAL_MOE.match(key)
+    if match is None:
+        return None
+    prefix, name = f"{match.group(1)}.block_sparse_moe", match.group(2)
+
+    def stored(k):
+        return handles[key_to_file[k]].get_tensor(k) if k in key_to_file else None
+
+    if name == "gate.weight":
+        return stored(f"{prefix}.gate.weight")
+    experts = []
+    while f"{prefix}.experts.{len(experts)}.w2.weight" in key_to_file:
+        e = f"{prefix}.experts.{len(experts)}"
+        experts.append(torch.cat([stored(f"{e}.w1.weight"), stored(f"{e}.w3.weight")]) if name.endswith("gate_up_proj")
+                       else stored(f"{e}.w2.weight"))
+    return torch.stack(experts) if experts else None
 
 
 def pad_vocab(model_or_state_dict, new_size: int, init: str = "zeros"):
