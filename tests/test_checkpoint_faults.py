@@ -91,6 +91,28 @@ def test_every_zero2_step_folder_exports_not_only_the_latest(zero2_runs, tmp_pat
     assert_every_checkpoint_exports(zero2_runs / "ds_files", tmp_path / "ds_files", capsys)
 
 
+@pytest.mark.parametrize("written_by", ["layout-free", "deepspeed-files"])
+def test_export_refuses_a_zero_checkpoint_file_that_would_run_code(zero2_runs, tmp_path, capsys, written_by):
+    """Export reads the layout-free state (its `.metadata` is a plain pickle), or DeepSpeed's files where the run
+    wrote those (`train.layout_free_checkpoint: false`): a file crafted to run code is refused naming it."""
+    import pickle
+
+    from tests.test_security import System, with_payload
+
+    out = tmp_path / "run"
+    shutil.copytree(zero2_runs / ("run" if written_by == "layout-free" else "ds_files"), out)
+    step = out / "checkpoints" / checkpoint_name(2)
+    if written_by == "layout-free":
+        crafted = step / "layout_free" / ".metadata"
+        crafted.write_bytes(pickle.dumps(System(tmp_path / "marker")))
+    else:
+        (target,) = (step / "pytorch_model").glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        crafted = with_payload(target, tmp_path / "marker")
+    code, err = export(out / "checkpoints", tmp_path / "hf", capsys)
+    assert not (tmp_path / "marker").exists()
+    assert code == 2 and str(crafted) in err
+
+
 def test_a_zero2_checkpoint_is_written_once(zero2_runs):
     """One format: the layout-free state (fp32 masters and Adam's two moments, each rank writing its own chunks) and
     the small per-rank states, no DeepSpeed engine files; its tensor bytes are ≤ 1.05× the 12 bytes a parameter

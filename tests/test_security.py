@@ -198,28 +198,6 @@ def test_deepspeed_resume_of_the_same_checkpoint_without_a_payload_goes_on(deeps
     assert status == "0" and "at step 2" in stdout, (deepspeed_resumes / "untouched.stderr").read_text()[-3000:]
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("written_by", ["layout-free", "before-layout-free"])
-def test_export_refuses_a_zero_checkpoint_file_that_would_run_code(trained_zero1, tmp_path, capsys, written_by):
-    """Export reads the layout-free state (its `.metadata` is a plain pickle); a checkpoint written before it had one
-    is read from DeepSpeed's files."""
-    from neox_hf.cli import main
-
-    out = tmp_path / "run"
-    shutil.copytree(trained_zero1, out)
-    step = out / "checkpoints" / "step_00000002"
-    if written_by == "layout-free":
-        crafted = step / "layout_free" / ".metadata"
-        crafted.write_bytes(pickle.dumps(System(tmp_path / "marker")))
-    else:
-        shutil.rmtree(step / "layout_free")
-        (target,) = (step / "pytorch_model").glob("*optim_states.pt")
-        crafted = with_payload(target, tmp_path / "marker")
-    code = main(["export", str(out / "checkpoints"), str(tmp_path / "hf")])
-    assert not (tmp_path / "marker").exists()
-    assert code == 2 and str(crafted) in capsys.readouterr().err
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # GPT-NeoX checkpoints (convert-neox)
 # ----------------------------------------------------------------------------------------------------------------

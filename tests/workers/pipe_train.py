@@ -135,7 +135,7 @@ def main(args, end: bool = True) -> None:
     state = TrainState()
     checkpoint = find_resume_checkpoint("auto", out) if args.resume else None
     if checkpoint is not None:
-        state = load_checkpoint(accelerator, checkpoint, scheduler=scheduler, data_loader=loader)
+        state = load_checkpoint(accelerator, checkpoint, scheduler=scheduler, data_loader=loader, engine=engine)
     run = TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader,
                       eval_batches(args.mode, layout.dp_rank, dp), layout=layout, engine=engine)
     if accelerator.is_main_process:
