@@ -273,6 +273,42 @@ def test_the_dmoe_config_trains_and_saves_a_folder_transformers_loads_with_remot
         assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=0), training
 
 
+@pytest.mark.distributed  # slow tier: a whole run through the entry point, in this process
+def test_the_shrunk_dmoe_config_trains_and_its_saved_folder_is_what_trained(tmp_path):
+    """`run_clm_neox.py 125M-dmoe.yml` shrunk by overrides trains (the loss falls on real text) and saves a folder
+    whose own modeling file (trust_remote_code=True) gives the logits our class gives for the same weights."""
+    from transformers import AutoConfig
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    from neox_hf.model.neox_moe import NeoXMoEForCausalLM
+    from tests.conftest import REPO, SHARED_DATA, train_in_this_process
+    from tests.test_resume import step_losses
+
+    path = SHARED_DATA / DMOE_CONFIG
+    if not path.is_file():
+        pytest.skip(f"{path} not present")
+    out = tmp_path / "run"
+    printed = train_in_this_process([
+        str(path), "--model.num_layers", "3", "--model.hidden_size", "32", "--model.num_attention_heads", "4",
+        "--model.seq_length", "32", "--model.moe_expert_interval", "2", "--model.moe_top_k", "2",
+        "--train.precision", "fp32", "--parallel.zero_stage", "0", "--parallel.pipeline_parallel", "1",
+        "--parallel.tensor_parallel", "1", "--train.train_iters", "8", "--train.micro_batch_size", "4",
+        "--train.gradient_accumulation_steps", "1", "--train.eval_iters", "0", "--train.log_interval", "1",
+        "--train.lr", "0.003", "--train.warmup", "0", "--output.tensorboard", "false",
+        "--tokenizer.path", str(REPO / "examples" / "data" / "gpt-neox-20b-tokenizer.json"),
+        "--data.sources", f"[{{path: {REPO / 'examples' / 'data' / 'tinyshakespeare.txt'}}}]", "--output.dir", str(out)])
+    assert "trust_remote_code=True" in printed
+    losses = step_losses(out)
+    assert sorted(losses) == list(range(1, 9)) and losses[8] < losses[1] - 0.3, losses
+    remote_class = get_class_from_dynamic_module(AutoConfig.from_pretrained(out).auto_map["AutoModelForCausalLM"],
+                                                 str(out))
+    loaded = remote_class.from_pretrained(out, dtype=torch.float32).eval()
+    ours = NeoXMoEForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(0, 50000, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, ours(ids).logits, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("extra,key", [
     ({"moe_type": "deepspeed"}, "moe_type"),
     ({"moe_token_dropping": True}, "moe_token_dropping"),
