@@ -305,6 +305,55 @@ def test_a_training_run_after_a_split_change_reads_a_fresh_index(one_step_run):
     assert doc_idx.max() < train_documents  # no validation document in the index the run trained on
 
 
+def _train_index(folder: Path, seed: int) -> tuple[dict, np.ndarray]:
+    """The record and document order of the train-split index cache of `seed` in `folder`."""
+    (record,) = folder.glob(f"*_train_indexmap_*_{seed}s_*_source.json")
+    return json.loads(record.read_text()), np.load(str(record).replace("_source.json", "_doc_idx.npy"))
+
+
+def test_a_training_run_after_a_seed_change_or_a_corpus_change_reads_a_fresh_index(one_step_run, tmp_path, capsys,
+                                                                                   fresh_accelerate_state):
+    """Each change through a training run: another `data.seed` trains on an index of that seed (GPT-NeoX's name holds
+    the seed); the corpus replaced under the same name is noticed (sizes fingerprint), rebuilt with a one-line note,
+    and the run trains on the new corpus's documents only."""
+    import shutil
+
+    from neox_hf.cli import main
+    from neox_hf.data.indexed import index_bytes
+    from tests.conftest import reset_accelerate_state
+
+    folder, _, train_documents = one_step_run
+    recipe = json.loads((folder / "recipe.yaml").read_text())
+    recipe["output"]["dir"] = str(tmp_path / "seed99")
+    (tmp_path / "seed.yaml").write_text(json.dumps(recipe))
+    assert main(["train", str(tmp_path / "seed.yaml"), "--data.split", "50,50,0", "--data.seed", "99"]) == 0
+    (record_99, order_99), (_, order_1234) = _train_index(folder, 99), _train_index(folder, 1234)
+    assert record_99["settings"]["seed"] == 99 and record_99["settings"]["split_documents"] == [0, train_documents]
+    assert not np.array_equal(order_99, order_1234)
+
+    corpus = tmp_path / "corpus"  # a copy: the other tests of this module keep the fixture's corpus
+    corpus.mkdir()
+    for path in folder.glob("corpus_text_document.*"):
+        shutil.copy(path, corpus)
+    recipe["data"]["sources"] = [{"path": str(corpus / "corpus_text_document"), "format": "indexed"}]
+    for run in ("before", "after"):
+        recipe["output"]["dir"] = str(tmp_path / run)
+        (tmp_path / f"{run}.yaml").write_text(json.dumps(recipe))
+        if run == "after":  # 20 documents where there were 60, under the same name and record
+            rng = np.random.default_rng(6)
+            docs = [np.append(rng.integers(2, 100, size=int(rng.integers(20, 40))), 0) for _ in range(20)]
+            np.concatenate(docs).astype(np.uint16).tofile(corpus / "corpus_text_document.bin")
+            (corpus / "corpus_text_document.idx").write_bytes(index_bytes([len(d) for d in docs], np.uint16))
+        capsys.readouterr()
+        reset_accelerate_state()
+        assert main(["train", str(tmp_path / f"{run}.yaml"), "--data.split", "50,50,0"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "index cache" in line and "rebuilt" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: "), notes
+    record, order = _train_index(corpus, 1234)
+    assert record["documents"] == 20 and record["settings"]["split_documents"] == [0, 10]
+    assert order.max() < 10  # the new corpus's train split only
+
+
 def test_export_and_resume_refuse_a_damaged_checkpoint_file(one_step_run, tmp_path, capsys):
     from tests.conftest import reset_accelerate_state
 
