@@ -116,6 +116,34 @@ def test_a_damaged_preference_parquet_is_one_line_naming_it(tmp_path):
     assert tried >= 10
 
 
+@pytest.mark.parametrize("counted_at_start", [True, False])
+def test_a_parquet_text_source_damaged_inside_a_page_is_one_line_naming_it(tmp_path, capsys, monkeypatch,
+                                                                         fresh_accelerate_state, counted_at_start):
+    """Its footer is whole (the start-up check passes); a page in the middle is not. Read by the start-up's token
+    count (a small corpus) or, for a corpus too large to count, first by the training loop's data thread: either way
+    exit 2 and one line naming the file and its row group."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from neox_hf.cli import main
+
+    words = [" ".join(random.Random(i).choice(["the", "cat", "sat", "on", "a", "mat"]) for _ in range(40))
+             for i in range(200)]
+    path = tmp_path / "texts.parquet"
+    pq.write_table(pa.table({"text": words}), path, row_group_size=25)
+    damaged = bytearray(path.read_bytes())
+    damaged[len(damaged) // 2: len(damaged) // 2 + 64] = bytes(64)
+    path.write_bytes(bytes(damaged))
+    if not counted_at_start:
+        monkeypatch.setattr("neox_hf.data.loader.CHEAP_COUNT_BYTES", 0)
+    code, err = _run(["train", str(REPO / "recipes" / "tiny.yaml"), "--data.sources", f"[{{path: {path}}}]",
+                      "--train.train_iters", "20", "--train.eval_iters", "0", "--train.precision", "fp32",
+                      "--output.dir", str(tmp_path / "out")], capsys)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert len(errors) == 1 and str(path) in errors[0] and "row group" in errors[0], errors
+
+
 # ---------------------------------------------------------------------------------------------------- commands
 
 

@@ -23,7 +23,8 @@ import numpy as np
 
 from neox_hf.data import packing, padding
 from neox_hf.data.packing import TokenStream
-from neox_hf.data.sources import check_sources, document_stream, resolve_files, source_format
+from neox_hf.data.sources import check_sources, document_stream, resolve_files, rows_naming_damaged_files, \
+    source_format
 from neox_hf.data.state import STATE_VERSION, changed_data_setting, empty_stats
 from neox_hf.errors import DataError
 from neox_hf.recipe import DataConfig
@@ -58,7 +59,7 @@ class _DocumentReader:
         self._stream = self._make_stream(self.epoch)
         if upstream is not None:
             self._stream.load_state_dict(upstream)
-        self._rows = iter(self._stream)
+        self._rows = rows_naming_damaged_files(self._stream, self._sources)
         # `IterableDataset.state_dict()` says "start of the epoch" until the first row after `load_state_dict` is
         # pulled: until then the position is the one this stream was opened at
         self._opened_at, self._fresh = copy.deepcopy(upstream), True
@@ -608,7 +609,7 @@ def tokens_per_epoch(data_cfg: DataConfig, tokenizer) -> Optional[int]:
     stream = document_stream(sources, tokenizer, epoch=0, seed=data_cfg.seed, shuffle=False,
                              streaming=data_cfg.streaming, append_eod=data_cfg.append_eod, role=role,
                              fraction=data_cfg.validation_fraction)
-    return sum(len(row["input_ids"]) for row in stream if row["skip"] == "")
+    return sum(len(row["input_ids"]) for row in rows_naming_damaged_files(stream, sources) if row["skip"] == "")
 
 
 def _file_size(path: str) -> int:
