@@ -574,8 +574,9 @@ def _translate_batch(args: dict, recipe: dict, notices: list[str]) -> set[str]:
     train_batch_size they cannot reach at any data-parallel size is refused; one they reach is recorded in a note
     naming that size, and as `train.train_batch_size`, which the launch must reach (`parallel.layout.check_launch`
     refuses it otherwise, as GPT-NeoX does, unless `--train.gradient_accumulation_steps` makes up the difference).
-    Where the rule would divide train_batch_size by the unknown size (no micro batch, or accumulation null) it is
-    refused, asking for the missing value. A config with neither train_batch_size nor a micro batch (a model-only
+    Where the rule divides train_batch_size by the size (no micro batch, or accumulation null) it is applied on the
+    launch's data-parallel size, as GPT-NeoX applies it on the GPUs it finds (one process for a plain python run and
+    `--print-config`). A config with neither train_batch_size nor a micro batch (a model-only
     file) keeps the recipe's defaults.
     """
     keys = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "global_num_gpus",
@@ -589,7 +590,13 @@ def _translate_batch(args: dict, recipe: dict, notices: list[str]) -> set[str]:
             _put(recipe, "train.gradient_accumulation_steps", accumulation)
         return keys
     dp = _data_parallel_size(args)
-    if dp is None:
+    if dp is None and train_batch is not None and (micro is None or accumulation is None):
+        dp, processes = _launch_data_parallel_size(args)  # GPT-NeoX divides by the GPUs it runs on: the launch's
+        micro, accumulation = _batch_for(dp, train_batch, micro, accumulation, whose="this launch's processes")
+        notices.append(f"batch: GPT-NeoX's rule on this launch's {dp} data-parallel process(es) ({processes} "
+                       f"process(es){'' if processes > 1 else ': a plain python run or --print-config'}) gives micro "
+                       f"batch {micro} × accumulation {accumulation}; a launch of other size derives its own")
+    elif dp is None:
         micro, accumulation = _batch_for_any_launch(train_batch, micro, accumulation, notices)
     else:
         micro, accumulation = _batch_for(dp, train_batch, micro, accumulation)
@@ -622,20 +629,44 @@ def _data_parallel_size(args: dict) -> int | None:
         gpus = per_node * nodes if per_node > 0 and nodes > 0 else None  # num_nodes -1: every node of the hostfile
     if gpus is None:
         return None
-    # GPT-NeoX counts pipe_parallel_size 0 (no pipeline engine) as one stage, and divides by the context-parallel
-    # size too (its context-parallel branch: dp_world_size = global_num_gpus / pp / (mp × cp)); expert-parallel ranks
-    # are data-parallel ranks there (nothing divides by them)
-    stages, tensor_parallel, context = (max(int(args.get(key) or 1), 1) for key in
-                                        ("pipe_parallel_size", "model_parallel_size", "context_parallel_size"))
-    model_parallel = stages * tensor_parallel * context
+    model_parallel = _model_parallel_size(args)
     if gpus % model_parallel:
         raise RecipeError(f"global_num_gpus {gpus} is not a multiple of pipe_parallel_size × model_parallel_size "
-                          f"{'× context_parallel_size ' if context > 1 else ''}({model_parallel}); GPT-NeoX refuses "
+                          f"{'× context_parallel_size ' if _context_parallel(args) > 1 else ''}({model_parallel}); "
+                          "GPT-NeoX refuses "
                           "it: give a GPU count that holds whole model replicas")
     return gpus // model_parallel
 
 
-def _batch_for(dp: int, train_batch: int | None, micro: int | None, accumulation: int | None) -> tuple[int, int]:
+def _launch_data_parallel_size(args: dict) -> tuple[int, int]:
+    """(data-parallel size, processes) of the launch this config is read in: torchrun / accelerate launch set
+    WORLD_SIZE before our code runs (a plain python run, `--print-config`, `plan`: one process). neox_yaml sits below
+    the parallel layer, so it reads the variable itself."""
+    import os
+
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    model_parallel = _model_parallel_size(args)
+    if processes % model_parallel:
+        raise RecipeError(f"this launch's {processes} process(es) are not a multiple of pipe_parallel_size × "
+                          f"model_parallel_size × context_parallel_size ({model_parallel}); GPT-NeoX refuses it: "
+                          "launch whole model replicas")
+    return processes // model_parallel, processes
+
+
+def _model_parallel_size(args: dict) -> int:
+    """Ranks of one model replica as GPT-NeoX counts them: pipe_parallel_size 0 (no pipeline engine) is one stage,
+    and its context-parallel branch divides by context_parallel_size too (dp_world_size = global_num_gpus / pp /
+    (mp × cp)); expert-parallel ranks are data-parallel ranks there (nothing divides by them)."""
+    stages, tensor_parallel = (max(int(args.get(key) or 1), 1) for key in ("pipe_parallel_size", "model_parallel_size"))
+    return stages * tensor_parallel * _context_parallel(args)
+
+
+def _context_parallel(args: dict) -> int:
+    return max(int(args.get("context_parallel_size") or 1), 1)
+
+
+def _batch_for(dp: int, train_batch: int | None, micro: int | None, accumulation: int | None,
+               whose: str = "the config's GPU count") -> tuple[int, int]:
     """GPT-NeoX's calculate_batch_parameters + check_batch_parameters on `dp` data-parallel ranks."""
     if micro is None:
         accumulation = accumulation or 1
@@ -644,8 +675,8 @@ def _batch_for(dp: int, train_batch: int | None, micro: int | None, accumulation
         accumulation = train_batch // micro // dp if train_batch is not None else 1
     if train_batch is not None and (micro < 1 or accumulation < 1 or train_batch != micro * accumulation * dp):
         raise RecipeError(f"train_batch_size {train_batch} is not train_micro_batch_size_per_gpu {micro} × "
-                          f"gradient_accumulation_steps {accumulation} × {dp} data-parallel process(es) (the config's "
-                          "GPU count over pipeline × model parallel; gradient_accumulation_steps is 1 when absent); "
+                          f"gradient_accumulation_steps {accumulation} × {dp} data-parallel process(es) ({whose} over "
+                          "pipeline × model parallel; gradient_accumulation_steps is 1 when absent); "
                           "GPT-NeoX refuses it: make them agree")
     return micro, accumulation
 

@@ -97,6 +97,41 @@ def test_every_case_matches_gpt_neox_arithmetic_at_dp_1_2_and_4(dp, layout):
     assert 0 < accepted < len(CASES)  # both outcomes are walked at every size
 
 
+# (data-parallel size, the launch's processes, layout keys without a GPU count): GPT-NeoX then counts the GPUs it runs
+# on; here torchrun / accelerate launch say it in WORLD_SIZE (unset: one process, as a plain python run)
+LAUNCHES = [(1, None, {}), (2, 2, {}), (2, 8, {"pipe_parallel_size": 2, "model_parallel_size": 2}),
+            (4, 4, {}), (4, 16, {"model_parallel_size": 2, "context_parallel_size": 2})]
+
+
+@pytest.mark.parametrize("dp,processes,layout", LAUNCHES, ids=[f"dp{dp}-world{w}" for dp, w, _ in LAUNCHES])
+def test_every_case_matches_gpt_neox_arithmetic_on_the_launchs_processes(dp, processes, layout, monkeypatch):
+    """A case that derives a value from the size is derived on the launch's size, as GPT-NeoX does; one that
+    derives nothing is translated as given and the launch's check (`train_batch_disagreement`, what
+    `parallel.layout.check_launch` refuses with) agrees with GPT-NeoX's check at that size."""
+    from neox_hf.recipe import train_batch_disagreement
+
+    if processes is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", str(processes))
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    disagreements = []
+    for case in CASES:
+        config = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, **layout,
+                  **{k: v for k, v in zip(keys, case) if v is not ABSENT}}
+        want = gpt_neox(dp, *case)
+        try:
+            train = recipe_from_dict(translate_neox_args(config).recipe).train
+        except RecipeError:
+            got = None
+        else:
+            got = None if train_batch_disagreement(train, dp) else (train.micro_batch_size,
+                                                                    train.gradient_accumulation_steps)
+        if got != want:
+            disagreements.append((case, got, want))
+    assert not disagreements, disagreements
+
+
 def test_print_config_says_what_a_one_process_launch_trains(tmp_path):
     # the line `--print-config` prints (neox_hf.cli._batch_line), on the recipe it parses (the plan line beside it
     # measures this machine: seconds, so it is left out here)

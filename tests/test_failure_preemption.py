@@ -15,14 +15,12 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import zstandard
 
 from neox_hf.checkpoint import checkpoint_name, is_complete_checkpoint
 from neox_hf.train.preemption import PREEMPTED_EXIT_STATUS
-from tests.conftest import REPO, accelerate_launch_command, finish_launch, launch_env, reset_accelerate_state, \
-    start_init_layouts
+from tests.conftest import REPO, accelerate_launch_command, launch_env, reset_accelerate_state
 from tests.test_checkpoint_lifecycle import tiny_args
 
 
@@ -128,60 +126,6 @@ def _signal_once_logged(log: Path, step: int) -> None:
     os.kill(os.getpid(), signal.SIGUSR1)
 
 
-def test_sigterm_to_one_rank_stops_both_at_one_step_and_a_second_signal_during_the_save_changes_nothing(
-        small_text, tmp_path):
-    """A 2-process run: SIGTERM to rank 1 alone after the step-6 checkpoint; rank 0, never signalled, stops at the
-    same step (agreed at a log step, every 2), after the checkpoint of that step. During that save every rank gets
-    SIGTERM again (a scheduler and the launcher each send one): the checkpoint completes, step 6's stays intact. The
-    resumed run's steps equal an uninterrupted run's."""
-    root = tmp_path
-    common = [a for a in tiny_args(root, small_text, "--train.precision", "fp32", "--train.log_interval", "2",
-                                   steps=16, save=6, keep=5)]
-    at = common.index("--output.dir")
-    common = common[:at] + common[at + 2:]
-    out = root / "preempted"
-    launch = subprocess.Popen(accelerate_launch_command(REPO / "run_clm_neox.py", *common, "--output.dir", out),
-                              cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    latest = out / "checkpoints" / "latest"
-    deadline = time.time() + 600
-    while not (latest.is_file() and latest.read_text().strip() == checkpoint_name(6)):
-        assert launch.poll() is None, launch.stdout.read()[-5000:]
-        assert time.time() < deadline
-        time.sleep(0.02)
-    workers = {int(p.environ()["RANK"]): p for p in psutil.Process(launch.pid).children(recursive=True)
-               if "run_clm_neox.py" in " ".join(p.cmdline()) and "RANK" in p.environ()}
-    assert sorted(workers) == [0, 1]
-    signalled = time.time()
-    workers[1].send_signal(signal.SIGTERM)
-    during_save = 0
-    while launch.poll() is None:
-        if any(p.name.startswith(".tmp-") for p in (out / "checkpoints").iterdir()):
-            for worker in workers.values():
-                try:
-                    worker.send_signal(signal.SIGTERM)
-                    during_save += 1
-                except psutil.NoSuchProcess:
-                    pass
-        time.sleep(0.01)
-    output = launch.stdout.read()
-    print(f"the launch ended {time.time() - signalled:.1f} s after the signal")
-    stopped = {int(s) for s in re.findall(r"rank \d of 2: stopped on SIGTERM after step (\d+)", output)}
-    assert len(stopped) == 1, output[-5000:]
-    step = stopped.pop()
-    assert step > 6 and step % 2 == 0 and during_save, output[-5000:]
-    assert re.findall(r"exitcode\s*:\s*(\d+)", output) and \
-        set(re.findall(r"exitcode\s*:\s*(-?\d+)", output)) <= {str(PREEMPTED_EXIT_STATUS), "-15"}, output[-5000:]
-    assert not [line for line in output.splitlines() if line.startswith("error:")], output[-5000:]
-    assert latest_checkpoint(out) == checkpoint_name(step)
-    assert is_complete_checkpoint(out / "checkpoints" / checkpoint_name(6))
-    assert checkpoint_folders(out) == [checkpoint_name(6), checkpoint_name(step)]
-
-    finish_launch(start_init_layouts(root, {"straight": "", "preempted": "--resume"}, *common), "the resume")
-    straight, resumed = step_losses(root / "straight"), step_losses(out)
-    assert sorted(resumed) == list(range(1, 17))  # the preempted run's steps kept, the rest appended
-    assert resumed == pytest.approx(straight, abs=1e-6)
-
-
 def test_sigusr1_to_the_launcher_set_up_as_the_slurm_script_does_stops_its_ranks_with_a_checkpoint(small_text,
                                                                                                    tmp_path):
     """examples/launch/slurm.sbatch's environment for `accelerate launch` (the launcher forwards SIGUSR1 to its ranks
@@ -254,9 +198,6 @@ MATRIX_ENGINES = {
 # kill-step@5 (latest: step 3) → resume 3; kill-save@9 (latest: 6, 9 half written) → resume 6; SIGTERM in the eval
 # after step 8 → stop after step 9 with its checkpoint (exit 75) → resume 9 → 12.
 MATRIX_PLAN = "kill-step@5,kill-save@9,term-eval@8"
-# The launches of the engines but the first exceed the suite's budget on 2 cores (~3 min each): NEOX_HF_FAULT_MATRIX=all
-# runs them too.
-MATRIX_IN_SUITE = ("zero2-async",)
 
 
 @pytest.mark.parametrize("engine", list(MATRIX_ENGINES))
@@ -265,10 +206,6 @@ def test_fault_matrix_each_fault_ends_the_launch_at_once_and_the_resume_is_exact
     launcher restarting every rank after each and the restart resuming. Each fault ends its attempt within 30 s
     (its time to the next attempt's start), `latest` named a whole checkpoint of an earlier step when it struck
     (the mid-save one: the one before the save it struck), and the losses of every step equal the reference's."""
-    import os
-
-    if engine not in MATRIX_IN_SUITE and os.environ.get("NEOX_HF_FAULT_MATRIX") != "all":
-        pytest.skip("over the suite's time budget on 2 cores: NEOX_HF_FAULT_MATRIX=all runs it")
     args = tiny_args(tmp_path / "unused", small_text, "--train.precision", "fp32", "--train.log_interval", "1",
                      "--train.eval_iters", "1", "--train.eval_interval", "4", *MATRIX_ENGINES[engine], steps=12,
                      save=3, keep=3)
@@ -286,7 +223,11 @@ def test_fault_matrix_each_fault_ends_the_launch_at_once_and_the_resume_is_exact
     assert all(seconds < 30 for seconds in ended), ended
     assert [(tmp_path / f"attempt{i}.latest").read_text() for i in range(len(faults))] == \
         [checkpoint_name(3), checkpoint_name(6), checkpoint_name(6)]
-    assert "stopped on SIGTERM after step 9" in done.stdout + done.stderr
+    # rank 0, never signalled, stops at the step rank 1 does; the second SIGTERM, during that step's save, changes
+    # nothing (the resume starts from that checkpoint)
+    stops = re.findall(r"rank (\d) of 2: stopped on SIGTERM after step (\d+)", done.stdout + done.stderr)
+    assert sorted(set(stops)) == [("0", "9"), ("1", "9")], (done.stdout + done.stderr)[-5000:]
+    assert checkpoint_name(9) in (tmp_path / "attempt2.second").read_text()
     faulty, straight = step_losses(tmp_path / "faulty"), step_losses(tmp_path / "straight")
     assert sorted(faulty) == list(range(1, 13))
     assert faulty == pytest.approx(straight, abs=1e-6)

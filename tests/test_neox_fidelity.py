@@ -219,19 +219,6 @@ def test_batch_follows_gpt_neox_when_the_config_fixes_the_gpu_count(gpus, model_
         assert got == gpt_neox_batch(dp, *triple), (triple, dp)
 
 
-def test_batch_without_a_known_gpu_count_is_gpt_neox_s_at_every_launch_or_refused():
-    """The data-parallel size is the launch's: a translation stands only where GPT-NeoX's (micro, accumulation) is
-    the same at every data-parallel size it accepts, and a config no data-parallel size makes consistent is refused."""
-    for triple in TRIPLES:
-        accepted = {dp: gpt_neox_batch(dp, *triple) for dp in range(1, 65)}
-        outcomes = {v for v in accepted.values() if v is not None}
-        got, notices = translated_batch(batch_args(*triple))
-        assert got == (outcomes.pop() if len(outcomes) == 1 else None), triple
-        if got is not None and triple[0] is not ABSENT:
-            dps = [dp for dp, v in accepted.items() if v is not None]
-            assert any(f"{dps[0]} data-parallel" in n for n in notices), (triple, notices)
-
-
 def test_the_issue_s_config_and_gpu_counts_from_num_gpus_and_num_nodes():
     # micro 8, train_batch_size 32: GPT-NeoX runs it on 4 data-parallel GPUs with accumulation 1, refuses it on one
     assert translated_batch(batch_args(32, 8, ABSENT))[0] == (8, 1)

@@ -9,7 +9,7 @@ PLAN is `KIND@STEP,...`, one fault per attempt (attempt i = TORCHELASTIC_RESTART
 - `kill-save@S`: SIGKILL inside the checkpoint write of step S, once this rank's tensor files are written and before
   the save is complete (with `train.async_checkpoint`, in the background write, steps going on beside it);
 - `term-eval@S`: SIGTERM during the evaluation after step S (preemption: the run stops at the next agreed step with
-  a checkpoint, exit 75).
+  a checkpoint, exit 75), and SIGTERM again while that checkpoint is written.
 
 Attempt 0 first trains the reference in OUT/straight (rank 0 prints nothing of it); every attempt trains OUT/faulty.
 Each attempt writes its start time to OUT/attemptI.start before anything is imported, and the fault's time to
@@ -110,16 +110,28 @@ def _kill_in_save(step: int, marker: Path, faulty: Path) -> None:
 
 
 def _term_in_eval(step: int, marker: Path, faulty: Path) -> None:
+    """SIGTERM in the evaluation after step S; then SIGTERM again once the checkpoint it stops with is being written
+    (a scheduler and the launcher each send one): that save must complete and the run stop once."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
     import neox_hf.train.loop as loop
 
-    evaluate = loop._eval_and_log
+    evaluate, write_data, struck = loop._eval_and_log, FileSystemWriter.write_data, []
 
     def with_fault(run, state, history):
         if state.step == step:
             _strike(marker, faulty, signal.SIGTERM)  # handled: the run goes on to a checkpoint and exit 75
+            struck.append(True)
         return evaluate(run, state, history)
 
+    def with_second_signal(self, plan, planner):
+        if struck and not marker.with_suffix(".second").exists():
+            marker.with_suffix(".second").write_text(str(self.path))
+            os.kill(os.getpid(), signal.SIGTERM)
+        return write_data(self, plan, planner)
+
     loop._eval_and_log = with_fault
+    FileSystemWriter.write_data = with_second_signal
 
 
 if __name__ == "__main__":

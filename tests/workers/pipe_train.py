@@ -6,7 +6,6 @@ The steps are the training loop's own (`neox_hf.train.loop.run_steps` through th
 fixed batches. Writes, from global rank 0: OUT_DIR/train_log.jsonl (the loop's per-step log),
 OUT_DIR/eval.json (token-weighted eval loss before and after training), OUT_DIR/final/ (the merged HF folder),
 OUT_DIR/report.txt (the start-up pipeline report). Options: --mode pack|pad|isolate, --activation-checkpointing,
---kill-at-step K (SIGKILL rank 0 after step K's update, before its checkpoint), --resume (from OUT_DIR's latest checkpoint),
 --scratch (initialise from scratch instead of reading MODEL_DIR's weights), --precision fp32|bf16,
 --launcher-precision no|bf16 (the `accelerate launch --mixed_precision` this run stands for: ACCELERATE_MIXED_PRECISION
 while it runs, so runs of different launcher precisions can share one launch).
@@ -26,7 +25,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import sys
 from pathlib import Path
 
@@ -37,7 +35,7 @@ from neox_hf.parallel.accelerator import build_accelerator
 from neox_hf.parallel.layout import build_layout
 from neox_hf.engines.pipeline import build_pipeline_module
 from neox_hf.recipe import recipe_from_dict
-from neox_hf.checkpoint import TrainState, find_resume_checkpoint, load_checkpoint
+from neox_hf.checkpoint import TrainState
 from neox_hf.engines import build_engine
 from neox_hf.train.loop import TrainingRun, evaluate, run_steps, save_final_model
 from neox_hf.train.schedule import build_lr_scheduler
@@ -55,8 +53,6 @@ def parse_args(argv=None):
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--mode", default="pack")
     parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--kill-at-step", type=int)
-    parser.add_argument("--resume", action="store_true")
     parser.add_argument("--scratch", action="store_true")
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--launcher-precision")
@@ -133,15 +129,10 @@ def main(args, end: bool = True) -> None:
     scheduler = build_lr_scheduler(optimizer, recipe.train)
     loader = FixedBatches(args.mode, layout.dp_rank, dp)
     state = TrainState()
-    checkpoint = find_resume_checkpoint("auto", out) if args.resume else None
-    if checkpoint is not None:
-        state = load_checkpoint(accelerator, checkpoint, scheduler=scheduler, data_loader=loader, engine=engine)
     run = TrainingRun(accelerator, recipe, model, optimizer, scheduler, loader,
                       eval_batches(args.mode, layout.dp_rank, dp), layout=layout, engine=engine)
     if accelerator.is_main_process:
         (out / "report.txt").write_text("\n".join(engine.startup_lines()))
-    if args.kill_at_step:
-        _kill_rank0_after_step(run, args.kill_at_step, state)
     evals = {"before": evaluate(run)}
     run_steps(run, state)
     evals["after"] = evaluate(run)
@@ -152,22 +143,6 @@ def main(args, end: bool = True) -> None:
         accelerator.end_training()
     else:  # a next run in this launch keeps the world's process group (it builds its own subgroups)
         accelerator.wait_for_everyone()
-
-
-def _kill_rank0_after_step(run, kill_step: int, state) -> None:
-    """SIGKILL global rank 0 right after step `kill_step`'s update, before the loop logs or checkpoints it."""
-    step = run.engine.train_step
-
-    def train_step_then_die(micro_batches):
-        result = step(micro_batches)
-        if state.step + 1 == kill_step:
-            run.accelerator.wait_for_everyone()
-            if run.accelerator.is_main_process:
-                os.kill(os.getpid(), signal.SIGKILL)
-            run.accelerator.wait_for_everyone()
-        return result
-
-    run.engine.train_step = train_step_then_die
 
 
 if __name__ == "__main__":
