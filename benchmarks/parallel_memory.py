@@ -642,8 +642,10 @@ def _layout_checks(results: dict, base: dict) -> list:
     zero3, tp2, sp = results["DP2 ZeRO-3"], results["TP2 (ZeRO-1)"], results["TP2+SP (ZeRO-1)"]
     return [
         ("ZeRO-3 DP2 model states ≤ 0.6× one process (bf16)", zero3["model_states_bf16"] / base["model_states_bf16"], 0.6),
-        ("ZeRO-3 DP2 model states ≤ 0.6× one process (fp32; floor 0.625, see docstring)",
-         zero3["model_states"] / base["model_states"], 0.6),
+        # fp32: DeepSpeed's fp32 master copy beside fp32 weights makes 5 half-size copies against 4 whole ones, so
+        # 0.625 is the floor and the target sits just above it
+        ("ZeRO-3 DP2 model states ≤ 0.65× one process (fp32; floor 0.625, see docstring)",
+         zero3["model_states"] / base["model_states"], 0.65),
         ("TP2 parameters ≤ 0.55× TP1", tp2["parameters"] / base["parameters"], 0.55),
         ("TP2 loss peak ≤ 0.6× TP1", tp2["loss_peak"] / base["loss_peak"], 0.6),
         ("TP2+SP layers peak < TP2 (sequence parallelism)", sp["layers_peak"] / tp2["layers_peak"], 1.0),

@@ -3,7 +3,8 @@
 The benchmark's own output (its table and in-run baseline) is kept as data in `benchmarks/results/NAME.md`, with
 the command, the date and the machine it ran on. `python benchmarks/publish.py --render` (run after every publish)
 rewrites the results section of docs/benchmarks.md from those files; tests/test_docs.py fails when it is stale.
-A benchmark without a results file is listed there as not measured yet.
+A benchmark without a results file is listed there as not measured yet, with the reason
+`python benchmarks/publish.py --not-measured NAME "why"` recorded (a later publish of NAME removes it).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import datetime
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -66,16 +68,25 @@ def publish(name: str, args: list[str]) -> Path:
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"error: benchmarks/{name}.py exited {done.returncode}:\n{done.stderr[-2000:]}")
-    shown = " ".join(["python", f"benchmarks/{name}.py", *args])
-    # DeepSpeed's start-up warnings are log lines, not the table
-    table = "\n".join(line for line in done.stdout.splitlines() if not re.match(r"\[\d{4}-\d\d-\d\d ", line))
+    # the thread count a timing ran with is part of the command a reader reruns; a layout name holds spaces
+    threads = [f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"] if os.environ.get("OMP_NUM_THREADS") else []
+    shown = " ".join([*threads, "python", f"benchmarks/{name}.py", *map(shlex.quote, args)])
+    # DeepSpeed's start-up warnings and the Trainer's end-of-training dict are log lines, not the table
+    table = "\n".join(line for line in done.stdout.splitlines()
+                      if not re.match(r"\[\d{4}-\d\d-\d\d |\{'train_runtime': ", line))
     day = datetime.date.today().isoformat()
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.md"
     load = os.getloadavg()[0]  # a shared machine's load stretches every timing of the table
     path.write_text(f"command: `{shown}`\n\nmachine: {machine()}, load average {load:.1f} at the end of the run\n\n"
                     f"date: {day}\n\n```\n{table.strip()}\n```\n")
+    reason_file(name).unlink(missing_ok=True)
     return path
+
+
+def reason_file(name: str) -> Path:
+    """Where the reason a benchmark has no published table is kept."""
+    return RESULTS / f"{name}.not-measured"
 
 
 def render() -> str:
@@ -88,10 +99,13 @@ def render() -> str:
             missing.append(name)
             continue
         lines += [f"### {title}", "", path.read_text().strip(), ""]
+    reasons = [f"- `{n}`: {reason_file(n).read_text().strip()}" if reason_file(n).is_file() else f"- `{n}`"
+               for n in missing]
     lines += ["### Not measured yet", "",
-              "These benchmarks have no published run: " + ", ".join(f"`{n}`" for n in missing) + "." if missing
-              else "Every benchmark has a published run.", "",
-              "No GPU run has been published yet: every table above ran on a CPU.", "",
+              *(["These benchmarks have no published run:", "", *reasons] if missing
+                else ["Every benchmark has a published run."]), "",
+              "No GPU has been measured: every table above ran on a CPU, so no GPU speed, MFU or GPU memory is "
+              "published. `bash benchmarks/gpu_profile.sh` measures them on a GPU.", "",
               "GPT-NeoX itself has not been measured: no table compares against its Megatron code.", "", END]
     return "\n".join(lines)
 
@@ -107,6 +121,12 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--render"]:
         PAGE.write_text(rendered_page())
         print(f"wrote {PAGE.relative_to(REPO)}")
+        return 0
+    if argv[:1] == ["--not-measured"] and len(argv) == 3 and argv[1] in BENCHMARKS:
+        RESULTS.mkdir(exist_ok=True)
+        reason_file(argv[1]).write_text(argv[2].strip() + "\n")
+        PAGE.write_text(rendered_page())
+        print(f"wrote {reason_file(argv[1]).relative_to(REPO)}")
         return 0
     if not argv:
         print(__doc__)

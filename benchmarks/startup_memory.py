@@ -1,10 +1,11 @@
-"""Peak host memory per rank while building a model from scratch under tensor parallelism, before vs after the
-meta-device build (issue 27): `python benchmarks/startup_memory.py [--layers 12 --hidden 1024]`.
+"""Peak host memory per rank while building a model from scratch under tensor parallelism: the whole model built
+then split (the baseline) against neox_hf's meta-device build: `python benchmarks/startup_memory.py [--layers 12
+--hidden 1024]`.
 
 Each measurement is a fresh pair of processes (gloo, TP group of 2) that builds the model and reports its peak RSS
 (VmHWM) and what the build added over the RSS after imports:
 
-- `TP2 whole then split`: the path before the change, kept here to measure it: transformers' `_from_config` builds
+- `TP2 whole then split`: the baseline, what a build without the meta device does: transformers' `_from_config` builds
   and initialises the whole fp32 model on every rank, then `apply_tensor_parallel` splits it;
 - `TP2 meta + own shards`: `model_from_seed`: built on the meta device, split there, only this rank's shards
   materialised, each parameter drawn whole from its seeded generator, sliced and freed;
@@ -28,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's n
 from bench_common import status_mb  # noqa: E402
 
 PATHS = ("old", "new", "pp-stage0", "pp-stage1")
-LABELS = {"old": "TP2 whole then split (before)", "new": "TP2 meta + own shards (after)",
-          "pp-stage0": "PP2 x TP2 stage 0 (after)", "pp-stage1": "PP2 x TP2 stage 1 (after)"}
+LABELS = {"old": "TP2 whole then split (baseline)", "new": "TP2 meta + own shards (neox_hf)",
+          "pp-stage0": "PP2 x TP2 stage 0 (neox_hf)", "pp-stage1": "PP2 x TP2 stage 1 (neox_hf)"}
 
 
 def _config(layers: int, hidden: int, vocab: int):

@@ -15,6 +15,12 @@ from dataclasses import dataclass
 from neox_hf.errors import RecipeError
 
 
+def _require(condition: bool, message: str) -> None:
+    """The one-line refusal every recipe rule raises (`tools/generate_docs.py` lists the messages of its calls)."""
+    if not condition:
+        raise RecipeError(message)
+
+
 @dataclass(frozen=True)
 class Range:
     """`low`..`high` with each end open or closed; `why`, where the library accepts more than this: what that more

@@ -130,7 +130,7 @@ def render_recipe_reference() -> str:
     lines = [
         "# Recipe keys",
         "",
-        "<!-- Generated from neox_hf/recipe/__init__.py by `python tools/generate_docs.py`; do not edit. -->",
+        "<!-- Generated from neox_hf/recipe/keys.py by `python tools/generate_docs.py`; do not edit. -->",
         "",
         "Every key a recipe can set, with its type, its default and the GPT-NeoX key that becomes it.",
         "Set a key in a recipe file under its section, or on the command line as `--section.key VALUE`.",
