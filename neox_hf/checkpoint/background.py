@@ -48,7 +48,7 @@ class BackgroundWrites:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        from neox_hf.checkpoint.layout_free import FOLDER, _one_process_is_meant
+        from neox_hf.checkpoint.layout_free import FOLDER, one_process_is_meant
 
         self.wait()
         distributed = dist.is_available() and dist.is_initialized()
@@ -61,7 +61,7 @@ class BackgroundWrites:
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=self._pinned, use_shared_memory=False,
                                                         use_async_staging=False, use_non_blocking_copy=self._pinned))
         writer = dcp.FileSystemWriter(str(Path(folder) / FOLDER), sync_files=False)
-        with _one_process_is_meant():
+        with one_process_is_meant():
             future = dcp.async_save(tensors, storage_writer=writer, process_group=self._group,
                                     async_stager=self._stager, no_dist=not distributed)
         if self._pool is None:
@@ -70,14 +70,14 @@ class BackgroundWrites:
         self._job = self._pool.submit(self._finish, future, publish, failed or (lambda err: err))
 
     def _finish(self, future: Future, publish, failed) -> None:
-        from neox_hf.checkpoint.layout_free import _first_failure
+        from neox_hf.checkpoint.layout_free import first_failure
 
         try:
             future.result()
             if publish is not None and not self._abandoned.is_set():
                 publish()
         except BaseException as err:  # noqa: BLE001 — DCP's CheckpointException is a BaseException
-            cause = err if isinstance(err, Exception) else _first_failure(err)
+            cause = err if isinstance(err, Exception) else first_failure(err)
             raise failed(cause) from cause
 
     def wait(self) -> None:

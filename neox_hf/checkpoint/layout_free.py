@@ -78,7 +78,7 @@ def _reader_class():
 
 
 @contextlib.contextmanager
-def _one_process_is_meant():
+def one_process_is_meant():
     """DCP warns on every save or load without a process group that it assumes one process: here that is the
     case meant (one process, or `neox_hf export`), not a mistake to report."""
     with warnings.catch_warnings():
@@ -132,7 +132,7 @@ def read_model_weights(folder: Path) -> dict:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        with _one_process_is_meant():
+        with one_process_is_meant():
             dcp.load(targets, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         raise CheckpointError(f"cannot read {Path(folder) / FOLDER} ({_first_line(err)}): a file of it is truncated "
@@ -214,14 +214,14 @@ def save_layout_free(tensors: dict, folder: Path) -> None:
         # beside it (1.6 GB: 6.2 s vs 1.3 s here); those (accelerate's, DeepSpeed's) are not fsynced either. A killed
         # process loses nothing (the page cache outlives it); a machine that loses power right after a save can
         # lose this checkpoint as it would the others, and resume from the one before.
-        with _one_process_is_meant():
+        with one_process_is_meant():
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(Path(folder) / FOLDER), sync_files=False),
                      no_dist=not _distributed(dist))
     except CheckpointException as err:  # a BaseException, which `except Exception` (a full disk's report) misses
-        raise _first_failure(err) from err
+        raise first_failure(err) from err
 
 
-def _first_failure(err) -> Exception:
+def first_failure(err) -> Exception:
     """The exception a rank's failed write raised (e.g. OSError ENOSPC), as an ordinary exception."""
     failure = next(iter(getattr(err, "failures", {}).values()), None)
     return failure if isinstance(failure, Exception) else RuntimeError(str(err))
@@ -245,7 +245,7 @@ def load_layout_free(targets: dict, folder: Path) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        with _one_process_is_meant():
+        with one_process_is_meant():
             dcp.load(targets, storage_reader=reader, no_dist=not _distributed(dist))
     except (Exception, CheckpointException) as err:  # DCP's exception for a rank's failed read is a BaseException
         damaged = truncated_file(folder)
