@@ -78,7 +78,7 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
     if in_background:  # the host copy is made here; the write and `publish` follow in the background
         tensors, layout_free_tensors = layout_free_tensors, None
         try:
-            background.start(tensors, staging, publish,
+            background.start(tensors, staging, publish, optimizer=engine.optimizer,
                              failed=lambda err: _save_failed(output_dir, staging, err, several=several))
         except Exception as err:
             raise _save_failed(output_dir, staging, err, several=several) from err
