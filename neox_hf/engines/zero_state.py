@@ -55,6 +55,8 @@ def load_layout_free_state(engine, read, plain: dict) -> None:
             _set_fragment(param, values)
         else:
             _set_master_and_moments(param, base, {key: _local(value) for key, value in values.items()}, step)
+    if fragmented:  # the module's weights from the masters: each rank's range, all-gathered (as after every step)
+        _flat_partitions_optimizer(engine.optimizer).update_lp_params()
     _copy_zero3_masters_to_module(engine.optimizer)
     _load_loss_scaler_state(engine, plain.get("loss_scaler"))
 
@@ -176,20 +178,12 @@ def _tails_from_next_ranks(zero, fragmented, heads: list, needs: list[int]) -> l
 
 
 def _fragment_target(param, key: str, tp_dim, views, device):
-    """What a ZeRO-1/2 rank reads of `param`: its moments' rows that this rank's range overlaps (an empty `Chunk`,
-    zero rows where it holds none), and the whole master value, which the module holds whole on every rank (read
-    straight into the module's weight in an fp32 run: an all-gather of the loaded ranges took longer than the read)."""
+    """An empty `Chunk` of the rows of `param`'s TP shard that this rank's range overlaps (zero rows where it holds
+    none): all a ZeRO-1/2 rank reads of `param`. The module's whole weight follows from the ranges by DeepSpeed's
+    all-gather (`update_lp_params`), not from the disk: every rank reading it whole multiplies the reads by the ranks
+    of a node."""
     from neox_hf.checkpoint.layout_free import Chunk
 
-    if key == "model":
-        local = param.data if param.dtype == torch.float32 else torch.empty(param.shape, device=device)
-        if views.mesh is None:
-            return local
-        from torch.distributed.tensor import DTensor
-
-        full = views.full_shape(param.shape, tp_dim)
-        return DTensor.from_local(local, views.mesh, views._placements(full, tp_dim, split_dp=False), run_check=False,
-                                  shape=full, stride=torch.empty(full, device="meta").stride())
     start, end = _fragment_range(param)
     row = _row_length(param.shape)
     first_row, end_row = (start // row, -(-end // row)) if end > start else (0, 0)
@@ -198,19 +192,16 @@ def _fragment_target(param, key: str, tp_dim, views, device):
 
 
 def _set_fragment(param, values: dict) -> None:
-    """This rank's range of `param`'s master value and moments, and the module's weight, from what
-    `_fragment_target` read."""
+    """This rank's range of `param`'s master value and moments, from the rows `_fragment_target` read."""
     start, end = _fragment_range(param)
+    if end <= start:
+        return
+    skip = start - (start // _row_length(param.shape)) * _row_length(param.shape)
     with torch.no_grad():
-        whole = _local(values["model"])
-        if whole.data_ptr() != param.data.data_ptr():
-            param.data.copy_(whole)
-        if end <= start:
-            return
-        _fragment(param, "model").copy_(whole.reshape(-1)[start:end])
-        skip = start - (start // _row_length(param.shape)) * _row_length(param.shape)
-        for key in MOMENTS:
-            _fragment(param, key).copy_(values[key].local.reshape(-1)[skip:skip + end - start])
+        for key, value in values.items():
+            _fragment(param, key).copy_(value.local.reshape(-1)[skip:skip + end - start])
+
+
 def _shard_views(engine) -> "_ShardViews":
     if getattr(engine, "_views", None) is None:  # a device mesh creates process groups: once per run
         engine._views = _ShardViews(engine.layout, engine.accelerator.device)
