@@ -6,7 +6,8 @@ First the disk: a 1 GiB file written sequentially and fsynced (`dd conv=fsync`),
 was dropped where this process may (`/proc/sys/vm/drop_caches`; else read from the cache, and the table says so).
 Then each layout is one launch of this file's worker, which builds exactly the run `run_clm_neox.py` trains
 (`neox_hf.train.loop.build_run` on `recipes/tiny.yaml` with the model shape and layout given; fp32, Adam) and times,
-every rank between barriers:
+every rank between barriers (each save after `sync`: the write-back of the one before is done, as between the saves
+of a run):
 
 - steps: the median step without a save; the median step that also saves, synchronously (`save_checkpoint` as the
   loop calls it) and in the background (`train.async_checkpoint`: the step waits for the host copy only; and with
@@ -107,7 +108,9 @@ def worker(argv: list[str], scratch: Path, result: Path) -> None:
     run.loader_position = batches
     gas = recipe.train.gradient_accumulation_steps
 
-    def barrier_seconds(work) -> float:
+    def barrier_seconds(work, *, settled: bool = False) -> float:
+        if settled:  # the page cache's write-back of the previous save done: saves are minutes apart in a run
+            os.sync()
         accelerator.wait_for_everyone()
         started = time.perf_counter()
         work()
@@ -127,21 +130,21 @@ def worker(argv: list[str], scratch: Path, result: Path) -> None:
     for _ in range(2):  # warm-up: Adam's moments exist, as at any real checkpoint
         step()
     plain = [barrier_seconds(step) for _ in range(STEPS)]
-    sync = [barrier_seconds(lambda: (step(), save(scratch / "sync"))) for _ in range(STEPS)]
+    sync = [barrier_seconds(lambda: (step(), save(scratch / "sync")), settled=True) for _ in range(STEPS)]
     writes = BackgroundWrites(pinned=accelerator.device.type == "cuda")
     background, between = [], []
     # The step that saves, after the previous write is complete (saves are far apart in a run: one that came before
     # the last write ended would wait for it, which the table would count against the save); then a step beside it.
     for _ in range(STEPS):
         writes.wait()
-        background.append(barrier_seconds(lambda: (step(), save(scratch / "async", writes))))
+        background.append(barrier_seconds(lambda: (step(), save(scratch / "async", writes)), settled=True))
         between.append(barrier_seconds(step))  # a step beside the write in flight
     writes.close()
     overlapped = BackgroundWrites(pinned=accelerator.device.type == "cuda", overlap=True)
     beside, after = [], []  # the host copy too made beside the next step, which waits for it before its optimizer step
     for _ in range(STEPS):
         overlapped.wait()
-        beside.append(barrier_seconds(lambda: (step(), save(scratch / "overlap", overlapped))))
+        beside.append(barrier_seconds(lambda: (step(), save(scratch / "overlap", overlapped)), settled=True))
         after.append(barrier_seconds(step))
     overlapped.close()
 
@@ -155,8 +158,8 @@ def worker(argv: list[str], scratch: Path, result: Path) -> None:
     if accelerator.is_main_process:
         old_folder.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    old_seconds = barrier_seconds(lambda: old(old_folder))
-    new_seconds = barrier_seconds(lambda: save(scratch / "new"))
+    old_seconds = barrier_seconds(lambda: old(old_folder), settled=True)
+    new_seconds = barrier_seconds(lambda: save(scratch / "new"), settled=True)
     folder = checkpoint_root(scratch / "new") / f"step_{state.step:08d}"
     loads = []
     for _ in range(3):  # the median of three, the page cache dropped before each
