@@ -6,10 +6,12 @@ First the disk: a 1 GiB file written sequentially and fsynced (`dd conv=fsync`),
 was dropped where this process may (`/proc/sys/vm/drop_caches`; else read from the cache, and the table says so).
 Then each layout is one launch of this file's worker, which builds exactly the run `run_clm_neox.py` trains
 (`neox_hf.train.loop.build_run` on `recipes/tiny.yaml` with the model shape and layout given; fp32, Adam) and times,
-every rank between barriers:
+every rank between barriers (each save after `sync`: the write-back of the one before is done, as between the saves
+of a run):
 
 - steps: the median step without a save; the median step that also saves, synchronously (`save_checkpoint` as the
-  loop calls it) and in the background (`train.async_checkpoint`: the step waits for the host copy only);
+  loop calls it) and in the background (`train.async_checkpoint`: the step waits for the host copy only; and with
+  the host copy itself made beside the next step, whose optimizer step waits for it);
 - old: the two-format save this replaced, as it was for several processes or DeepSpeed (accelerate's `save_state`:
   DeepSpeed's per-rank engine files, or accelerate's model + optimizer, then the layout-free DCP state beside them):
   the baseline;
@@ -17,8 +19,8 @@ every rank between barriers:
   without DeepSpeed: accelerate's model + optimizer files, which are that state already), its bytes against the
   ideal (fp32 masters + Adam's two moments: 12 bytes a parameter in an fp32 run, which keeps no 16-bit weights) and
   its GB/s against the disk's;
-- load: `load_checkpoint` of it into the same run (page cache dropped first where permitted), GB/s against the
-  disk's read speed.
+- load: `load_checkpoint` of it into the same run (the median of 3, page cache dropped before each where
+  permitted), GB/s against the disk's read speed.
 
 Times on a shared CPU machine: compare rows of one invocation.
 """
@@ -106,7 +108,9 @@ def worker(argv: list[str], scratch: Path, result: Path) -> None:
     run.loader_position = batches
     gas = recipe.train.gradient_accumulation_steps
 
-    def barrier_seconds(work) -> float:
+    def barrier_seconds(work, *, settled: bool = False) -> float:
+        if settled:  # the page cache's write-back of the previous save done: saves are minutes apart in a run
+            os.sync()
         accelerator.wait_for_everyone()
         started = time.perf_counter()
         work()
@@ -126,13 +130,23 @@ def worker(argv: list[str], scratch: Path, result: Path) -> None:
     for _ in range(2):  # warm-up: Adam's moments exist, as at any real checkpoint
         step()
     plain = [barrier_seconds(step) for _ in range(STEPS)]
-    sync = [barrier_seconds(lambda: (step(), save(scratch / "sync"))) for _ in range(STEPS)]
+    sync = [barrier_seconds(lambda: (step(), save(scratch / "sync")), settled=True) for _ in range(STEPS)]
     writes = BackgroundWrites(pinned=accelerator.device.type == "cuda")
     background, between = [], []
+    # The step that saves, after the previous write is complete (saves are far apart in a run: one that came before
+    # the last write ended would wait for it, which the table would count against the save); then a step beside it.
     for _ in range(STEPS):
-        background.append(barrier_seconds(lambda: (step(), save(scratch / "async", writes))))
+        writes.wait()
+        background.append(barrier_seconds(lambda: (step(), save(scratch / "async", writes)), settled=True))
         between.append(barrier_seconds(step))  # a step beside the write in flight
     writes.close()
+    overlapped = BackgroundWrites(pinned=accelerator.device.type == "cuda", overlap=True)
+    beside, after = [], []  # the host copy too made beside the next step, which waits for it before its optimizer step
+    for _ in range(STEPS):
+        overlapped.wait()
+        beside.append(barrier_seconds(lambda: (step(), save(scratch / "overlap", overlapped)), settled=True))
+        after.append(barrier_seconds(step))
+    overlapped.close()
 
     def old(folder: Path) -> None:  # the save this replaced: both formats wherever there were several processes
         accelerator.save_state(str(folder))
@@ -144,16 +158,20 @@ def worker(argv: list[str], scratch: Path, result: Path) -> None:
     if accelerator.is_main_process:
         old_folder.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    old_seconds = barrier_seconds(lambda: old(old_folder))
-    new_seconds = barrier_seconds(lambda: save(scratch / "new"))
+    old_seconds = barrier_seconds(lambda: old(old_folder), settled=True)
+    new_seconds = barrier_seconds(lambda: save(scratch / "new"), settled=True)
     folder = checkpoint_root(scratch / "new") / f"step_{state.step:08d}"
-    cold = drop_page_cache() if accelerator.is_main_process else False
-    load_seconds = barrier_seconds(lambda: load_checkpoint(accelerator, folder, scheduler=run.scheduler,
-                                                           data_loader=batches,
-                                                           engine=_layout_free_engine(engine, recipe)))
+    loads = []
+    for _ in range(3):  # the median of three, the page cache dropped before each
+        cold = drop_page_cache() if accelerator.is_main_process else False
+        loads.append(barrier_seconds(lambda: load_checkpoint(accelerator, folder, scheduler=run.scheduler,
+                                                             data_loader=batches,
+                                                             engine=_layout_free_engine(engine, recipe))))
+    load_seconds = statistics.median(loads)
     batches.close()
     parameters = engine.parameter_count()
-    rows = {"plain": plain, "sync": sync, "background": background, "between": between, "old_seconds": old_seconds,
+    rows = {"plain": plain, "sync": sync, "background": background, "between": between, "overlap": beside, "after_overlap": after,
+            "old_seconds": old_seconds,
             "new_seconds": new_seconds, "load_seconds": load_seconds, "cold_load": cold, "parameters": parameters,
             "old_bytes": _folder_bytes(old_folder) if accelerator.is_main_process else 0,
             "new_bytes": _folder_bytes(folder) if accelerator.is_main_process else 0,
@@ -207,8 +225,8 @@ def measure(args, layout: str, scratch: Path) -> dict:
 def table(measured: dict[str, dict], write: float, read: float, cold: bool) -> list[str]:
     median = statistics.median
     head = (f"{'layout':<11} {'save':<9} {'GB':>6} {'×ideal':>7} {'s':>6} {'GB/s':>6} {'×disk':>6} │ "
-            f"{'step s':>7} {'+sync':>7} {'+async':>7} {'async×':>7} {'beside':>7} │ {'load s':>7} {'GB/s':>6} "
-            f"{'×disk':>6}")
+            f"{'step s':>7} {'+sync':>7} {'+async':>7} {'async×':>7} {'beside':>7} {'+ovlp':>7} {'ovlp×':>7} {'next':>7} │ "
+            f"{'load s':>7} {'GB/s':>6} {'×disk':>6}")
     lines = [head, "─" * len(head)]
     for layout, m in measured.items():
         ideal = 12 * m["parameters"]
@@ -217,14 +235,18 @@ def table(measured: dict[str, dict], write: float, read: float, cold: bool) -> l
                                     ("one", m["new_seconds"], m["new_bytes"])):
             speed = size / seconds / GB
             steps = (f"{step:>7.3f} {median(m['sync']):>7.3f} {median(m['background']):>7.3f} "
-                     f"{median(m['background']) / step:>6.2f}× {median(m['between']):>7.3f}" if name == "one"
-                     else f"{'':>7} {'':>7} {'':>7} {'':>7} {'':>7}")
+                     f"{median(m['background']) / step:>6.2f}× {median(m['between']):>7.3f} "
+                     f"{median(m['overlap']):>7.3f} {median(m['overlap']) / step:>6.2f}× "
+                     f"{median(m['after_overlap']):>7.3f}" if name == "one" else " ".join([f"{'':>7}"] * 8))
             load = (f"{m['load_seconds']:>7.2f} {size / m['load_seconds'] / GB:>6.2f} "
                     f"{size / m['load_seconds'] / GB / read:>5.2f}×" if name == "one" else f"{'':>7} {'':>6} {'':>6}")
             lines.append(f"{layout if name.startswith('old') else '':<11} {name:<9} {size / GB:>6.2f} "
                          f"{size / ideal:>6.2f}× {seconds:>6.2f} {speed:>6.2f} {speed / write:>5.2f}× │ {steps} │ {load}")
     lines.append(f"disk: sequential write {write:.2f} GB/s (1 GiB, fsynced), read {read:.2f} GB/s "
                  f"({'page cache dropped' if cold else 'page cache NOT dropped: not permitted here'})")
+    lines.append("+async: the step that saves with `train.async_checkpoint` (it waits for the host copy), the previous "
+                 "write complete; beside: the step after it, the write going on; +ovlp / next: the same with the host "
+                 "copy made beside the next step, whose optimizer step waits for it")
     return lines
 
 

@@ -35,7 +35,7 @@ BENCHMARKS = {
     "parallel_memory": "Memory per rank and step time per layout, against the plan",
     "startup_memory": "Peak host memory per rank at start-up",
     "neox_index": "Building GPT-NeoX's index",
-    "checkpoint_save": "A checkpoint with and without the layout-free state",
+    "checkpoint_save": "Checkpoint save, background save and load against the disk and the two-format save",
     "moe": "A tiny Mixtral against stock transformers' Mixtral and a dense model",
 }
 

@@ -26,62 +26,89 @@ from pathlib import Path
 
 
 class BackgroundWrites:
-    """At most one checkpoint write in flight, for one run (every rank holds one). `start` is collective."""
+    """At most one checkpoint write in flight, for one run (every rank holds one). `start` is collective.
 
-    def __init__(self, *, pinned: bool):
-        self._pinned = pinned
+    `overlap`: the host copy too is made beside training (a thread), and the next optimizer step waits for it before
+    it changes a parameter or moment (a step pre-hook on the optimizer `start` is given); else the save waits for it."""
+
+    def __init__(self, *, pinned: bool, overlap: bool = False):
+        self._pinned, self._overlap = pinned, overlap
         self._pool: ThreadPoolExecutor | None = None
         self._job: Future | None = None
+        self._staged: Future | None = None
         self._group = None
         self._stager = None
+        self._hooked: set[int] = set()
         self._abandoned = threading.Event()
 
     @property
     def in_flight(self) -> bool:
         return self._job is not None and not self._job.done()
 
-    def start(self, tensors: dict, folder: Path, publish, failed=None) -> None:
-        """Copy `tensors` (this rank's layout-free chunks) to host memory now; write them under `folder/layout_free`
-        in the background, then call `publish()` (rank 0's rename and `latest`; None elsewhere). A failed write is
-        raised by the next `wait` as `failed(error)` returns it (the save's own report: a full disk in one line).
+    def start(self, tensors: dict, folder: Path, publish, failed=None, optimizer=None) -> None:
+        """Copy `tensors` (this rank's layout-free chunks) to host memory (now, or beside the next step's forward and
+        backward with `overlap`, finished before `optimizer` steps); write them under `folder/layout_free` in the
+        background, then call `publish()` (rank 0's rename and `latest`; None elsewhere). A failed write is raised
+        by the next `wait` as `failed(error)` returns it (the save's own report: a full disk in one line).
         Collective."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        from neox_hf.checkpoint.layout_free import FOLDER, _one_process_is_meant
+        from neox_hf.checkpoint.layout_free import FOLDER, one_process_is_meant, save_planner
 
         self.wait()
         distributed = dist.is_available() and dist.is_initialized()
         if distributed and self._group is None:  # collective: every rank's first save creates it
             self._group = dist.new_group(backend="gloo")
         if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            # pinned host buffers, reused from one save to the next (the stager caches them); a CPU run copies plainly
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=self._pinned, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=self._pinned))
+            self._stager = HostCopies(pinned=self._pinned, overlap=self._overlap)
+        overlap = self._overlap and optimizer is not None
+        if overlap:
+            self._hook(optimizer)
+        self._stager.overlap = overlap
         writer = dcp.FileSystemWriter(str(Path(folder) / FOLDER), sync_files=False)
-        with _one_process_is_meant():
-            future = dcp.async_save(tensors, storage_writer=writer, process_group=self._group,
-                                    async_stager=self._stager, no_dist=not distributed)
+        with one_process_is_meant():
+            response = dcp.async_save(tensors, storage_writer=writer, planner=save_planner(),
+                                      process_group=self._group, async_stager=self._stager, no_dist=not distributed)
+        future = getattr(response, "upload_completion", response)
+        self._staged = getattr(response, "staging_completion", None)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neox_hf-checkpoint")
         self._abandoned.clear()
         self._job = self._pool.submit(self._finish, future, publish, failed or (lambda err: err))
 
+    def _hook(self, optimizer) -> None:
+        """Make `optimizer`'s step wait for the host copy in flight (once per optimizer): the torch optimizer that
+        changes the parameters and moments, through Accelerate's and DeepSpeed's wrappers."""
+        while hasattr(optimizer, "optimizer"):
+            optimizer = optimizer.optimizer
+        if id(optimizer) not in self._hooked and hasattr(optimizer, "register_step_pre_hook"):
+            optimizer.register_step_pre_hook(lambda *args: self.wait_for_host_copy())
+            self._hooked.add(id(optimizer))
+
+    def wait_for_host_copy(self) -> None:
+        """Block until the host copy in flight is made (the write may go on); its failure is the write's."""
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            try:
+                staged.result()
+            except Exception:  # noqa: BLE001 — reported by `wait`, as the write's failure
+                pass
+
     def _finish(self, future: Future, publish, failed) -> None:
-        from neox_hf.checkpoint.layout_free import _first_failure
+        from neox_hf.checkpoint.layout_free import first_failure
 
         try:
             future.result()
             if publish is not None and not self._abandoned.is_set():
                 publish()
         except BaseException as err:  # noqa: BLE001 — DCP's CheckpointException is a BaseException
-            cause = err if isinstance(err, Exception) else _first_failure(err)
+            cause = err if isinstance(err, Exception) else first_failure(err)
             raise failed(cause) from cause
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is written and published; raise what it raised."""
+        self.wait_for_host_copy()
         job, self._job = self._job, None
         if job is not None:
             job.result()
@@ -89,10 +116,11 @@ class BackgroundWrites:
     def abandon(self) -> None:
         """Leave the write in flight unpublished (after an error): `latest` keeps naming the previous checkpoint."""
         self._abandoned.set()
+        self.wait_for_host_copy()
         self._job = None
 
     def close(self) -> None:
-        """Wait for the write in flight, then free the pinned buffers and the thread."""
+        """Wait for the write in flight, then free the host buffers and the threads."""
         try:
             self.wait()
         finally:
@@ -102,6 +130,75 @@ class BackgroundWrites:
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
                 self._pool = None
+
+
+class HostCopies:
+    """The host copy of a checkpoint's tensors (DCP's `AsyncStager` protocol): plain tensors, DTensors' local shards
+    and `Chunk`s' rows into host buffers kept from one save to the next (pinned where a GPU is); with `overlap`, made
+    in a thread (`stage` returns its future; DCP's writer waits for it).
+
+    Gap filled: torch's `DefaultStager` copies tensors and DTensors only (any other value is refused), so a ZeRO
+    rank's `Chunk` of rows could not pass it; a `Chunk` whose rows are its own memory (`private`) is not copied
+    again."""
+
+    should_synchronize_after_execute = False
+
+    def __init__(self, *, pinned: bool, overlap: bool = False):
+        self.pinned, self.overlap = pinned, overlap
+        self._buffers: dict = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def stage(self, state_dict: dict):
+        if not self.overlap:
+            return self._copy(state_dict)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neox_hf-host-copy")
+        return self._pool.submit(self._copy, state_dict)
+
+    def _copy(self, state_dict: dict) -> dict:
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        from neox_hf.checkpoint.layout_free import Chunk
+
+        staged, on_device = {}, False
+        for key, value in state_dict.items():
+            if isinstance(value, Chunk):
+                local = value.local if value.private and value.local.device.type == "cpu" else \
+                    self._host(key, value.local)
+                staged[key] = Chunk(local, value.offsets, value.shape, private=True)
+            elif isinstance(value, DTensor):
+                local = self._host(key, value.to_local())
+                staged[key] = DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                                                 shape=value.shape, stride=value.stride())
+            elif isinstance(value, torch.Tensor):
+                staged[key] = self._host(key, value)
+            else:
+                staged[key] = value
+            on_device = on_device or getattr(getattr(value, "device", None), "type", "cpu") != "cpu"
+        if on_device:
+            torch.cuda.synchronize()  # the non-blocking copies are complete before the write reads them
+        return staged
+
+    def _host(self, key: str, tensor):
+        import torch
+
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                                 pin_memory=self.pinned and torch.cuda.is_available())
+            self._buffers[key] = buffer
+        buffer.copy_(tensor.detach(), non_blocking=self.pinned)
+        return buffer
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._buffers.clear()
 
 
 def host_copy_bytes(parameters: int, *, shards: int) -> int:

@@ -23,11 +23,15 @@ def layout_free_state(engine) -> tuple[dict, dict]:
     each this rank's chunk of the full tensor; plain data: Adam's step, the loss scaler). Collective."""
     views, base = _shard_views(engine), base_optimizer(engine.optimizer)
     _link_zero_fragments(engine.optimizer)
-    tensors = {}
-    for name, param, tp_dim in engine.named_full_parameters():
+    named = list(engine.named_full_parameters())
+    fragmented = [(name, param, tp_dim) for name, param, tp_dim in named if _in_flat_partitions(param, tp_dim)]
+    tensors = _fragment_rows(engine.optimizer, fragmented, views)
+    for name, param, tp_dim in named:
+        if any(param is other for _, other, _ in fragmented):
+            continue
         for key, value in _master_and_moments(param, base):
             tensors[f"{key}/{name}"] = views.for_save(value, tp_dim)
-            del value  # under ZeRO a whole gathered tensor: one alive at a time, not three
+            del value  # under ZeRO-3 a whole gathered tensor: one alive at a time, not three
     return tensors, {"adam_step": optimizer_step(base), "loss_scaler": _loss_scaler_state(engine)}
 
 
@@ -37,17 +41,165 @@ def load_layout_free_state(engine, read, plain: dict) -> None:
     views, base = _shard_views(engine), base_optimizer(engine.optimizer)
     named = list(engine.named_full_parameters())
     device = engine.accelerator.device
-    targets = {f"{key}/{name}": views.for_load(_local_shape(param), tp_dim, device)
+    create_adam_state(base, engine.optimizer)  # first: it links the ZeRO-1/2 fragments the targets are read for
+    fragmented = {id(param) for name, param, tp_dim in named if _in_flat_partitions(param, tp_dim)}
+    targets = {f"{key}/{name}": (_fragment_target(param, key, tp_dim, views, device) if id(param) in fragmented else
+                                 views.for_load(_local_shape(param), tp_dim, device))
                for name, param, tp_dim in named for key in ("model", *MOMENTS)}
     read(targets)
     step = float(plain["adam_step"])
-    create_adam_state(base, engine.optimizer)
     set_optimizer_step(base, step)
     for name, param, _ in named:
-        values = {key: _local(targets[f"{key}/{name}"]) for key in ("model", *MOMENTS)}
-        _set_master_and_moments(param, base, values, step)
+        values = {key: targets[f"{key}/{name}"] for key in ("model", *MOMENTS)}
+        if id(param) in fragmented:
+            _set_fragment(param, values)
+        else:
+            _set_master_and_moments(param, base, {key: _local(value) for key, value in values.items()}, step)
+    if fragmented:  # the module's weights from the masters: each rank's range, all-gathered (as after every step)
+        _flat_partitions_optimizer(engine.optimizer).update_lp_params()
     _copy_zero3_masters_to_module(engine.optimizer)
     _load_loss_scaler_state(engine, plain.get("loss_scaler"))
+
+
+# -- ZeRO-1/2: each rank reads and writes the rows of its own flat partition ---------------------------------------
+#
+# ZeRO-1/2 flatten a parameter group and give each data-parallel rank one contiguous range of it: of a parameter, a
+# rank holds elements [start, end) of its flattened TP shard (`param._hp_mapping`), not a box DCP can store. Saving,
+# a rank owns the rows whose first element it holds, and completes the last of them with the elements its next ranks
+# hold (a few rows' worth, exchanged once for all parameters): every rank writes a box of whole rows, nothing is
+# gathered whole. Loading, a rank reads the rows its range overlaps and keeps its range. (DeepSpeed's universal
+# checkpoint instead gathers each parameter's fragments offline, `ds_to_universal.py`.)
+
+
+def _flat_partitions_optimizer(optimizer):
+    while optimizer is not None and not hasattr(optimizer, "update_lp_params"):
+        optimizer = getattr(optimizer, "optimizer", None)
+    return optimizer
+
+
+def _in_flat_partitions(param, tp_dim) -> bool:
+    """A ZeRO-1/2 parameter of a dense (not expert-block) tensor: its state lies in the flat partitions."""
+    return hasattr(param, "_hp_mapping") and not hasattr(param, "ds_id") and (tp_dim is None or isinstance(tp_dim, int))
+
+
+def _fragment_range(param) -> tuple[int, int]:
+    """[start, end) of this rank's elements of `param` (its flattened TP shard); empty where it holds none."""
+    mapping = param._hp_mapping
+    if mapping is None:
+        return 0, 0
+    start = mapping.lp_fragment_address.start
+    return start, start + mapping.lp_fragment_address.numel
+
+
+def _fragment(param, key: str):
+    mapping = param._hp_mapping
+    return mapping.hp_fragment if key == "model" else mapping.get_optim_state_fragment(key)
+
+
+def _row_length(shape) -> int:
+    length = 1
+    for size in shape[1:]:
+        length *= size
+    return length
+
+
+def _box_offsets(views, local_shape, tp_dim, first_row: int) -> list[int]:
+    """Where row `first_row` of this rank's TP shard lies in the full tensor."""
+    offsets = [0] * len(local_shape)
+    if tp_dim is not None:
+        offsets[tp_dim] = views.layout.tp_rank * local_shape[tp_dim]
+    offsets[0] += first_row
+    return offsets
+
+
+def _fragment_rows(optimizer, fragmented, views) -> dict:
+    """`Chunk`s of the rows each rank owns of every ZeRO-1/2 parameter's master value and moments (see above).
+    Collective over each data-parallel group (two all-gathers of a few rows per parameter)."""
+    from neox_hf.checkpoint.layout_free import Chunk
+
+    if not fragmented:
+        return {}
+    zero = _flat_partitions_optimizer(optimizer)
+    heads, plan = [], []
+    for name, param, tp_dim in fragmented:
+        start, end = _fragment_range(param)
+        row = _row_length(param.shape)
+        first_row, end_row = -(-start // row), -(-end // row)  # rows whose first element is in [start, end)
+        head_end = min(first_row * row, end)  # elements before them belong to an earlier rank's last row
+        for key in ("model", *MOMENTS):
+            fragment = _fragment(param, key) if end > start else None
+            heads.append(fragment[:head_end - start] if fragment is not None else torch.zeros(0))
+            plan.append((f"{key}/{name}", param, tp_dim, fragment, start, end, row, first_row, end_row))
+    tails = _tails_from_next_ranks(zero, fragmented, heads, [p[6] * p[8] - p[5] if p[8] > p[7] else 0 for p in plan])
+    chunks = {}
+    for (fqn, param, tp_dim, fragment, start, end, row, first_row, end_row), tail in zip(plan, tails):
+        if end_row <= first_row:
+            continue
+        rows = torch.cat([fragment[first_row * row - start:].float(), tail]).view(end_row - first_row,
+                                                                                   *param.shape[1:])
+        chunks[fqn] = Chunk(rows, _box_offsets(views, list(param.shape), tp_dim, first_row),
+                            views.full_shape(param.shape, tp_dim), private=True)
+    return chunks
+
+
+def _tails_from_next_ranks(zero, fragmented, heads: list, needs: list[int]) -> list:
+    """For each item, the `needs[i]` elements that follow this rank's range: the heads of the next ranks' ranges, in
+    rank order. One all-gather of the heads' lengths and one of the heads, over the data-parallel group ZeRO
+    partitions over (every parameter here shares it: experts, which do not, keep the whole-tensor path)."""
+    import torch.distributed as dist
+
+    group = zero.real_dp_process_group[0]
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if size == 1:
+        return [torch.zeros(0) for _ in needs]
+    lengths = torch.tensor([len(h) for h in heads], dtype=torch.int64)
+    every_length = [torch.empty_like(lengths) for _ in range(size)]
+    dist.all_gather(every_length, lengths, group=group)
+    longest = max(int(length.sum()) for length in every_length)
+    flat = torch.zeros(longest, dtype=torch.float32)
+    if heads:
+        joined = torch.cat([h.float().reshape(-1) for h in heads])
+        flat[:len(joined)] = joined
+    every_flat = [torch.empty_like(flat) for _ in range(size)]
+    dist.all_gather(every_flat, flat, group=group)
+    starts = [torch.cumsum(length, 0) - length for length in every_length]
+    tails = []
+    for item, need in enumerate(needs):
+        pieces, taken = [], 0
+        for other in range(rank + 1, size):
+            if taken >= need:
+                break
+            at, length = int(starts[other][item]), int(every_length[other][item])
+            piece = every_flat[other][at:at + min(length, need - taken)]
+            pieces.append(piece)
+            taken += len(piece)
+        tails.append(torch.cat(pieces) if pieces else torch.zeros(0))
+    return tails
+
+
+def _fragment_target(param, key: str, tp_dim, views, device):
+    """An empty `Chunk` of the rows of `param`'s TP shard that this rank's range overlaps (zero rows where it holds
+    none): all a ZeRO-1/2 rank reads of `param`. The module's whole weight follows from the ranges by DeepSpeed's
+    all-gather (`update_lp_params`), not from the disk: every rank reading it whole multiplies the reads by the ranks
+    of a node."""
+    from neox_hf.checkpoint.layout_free import Chunk
+
+    start, end = _fragment_range(param)
+    row = _row_length(param.shape)
+    first_row, end_row = (start // row, -(-end // row)) if end > start else (0, 0)
+    local = torch.empty((end_row - first_row, *param.shape[1:]), dtype=torch.float32, device=device)
+    return Chunk(local, _box_offsets(views, list(param.shape), tp_dim, first_row), views.full_shape(param.shape, tp_dim))
+
+
+def _set_fragment(param, values: dict) -> None:
+    """This rank's range of `param`'s master value and moments, from the rows `_fragment_target` read."""
+    start, end = _fragment_range(param)
+    if end <= start:
+        return
+    skip = start - (start // _row_length(param.shape)) * _row_length(param.shape)
+    with torch.no_grad():
+        for key, value in values.items():
+            _fragment(param, key).copy_(value.local.reshape(-1)[skip:skip + end - start])
 
 
 def _shard_views(engine) -> "_ShardViews":

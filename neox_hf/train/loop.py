@@ -235,7 +235,7 @@ def run_steps(run: TrainingRun, state: TrainState, history: History | None = Non
     history = history if history is not None else History()
     if run.recipe.train.async_checkpoint and run.checkpoint_writes is None:
         check_host_memory(run.engine.parameter_count(), shards=run.layout.world_size)
-        run.checkpoint_writes = BackgroundWrites(pinned=run.accelerator.device.type == "cuda")
+        run.checkpoint_writes = BackgroundWrites(pinned=run.accelerator.device.type == "cuda", overlap=True)
     with StopRequest() as stop:  # before the prefetcher: a forked data worker starts with these handlers
         try:
             _run_steps(run, state, history, stop)

@@ -53,7 +53,7 @@ def _data_fault(step: int, marker: Path) -> None:
 
 
 def _disk_fault(step: int, marker: Path) -> None:
-    import neox_hf.checkpoint as checkpoint
+    import neox_hf.checkpoint.save as checkpoint  # where save_checkpoint looks the writer up
 
     write = checkpoint.atomic_torch_save
 

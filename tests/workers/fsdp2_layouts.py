@@ -73,7 +73,7 @@ def _counted(path: Path):
 
 @contextlib.contextmanager
 def _killed_in_save(step: int, marker: Path):
-    import neox_hf.checkpoint as checkpoint
+    import neox_hf.checkpoint.save as checkpoint  # where save_checkpoint looks the writer up
 
     write = checkpoint.save_layout_free
 
