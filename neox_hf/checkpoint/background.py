@@ -24,6 +24,9 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from neox_hf.checkpoint.layout_free import FOLDER, Chunk, first_failure, one_process_is_meant, save_planner
+from neox_hf.errors import RecipeError
+
 
 class BackgroundWrites:
     """At most one checkpoint write in flight, for one run (every rank holds one). `start` is collective.
@@ -53,8 +56,6 @@ class BackgroundWrites:
         Collective."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
-
-        from neox_hf.checkpoint.layout_free import FOLDER, one_process_is_meant, save_planner
 
         self.wait()
         distributed = dist.is_available() and dist.is_initialized()
@@ -96,8 +97,6 @@ class BackgroundWrites:
                 pass
 
     def _finish(self, future: Future, publish, failed) -> None:
-        from neox_hf.checkpoint.layout_free import first_failure
-
         try:
             future.result()
             if publish is not None and not self._abandoned.is_set():
@@ -159,8 +158,6 @@ class HostCopies:
         import torch
         from torch.distributed.tensor import DTensor
 
-        from neox_hf.checkpoint.layout_free import Chunk
-
         staged, on_device = {}, False
         for key, value in state_dict.items():
             if isinstance(value, Chunk):
@@ -213,8 +210,6 @@ def check_host_memory(parameters: int, *, shards: int, local_ranks: int | None =
     now (one line, before the first step): a copy that does not fit would swap or be killed mid-run. `local_ranks`:
     the launcher's LOCAL_WORLD_SIZE (torchrun's and accelerate's), 1 without one."""
     import os
-
-    from neox_hf.errors import RecipeError
 
     if local_ranks is None:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from neox_hf.checkpoint.folders import LATEST, checkpoint_name, checkpoint_root
+from neox_hf.checkpoint.layout_free import save_layout_free
 from neox_hf.errors import CheckpointError
 from neox_hf.io import atomic_folder, atomic_torch_save, atomic_write_text
 
@@ -27,9 +29,6 @@ def write_imported_checkpoint(out_dir, step: int, tensors: dict, trainer_state: 
                               model_config=None, tokenizer=None) -> Path:
     """Write `out_dir/checkpoints/step_{step}` (+ `latest`) from `tensors` (`model|exp_avg|exp_avg_sq/<name>`: full
     tensors) and the plain `trainer_state` (one file per rank in `ranks`); return the step folder."""
-    from neox_hf.checkpoint.folders import LATEST, checkpoint_name, checkpoint_root
-    from neox_hf.checkpoint.layout_free import save_layout_free
-
     check_empty_run_folder(out_dir)
     out = Path(out_dir)
     if out.is_dir():

@@ -11,7 +11,7 @@ from neox_hf.checkpoint.damage import load_error, read_torch_file, resume_hint
 from neox_hf.checkpoint.layout_free import has_layout_free_state, load_from_accelerate_files, load_layout_free
 from neox_hf.checkpoint.writer import (check_same_writer, checkpoint_writer, describe_run, layout_free_only,
                                        other_launch_message, run_description, uses_deepspeed, writer_differs)
-from neox_hf.errors import CheckpointError
+from neox_hf.errors import CheckpointError, DataError
 from neox_hf.io import weights_only_loads
 
 
@@ -75,8 +75,6 @@ def load_layout_free_checkpoint(engine, folder: Path, *, writer: dict, scheduler
     data_state = (state["data"] if same_layout else _writer_data_states(folder, writer) if resized else
                   _writer_rank_data_state(folder, writer, engine.layout.dp_rank))
     if data_state is not None and hasattr(data_loader, "load_state_dict"):
-        from neox_hf.errors import DataError
-
         try:  # first: a position that cannot move refuses the resume before any tensor is read
             if resized:
                 data_loader.load_resized_states(data_state)
