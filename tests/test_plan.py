@@ -289,14 +289,19 @@ TINY_LLAMA = ["recipes/tiny-llama.yaml", "--model.vocab_size", "1024", "--train.
 def _saved_bytes_of_a_llama_layer(config, tokens: int) -> int:
     """What autograd keeps for one transformers LlamaDecoderLayer (bf16 weights, as DeepSpeed's bf16 holds them) on
     one row of `tokens` positions, by saved-tensor hooks (storages counted once, weights and rotary tables left out)."""
-    import torch
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+    return _saved_bytes_of_a_decoder_layer(LlamaDecoderLayer, LlamaRotaryEmbedding, config, tokens)
+
+
+def _saved_bytes_of_a_decoder_layer(layer_class, rotary_class, config, tokens: int) -> int:
+    import torch
+
     torch.manual_seed(0)
-    layer = LlamaDecoderLayer(config, 0).to(torch.bfloat16)
+    layer = layer_class(config, 0).to(torch.bfloat16)
     x = torch.randn(1, tokens, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     positions = torch.arange(tokens)[None]
-    cos, sin = (t.detach() for t in LlamaRotaryEmbedding(config)(x, positions))
+    cos, sin = (t.detach() for t in rotary_class(config)(x, positions))
     saved = {}
 
     def pack(tensor):
@@ -484,10 +489,8 @@ def test_llama2_7b_at_32k_on_8_gpus_of_80_gb(capsys):
 MIXTRAL = "recipes/tiny-mixtral.yaml"
 
 
-def _recipe(path, *overrides):
-    from neox_hf.recipe.args import parse_run_args
-
-    return parse_run_args([path, "--train.precision", "fp32", *overrides]).recipe
+def _fp32_recipe(path, *overrides):
+    return _recipe(path, "--train.precision", "fp32", *overrides)
 
 
 def test_moe_experts_memory_per_rank_is_the_parameter_arithmetic():
@@ -496,21 +499,21 @@ def test_moe_experts_memory_per_rank_is_the_parameter_arithmetic():
     from neox_hf.plan import expert_parameters, model_shape, plan_for_recipe
 
     experts = 2 * 8 * 3 * 128 * 128
-    assert expert_parameters(model_shape(_recipe(MIXTRAL))) == experts
-    one = plan_for_recipe(_recipe(MIXTRAL), 1).recipe_layout.stages[0]
-    ep2 = plan_for_recipe(_recipe(MIXTRAL, "--parallel.expert_parallel", "2"), 2).recipe_layout
+    assert expert_parameters(model_shape(_fp32_recipe(MIXTRAL))) == experts
+    one = plan_for_recipe(_fp32_recipe(MIXTRAL), 1).recipe_layout.stages[0]
+    ep2 = plan_for_recipe(_fp32_recipe(MIXTRAL, "--parallel.expert_parallel", "2"), 2).recipe_layout
     assert ep2.layout.expert == 2 and ep2.layout.data == 2
     assert one.experts == 16 * experts == 12 * 2**20
     assert ep2.stages[0].experts == 16 * experts // 2 == 6 * 2**20
     assert one.model_states - ep2.stages[0].model_states == 6 * 2**20  # the dense part is the same 16 bytes each
     # ZeRO-2 on 4 ranks, EP2: the experts' grads and optimizer states shard over the 2 ranks holding the same experts
-    zero2 = plan_for_recipe(_recipe(MIXTRAL, "--parallel.expert_parallel", "2", "--parallel.zero_stage", "2"), 4)
+    zero2 = plan_for_recipe(_fp32_recipe(MIXTRAL, "--parallel.expert_parallel", "2", "--parallel.zero_stage", "2"), 4)
     assert zero2.recipe_layout.stages[0].experts == (4 + (4 + 12) // 2) * experts // 2
     # FSDP2 gathers a layer with its rank's half of the experts while it runs
     from neox_hf.plan import largest_layer_on_rank
 
     small_vocab = ("--model.vocab_size", "256")  # so that a transformer layer is the largest
-    fsdp = _recipe(MIXTRAL, "--parallel.expert_parallel", "2", "--parallel.backend", "fsdp2", *small_vocab)
+    fsdp = _fp32_recipe(MIXTRAL, "--parallel.expert_parallel", "2", "--parallel.backend", "fsdp2", *small_vocab)
     layer = 2 * 128 * 128 + 2 * 128 * 64 + 8 * 128 + 2 * 128  # q, o; k, v (2 of 4 heads); router; two norms
     layout = plan_for_recipe(fsdp, 2).recipe_layout.layout
     assert largest_layer_on_rank(model_shape(fsdp), layout) == layer + experts // 2 // 2  # a layer's half
@@ -520,7 +523,7 @@ def test_moe_step_time_counts_active_parameters_and_the_all_to_all():
     from neox_hf.plan import active_parameters, expert_parameters, model_shape, plan_for_recipe, total_parameters
     from neox_hf.train.mfu import flops_per_token
 
-    recipe = _recipe(MIXTRAL)
+    recipe = _fp32_recipe(MIXTRAL)
     shape = model_shape(recipe)
     experts = expert_parameters(shape)
     assert active_parameters(shape) == total_parameters(shape) - experts + experts * 2 // 8
@@ -539,7 +542,7 @@ def test_moe_step_time_counts_active_parameters_and_the_all_to_all():
     # EP2 on 2 ranks (DeepSpeed, ZeRO-0): the same compute, the all-to-all (4 × tokens × top_k × hidden × 4 bytes ×
     # (ep − 1)/ep per layer, NVLink inside the node) and the dense gradients' all-reduce over the expert group
     # (2 × ½ × 4 bytes each, data-parallel traffic); the experts' own gradients have no other holder to reduce with
-    ep2 = plan_for_recipe(_recipe(MIXTRAL, "--parallel.expert_parallel", "2"), 2).recipe_layout.step_seconds
+    ep2 = plan_for_recipe(_fp32_recipe(MIXTRAL, "--parallel.expert_parallel", "2"), 2).recipe_layout.step_seconds
     all_to_all = 4 * tokens * 2 * 128 * 4 * 0.5 * c.num_hidden_layers / a.tp_bandwidth
     dense_all_reduce = 2 * 0.5 * 4 * (total_parameters(shape) - experts) / a.dp_bandwidth
     assert ep2 == pytest.approx(one.recipe_layout.step_seconds + all_to_all + dense_all_reduce, rel=1e-12)
@@ -548,7 +551,7 @@ def test_moe_step_time_counts_active_parameters_and_the_all_to_all():
 def test_moe_candidate_layouts_name_the_expert_dimension_and_leave_out_what_moe_refuses():
     from neox_hf.plan import candidate_layouts, model_shape
 
-    recipe = _recipe(MIXTRAL)
+    recipe = _fp32_recipe(MIXTRAL)
     shape = model_shape(recipe)
     layouts = candidate_layouts(recipe, shape, 4, 16)
     assert layouts and not any(l.pipeline > 1 or l.context > 1 or l.sequence_parallel for l in layouts)
@@ -572,7 +575,7 @@ def test_dense_plan_has_no_expert_dimension():
     from neox_hf.plan import (candidate_layouts, engine_for, model_shape, model_state_bytes, plan_for_recipe,
                               stage_parameters)
 
-    recipe = _recipe("recipes/tiny.yaml")
+    recipe = _fp32_recipe("recipes/tiny.yaml")
     shape = model_shape(recipe)
     layouts = candidate_layouts(recipe, shape, 4, 16)
     assert all(l.expert == 1 for l in layouts) and any(l.pipeline > 1 for l in layouts)
@@ -587,32 +590,17 @@ def test_dense_plan_has_no_expert_dimension():
 
 def _saved_bytes_of_a_mixtral_layer(config, tokens: int) -> int:
     """`_saved_bytes_of_a_llama_layer` for transformers' MixtralDecoderLayer with the `grouped_mm` experts kernel."""
-    import torch
     from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralRotaryEmbedding
 
     config._experts_implementation, config._attn_implementation = "grouped_mm", "sdpa"
-    torch.manual_seed(0)
-    layer = MixtralDecoderLayer(config, 0).to(torch.bfloat16)
-    x = torch.randn(1, tokens, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-    positions = torch.arange(tokens)[None]
-    cos, sin = (t.detach() for t in MixtralRotaryEmbedding(config)(x, positions))
-    saved = {}
-
-    def pack(tensor):
-        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        layer(x, attention_mask=None, position_ids=positions, position_embeddings=(cos, sin))
-    left_out = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), cos, sin)}
-    return sum(n for ptr, n in saved.items() if ptr not in left_out)
+    return _saved_bytes_of_a_decoder_layer(MixtralDecoderLayer, MixtralRotaryEmbedding, config, tokens)
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_mixtral_layer_activations_match_saved_tensors(top_k):
     from neox_hf.plan import Layout, layer_activation_bytes, model_shape
 
-    shape = model_shape(_recipe(MIXTRAL, "--model.moe_top_k", str(top_k)))
+    shape = model_shape(_fp32_recipe(MIXTRAL, "--model.moe_top_k", str(top_k)))
     config = shape.config
     planned = layer_activation_bytes(shape, Layout(1, 1, 1, 2, 1, 1, False, False), element=2)
     assert planned == pytest.approx(_saved_bytes_of_a_mixtral_layer(config, shape.seq_length), rel=0.01)
