@@ -39,6 +39,11 @@ class UsageError(NeoXHFError):
     """A command-line argument or flag is wrong (not a recipe value)."""
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of `err`'s message (its type's name when it has none): what a one-line refusal quotes."""
+    return next(iter(str(err).strip().splitlines()), type(err).__name__)
+
+
 def print_to_stderr(line: str) -> None:
     """Write `line` and its newline to stderr in ONE write call.
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXForCausalLM
 
-from neox_hf.errors import CheckpointError, UsageError
+from neox_hf.errors import CheckpointError, UsageError, first_line
 from neox_hf.model.vocab import check_vocab_covers_tokenizer
 from neox_hf.data.tokenizer import load_tokenizer
 from neox_hf.io import check_safetensors_file, folder_refusal_message, is_weights_only_refusal
@@ -62,7 +62,7 @@ def load_base_model(path) -> GPTNeoXForCausalLM:
     except Exception as err:  # OSError, ValueError, RuntimeError, or safetensors' own error for a truncated file
         if is_weights_only_refusal(err):  # a pickled weights file naming code: say which, not torch's advice page
             raise CheckpointError(folder_refusal_message(folder, err)) from err
-        raise CheckpointError(f"cannot load the model in {folder}: {_first_line(err)}; save or download it again") from err
+        raise CheckpointError(f"cannot load the model in {folder}: {first_line(err)}; save or download it again") from err
 
 
 def load_adapter_model(base_path, adapter_path) -> PeftModel:
@@ -78,7 +78,7 @@ def load_adapter_model(base_path, adapter_path) -> PeftModel:
         model = PeftModel.from_pretrained(base, adapter)
     except pickle.UnpicklingError as err:  # peft loads adapter_model.bin with weights_only=True
         raise CheckpointError(folder_refusal_message(adapter, err) if is_weights_only_refusal(err) else
-                              f"cannot read the adapter weights in {adapter} ({_first_line(err)}): the file is "
+                              f"cannot read the adapter weights in {adapter} ({first_line(err)}): the file is "
                               "truncated or corrupt; save the adapter again") from err
     except (OSError, ValueError, RuntimeError) as err:  # size mismatch when the adapter was trained on another base
         raise CheckpointError(f"adapter {adapter} does not fit base model {base_path}: {err}") from err
@@ -130,7 +130,7 @@ def folder_tokenizer(folder):
     try:
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)  # None would ask on stdin
     except Exception as err:  # OSError, ValueError (custom code refused), or the tokenizers library's own error
-        raise CheckpointError(f"cannot load the tokenizer in {folder}: {_first_line(err)}; pass --tokenizer PATH "
+        raise CheckpointError(f"cannot load the tokenizer in {folder}: {first_line(err)}; pass --tokenizer PATH "
                               "(a tokenizers JSON or HF folder)") from err
 
 
@@ -167,6 +167,3 @@ def _inference_tokenizer(folder: Path, tokenizer_path: str | None):
         raise CheckpointError(f"{folder} has no tokenizer files; pass --tokenizer PATH (a tokenizers JSON or HF folder)")
     return load_tokenizer(str(folder))
 
-
-def _first_line(err: BaseException) -> str:
-    return next(iter(str(err).strip().splitlines()), type(err).__name__)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from neox_hf.checkpoint.folders import checkpoint_step, complete_checkpoints
 from neox_hf.checkpoint.layout_free import has_layout_free_state, truncated_file
-from neox_hf.errors import CheckpointError
+from neox_hf.errors import CheckpointError, first_line
 from neox_hf.io import folder_refusal_message, is_weights_only_refusal, load_torch_safely
 
 
@@ -22,14 +22,14 @@ def read_torch_file(path: Path, folder: Path, *, required: bool = True):
     except CheckpointError as err:  # refused: it names objects that could run code, or is no plain-data file
         raise CheckpointError(f"{err}; {resume_hint(folder)}") from err
     except Exception as err:  # a truncated zip, a corrupt pickle: name the file
-        raise CheckpointError(f"cannot read {path} ({_first_line(err)}): the file is truncated or corrupt; "
+        raise CheckpointError(f"cannot read {path} ({first_line(err)}): the file is truncated or corrupt; "
                               f"{resume_hint(folder)}") from err
 
 
 def load_error(folder: Path, err: Exception, *, deepspeed: bool = False) -> CheckpointError:
     if is_weights_only_refusal(err):
         return CheckpointError(f"{folder_refusal_message(folder, err, deepspeed=deepspeed)}; {resume_hint(folder)}")
-    text = _first_line(err)
+    text = first_line(err)
     if "size mismatch" in str(err) or "shape" in text.lower() or "Error(s) in loading state_dict" in str(err):
         return CheckpointError(
             f"{folder} holds a model of another shape than the recipe builds ({_first_difference(err) or text}); "
@@ -127,6 +127,3 @@ def resume_hint(folder: Path) -> str:
     return (f"no other checkpoint is intact: {delete} and run again (`--resume` then starts at step 0), or replace the "
             "run with --overwrite")
 
-
-def _first_line(err: BaseException) -> str:
-    return next(iter(str(err).strip().splitlines()), type(err).__name__)

@@ -27,7 +27,7 @@ import pickle
 import warnings
 from pathlib import Path
 
-from neox_hf.errors import CheckpointError
+from neox_hf.errors import CheckpointError, first_line
 
 FOLDER = "layout_free"
 _ALLOWED_MODULES = ("torch.distributed.checkpoint.",)
@@ -347,7 +347,7 @@ def read_model_weights(folder: Path) -> dict:
         with one_process_is_meant():
             dcp.load(targets, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
-        raise CheckpointError(f"cannot read {Path(folder) / FOLDER} ({_first_line(err)}): a file of it is truncated "
+        raise CheckpointError(f"cannot read {Path(folder) / FOLDER} ({first_line(err)}): a file of it is truncated "
                               "or corrupt") from err
     return {key.removeprefix("model/"): value for key, value in targets.items()}
 
@@ -466,11 +466,8 @@ def load_layout_free(targets: dict, folder: Path) -> None:
     except (Exception, CheckpointException) as err:  # DCP's exception for a rank's failed read is a BaseException
         damaged = truncated_file(folder)
         which = f"{damaged} is truncated or corrupt" if damaged else "a file of it is truncated or corrupt"
-        raise CheckpointError(f"cannot read {Path(folder) / FOLDER} ({_first_line(err)}): {which}") from err
+        raise CheckpointError(f"cannot read {Path(folder) / FOLDER} ({first_line(err)}): {which}") from err
 
-
-def _first_line(err: BaseException) -> str:
-    return next(iter(str(err).strip().splitlines()), type(err).__name__)
 
 
 def shape_difference(stored: dict, targets: dict, folder: Path) -> str | None:

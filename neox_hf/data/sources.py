@@ -38,7 +38,7 @@ import numpy as np
 
 from neox_hf.data.files import open_text_file
 from neox_hf.data.indexed import IndexedDataset, indexed_paths, is_indexed_prefix
-from neox_hf.errors import DataError
+from neox_hf.errors import DataError, first_line
 from neox_hf.recipe import DataSource
 
 COLUMNS = ["input_ids", "prompt_length", "skip", "source"]
@@ -482,14 +482,11 @@ def _unreadable_table(path: str, fmt: str) -> str:
                 try:
                     table.read_row_group(group)
                 except (OSError, pyarrow.ArrowException) as err:
-                    return f"row group {group + 1} of {table.num_row_groups}: {_first_line(err)}"
+                    return f"row group {group + 1} of {table.num_row_groups}: {first_line(err)}"
         else:
             with open_text_file(path) as f:
                 json.load(f)
     except (OSError, pyarrow.ArrowException, ValueError, UnicodeDecodeError) as err:
-        return _first_line(err)
+        return first_line(err)
     return ""
 
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]

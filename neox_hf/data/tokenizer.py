@@ -12,7 +12,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from neox_hf.errors import RecipeError
+from neox_hf.errors import RecipeError, first_line
 
 
 def load_tokenizer(path: str, *, eos_token: str = "<|endoftext|>", pad_token: str = "<|padding|>") -> PreTrainedTokenizerBase:
@@ -38,7 +38,7 @@ def load_tokenizer(path: str, *, eos_token: str = "<|endoftext|>", pad_token: st
             # code (and runs it on "y"); a training node or a pipe must never be asked.
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         except Exception as err:  # OSError, ValueError, or the tokenizers library's own error for a corrupt file
-            raise RecipeError(f"cannot load tokenizer from {path!r}: {_first_line(err)}. Set `tokenizer.path` to a "
+            raise RecipeError(f"cannot load tokenizer from {path!r}: {first_line(err)}. Set `tokenizer.path` to a "
                               "tokenizers JSON file or an HF folder") from err
         if tokenizer.eos_token is None:
             tokenizer.eos_token = eos_token
@@ -55,7 +55,7 @@ def _json_tokenizer_vocab(location: Path) -> dict[str, int]:
     try:
         return Tokenizer.from_file(str(location)).get_vocab(with_added_tokens=True)
     except Exception as err:  # tokenizers raises a bare Exception for malformed JSON
-        raise RecipeError(f"{location} is not a valid tokenizers JSON file ({_first_line(err)}); set `tokenizer.path` "
+        raise RecipeError(f"{location} is not a valid tokenizers JSON file ({first_line(err)}); set `tokenizer.path` "
                           "to the tokenizer.json the model uses (e.g. examples/data/gpt-neox-20b-tokenizer.json)") from err
 
 
@@ -66,9 +66,6 @@ def _require_token_in(vocab: dict, token: str, role: str, where: str) -> None:
         raise RecipeError(f"`tokenizer.{role}` = {token!r} is not a token of {where}{hint}; set it to a token the "
                           "tokenizer already has, e.g. '<|endoftext|>'")
 
-
-def _first_line(err: BaseException) -> str:
-    return next(iter(str(err).strip().splitlines()), type(err).__name__)
 
 
 def _require_token(tokenizer, token: str, role: str) -> None:

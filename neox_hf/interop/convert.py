@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from neox_hf.errors import CheckpointError
+from neox_hf.errors import CheckpointError, first_line
 from neox_hf.model.folder import save_hf_folder
 from neox_hf.interop.neox_checkpoint import export_neox_checkpoint, neox_to_hf_model
 from neox_hf.interop.neox_files import detect_checkpoint_files, embedding_rows
@@ -204,7 +204,7 @@ def export_training_checkpoint(checkpoint_dir, out_dir) -> Path:
             raise
         previous = previous_checkpoint(checkpoint_dir)
         raise CheckpointError(f"cannot export {checkpoint_dir}: {damaged} is truncated or corrupt "
-                              f"({_first_line(err)})" + (f"; export the previous checkpoint, {previous}" if previous
+                              f"({_first_sentence(err)})" + (f"; export the previous checkpoint, {previous}" if previous
                                                          else "")) from err
     model = _model_for_weights(checkpoint_dir, config, state)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -238,6 +238,6 @@ def _refuse_truncated_layout_free_state(checkpoint_dir: Path) -> None:
                               + (f"; export the previous checkpoint, {previous}" if previous else ""))
 
 
-def _first_line(err: BaseException) -> str:
+def _first_sentence(err: BaseException) -> str:
     """The first sentence of the first line (torch's zip reader appends a paragraph of advice)."""
-    return next(iter(str(err).strip().splitlines()), type(err).__name__).split(". ")[0].rstrip(".")
+    return first_line(err).split(". ")[0].rstrip(".")
