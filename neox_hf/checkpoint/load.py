@@ -8,6 +8,8 @@ from pathlib import Path
 
 from neox_hf.checkpoint.contents import TrainState
 from neox_hf.checkpoint.damage import load_error, read_torch_file, resume_hint
+from neox_hf.checkpoint.in_place import model_in_place_hook
+from neox_hf.checkpoint.readahead import read_ahead_in_background
 from neox_hf.checkpoint.layout_free import has_layout_free_state, load_from_accelerate_files, load_layout_free
 from neox_hf.checkpoint.writer import (check_same_writer, checkpoint_writer, describe_run, layout_free_only,
                                        other_launch_message, run_description, uses_deepspeed, writer_differs)
@@ -36,6 +38,7 @@ def load_checkpoint(accelerator, folder: Path, *, scheduler, data_loader, engine
     naming the file and the previous checkpoint to resume from instead. A checkpoint another launch wrote (DeepSpeed
     or not, ZeRO stage, data / tensor / pipeline sizes) is resumed from its layout-free state when it has one (and
     the run's `engine` is given; `notify` says what changed), else refused saying which, before anything is read."""
+    read_ahead_in_background(folder, accelerator.process_index)
     current = run_description(accelerator, engine)
     writer = checkpoint_writer(folder)
     if engine is not None and (writer_differs(writer, current) or layout_free_only(engine)
@@ -50,11 +53,14 @@ def load_checkpoint(accelerator, folder: Path, *, scheduler, data_loader, engine
     # accelerate skips an unreadable (or refused) RNG file with an info log and resumes with other randomness
     read_torch_file(folder / f"random_states_{accelerator.process_index}.pkl", folder, required=False)
     deepspeed = uses_deepspeed(accelerator)
+    in_place = accelerator.register_load_state_pre_hook(model_in_place_hook)  # the weights read into the model
     try:
         with weights_only_loads(deepspeed=deepspeed):  # DeepSpeed's engine loads its files with weights_only=False
             accelerator.load_state(str(folder))
     except Exception as err:  # torch / safetensors / DeepSpeed raise many types for the same user problem
         raise load_error(folder, err, deepspeed=deepspeed) from err
+    finally:
+        in_place.remove()
     scheduler.load_state_dict(trainer_state["scheduler"])
     if trainer_state["data"] is not None and hasattr(data_loader, "load_state_dict"):
         data_loader.load_state_dict(trainer_state["data"])
