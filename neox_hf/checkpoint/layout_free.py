@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import io
 import pickle
+import struct
 import warnings
 from pathlib import Path
 
@@ -61,6 +62,8 @@ def _reader_class():
         """DCP's reader with `.metadata` unpickled as plain data only (see the module docstring)."""
 
         def read_metadata(self, *args, **kwargs):
+            if getattr(self, "_metadata", None) is not None and kwargs.get("rank") is None:
+                return self._metadata  # read once per load: the caller's shape check, then DCP's plan
             path = self._get_metadata_path(kwargs.get("rank"))
             with self.fs.create_stream(path, "rb") as handle:
                 try:
@@ -72,6 +75,8 @@ def _reader_class():
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
+            if kwargs.get("rank") is None:
+                self._metadata = metadata
             return metadata
 
         def set_up_storage_reader(self, metadata, *args, **kwargs):
@@ -164,56 +169,61 @@ def _read_in_place(stream, request, stored_at, stored: dict, planner) -> bool:
     return True
 
 
-class _FileSlice(io.RawIOBase):
-    """`length` bytes of `stream` from `offset`, as a file of their own (DCP's `_ReaderView` seeks from the end the
-    wrong way, which `zipfile` needs)."""
-
-    def __init__(self, stream, offset: int, length: int):
-        super().__init__()
-        self._stream, self._offset, self._length, self._at = stream, offset, length, 0
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    def seek(self, position: int, whence: int = 0) -> int:
-        self._at = max(0, position + (0, self._at, self._length)[whence])
-        return self._at
-
-    def tell(self) -> int:
-        return self._at
-
-    def read(self, size: int = -1) -> bytes:
-        size = self._length - self._at if size is None or size < 0 else min(size, self._length - self._at)
-        if size <= 0:
-            return b""
-        self._stream.seek(self._offset + self._at)
-        data = self._stream.read(size)
-        self._at += len(data)
-        return data
+_END = struct.Struct("<4s4xHHII2x")  # end of central directory: signature, entries, entries, size, offset
+_ENTRY = struct.Struct("<4s6xH4xIIIHHH8xI")  # central directory entry, from its signature to the local header offset
+_LOCAL = struct.Struct("<4s22xHH")  # local file header: signature, name and extra lengths
+_END64 = struct.Struct("<4s8x2x2x4x4x8xQQQ")  # zip64 end of central directory: signature, entries, size, offset
+_LOCATOR_SIZE = 20  # the zip64 end's locator, between it and the end of central directory
 
 
 def _storage_record(stream, offset: int, length: int) -> tuple[int, int] | None:
     """(start within the item, size) of the one uncompressed storage record of the `torch.save` zip DCP wrote at
-    `offset`, or None where the item is no such zip (then DCP's own read handles it)."""
-    import struct
-    import zipfile
+    `offset`, or None where the item is no such zip (then DCP's own read handles it).
 
-    try:
-        with zipfile.ZipFile(_FileSlice(stream, offset, length)) as archive:
-            records = [info for info in archive.infolist() if "/data/" in info.filename]
-        if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
-            return None
-        stream.seek(offset + records[0].header_offset)
-        header = stream.read(30)
-        if header[:4] != b"PK\x03\x04":
-            return None
-        name_length, extra_length = struct.unpack("<HH", header[26:30])
-        return records[0].header_offset + 30 + name_length + extra_length, records[0].file_size
-    except (zipfile.BadZipFile, OSError, struct.error):
+    Two small reads: the zip's central directory (at the item's end, before torch's zip64 end records; torch writes
+    no archive comment) and the record's local header. `zipfile` takes five and builds an archive object per item,
+    a tenth of a second of a resume's CPU time at a few hundred items. A record of 4 GB or more (its sizes in a zip64
+    extra field) goes to DCP's read."""
+    tail = min(length, 4096)
+    stream.seek(offset + length - tail)
+    end = stream.read(tail)
+    if len(end) < _END.size:
         return None
+    signature, _, count, size, start = _END.unpack_from(end, len(end) - _END.size)
+    directory_end = len(end) - _END.size
+    if end[directory_end - _LOCATOR_SIZE:directory_end - _LOCATOR_SIZE + 4] == b"PK\x06\x07":  # torch's zip64 end
+        directory_end -= _LOCATOR_SIZE + _END64.size
+        if directory_end < 0:
+            return None
+        signature64, count, size, start = _END64.unpack_from(end, directory_end)
+        if signature64 != b"PK\x06\x06":
+            return None
+    at = directory_end - size  # the central directory's place in `end`
+    if signature != b"PK\x05\x06" or at < 0 or start + size != length - (len(end) - directory_end):
+        return None
+    records = []
+    for _ in range(count):
+        if at + _ENTRY.size > len(end):
+            return None
+        sig, method, _crc, packed, unpacked, name_length, extra_length, comment_length, local = _ENTRY.unpack_from(
+            end, at)
+        name = end[at + _ENTRY.size:at + _ENTRY.size + name_length]
+        if sig != b"PK\x01\x02":
+            return None
+        if b"/data/" in name:
+            records.append((method, packed, unpacked, local))
+        at += _ENTRY.size + name_length + extra_length + comment_length
+    if len(records) != 1 or records[0][0] != 0 or 0xFFFFFFFF in records[0][1:]:
+        return None
+    _, size, _, local = records[0]
+    stream.seek(offset + local)
+    header = stream.read(_LOCAL.size)
+    if len(header) != _LOCAL.size:
+        return None
+    signature, name_length, extra_length = _LOCAL.unpack(header)
+    if signature != b"PK\x03\x04":
+        return None
+    return local + _LOCAL.size + name_length + extra_length, size
 
 
 @contextlib.contextmanager
@@ -460,13 +470,22 @@ def load_layout_free(targets: dict, folder: Path) -> None:
         raise CheckpointError(problems[0])
     from torch.distributed.checkpoint.api import CheckpointException
 
+    # Each rank plans and reads alone (`no_dist`): DCP's load planning coordinates nothing (its global load plan is
+    # the ranks' own plans, `create_default_global_load_plan`), and its collectives, the plans pickled to rank 0 and
+    # back, cost a tenth of a second or more of a resume; the ranks then agree on the outcome in one small exchange.
+    failure = None
     try:
         with one_process_is_meant():
-            dcp.load(targets, storage_reader=reader, planner=_planners()[1](), no_dist=not _distributed(dist))
+            dcp.load(targets, storage_reader=reader, planner=_planners()[1](), no_dist=True)
     except (Exception, CheckpointException) as err:  # DCP's exception for a rank's failed read is a BaseException
+        failure = err
+    mine = first_line(failure) if failure is not None else None
+    every = _gather(mine)  # every rank, failed or not: a collective
+    failed = mine or next((message for message in every if message), None)
+    if failed:
         damaged = truncated_file(folder)
         which = f"{damaged} is truncated or corrupt" if damaged else "a file of it is truncated or corrupt"
-        raise CheckpointError(f"cannot read {Path(folder) / FOLDER} ({first_line(err)}): {which}") from err
+        raise CheckpointError(f"cannot read {Path(folder) / FOLDER} ({failed}): {which}") from failure
 
 
 
