@@ -295,18 +295,21 @@ class FSDP2Engine(ReplicaEngine):
         return tensors, {"adam_step": zero_state.optimizer_step(base), "loss_scaler": None}
 
     def load_layout_free_state(self, read, plain: dict) -> None:
+        """Read each parameter's shard and its Adam moments straight into the tensors training uses where they are
+        fp32 (as `layout_free_state` writes them from), else into fp32 targets copied over after."""
         base = zero_state.base_optimizer(self.optimizer)
         named = list(self.named_full_parameters())
-        targets = {f"{key}/{name}": self._full_view(torch.empty_like(param.detach(), dtype=torch.float32), tp_dim)
+        zero_state.create_adam_state(base)  # first: the moments exist to be read into
+        homes = {f"{key}/{name}": (param.detach() if key == "model" else base.state[param][key])
+                 for name, param, _ in named for key in ("model", *zero_state.MOMENTS)}
+        targets = {f"{key}/{name}": self._full_view(_fp32_target(homes[f"{key}/{name}"]), tp_dim)
                    for name, param, tp_dim in named for key in ("model", *zero_state.MOMENTS)}
         read(targets)
         step = float(plain["adam_step"])
-        zero_state.create_adam_state(base)
         with torch.no_grad():
-            for name, param, _ in named:
-                _local(param).copy_(_local(targets[f"model/{name}"]))
-                for key in zero_state.MOMENTS:
-                    _local(base.state[param][key]).copy_(_local(targets[f"{key}/{name}"]))
+            for fqn, home in homes.items():
+                if _local(targets[fqn]).data_ptr() != _local(home).data_ptr():
+                    _local(home).copy_(_local(targets[fqn]))
         zero_state.set_optimizer_step(base, step)
 
     def _full_view(self, value, tp_dim):
@@ -365,6 +368,11 @@ def _keep_checkpoint_key_renames(model) -> None:
 
 def _local(value):
     return value.to_local() if hasattr(value, "to_local") else value
+
+
+def _fp32_target(home):
+    """`home` itself where it is fp32 (read in place), else an empty fp32 tensor of its shape and placements."""
+    return home if home.dtype == torch.float32 else torch.empty_like(home, dtype=torch.float32)
 
 
 def _norm(grads, device) -> torch.Tensor:
