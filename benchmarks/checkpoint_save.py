@@ -19,8 +19,11 @@ of a run):
   without DeepSpeed: accelerate's model + optimizer files, which are that state already), its bytes against the
   ideal (fp32 masters + Adam's two moments: 12 bytes a parameter in an fp32 run, which keeps no 16-bit weights) and
   its GB/s against the disk's;
-- load: `load_checkpoint` of it into the same run (the median of 3, page cache dropped before each where
-  permitted), GB/s against the disk's read speed.
+- load: `load_checkpoint` of it into the same run, page cache dropped before each where permitted, against the
+  disk reading the same files (`read_files`: one reader, one file after the other, 8 MiB reads, cold) just before
+  each load: the median of 5 such pairs' ratios. A shared virtual disk drifts by 2-3x within a minute (seen here:
+  0.5-1.5 GB/s reading one file), so a load is compared with a read of its own bytes at the same moment, not with
+  the 1 GiB read at the start.
 
 Times on a shared CPU machine: compare rows of one invocation.
 """
@@ -48,6 +51,7 @@ LAYOUTS = {  # name: (processes, zero stage, backend)
     "FSDP2": (2, 0, "fsdp2"),
 }
 STEPS = 5  # timed steps of each kind (medians)
+LOADS = 5  # timed loads, each paired with a read of the same files (the disk of a shared machine drifts by 2-3x)
 GB = 1e9
 
 
@@ -62,6 +66,17 @@ def drop_page_cache() -> bool:
         return True
     except OSError:
         return False
+
+
+def read_files(folder: Path) -> None:
+    """Every file under `folder` read once, one after the other, in large sequential reads (what `cat` does): the
+    disk reading a checkpoint's bytes, the baseline of its load."""
+    block = bytearray(8 << 20)
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with path.open("rb", buffering=0) as handle:
+                while handle.readinto(block):
+                    pass
 
 
 def disk_speeds(folder: Path, size: int = 1 << 30) -> tuple[float, float, bool]:
@@ -161,18 +176,20 @@ def worker(argv: list[str], scratch: Path, result: Path) -> None:
     old_seconds = barrier_seconds(lambda: old(old_folder), settled=True)
     new_seconds = barrier_seconds(lambda: save(scratch / "new"), settled=True)
     folder = checkpoint_root(scratch / "new") / f"step_{state.step:08d}"
-    loads = []
-    for _ in range(3):  # the median of three, the page cache dropped before each
+    loads, reads = [], []
+    for _ in range(LOADS):  # each load beside the disk reading the same files just before it, both cold
         cold = drop_page_cache() if accelerator.is_main_process else False
+        reads.append(barrier_seconds(lambda: read_files(folder) if accelerator.is_main_process else None))
+        if accelerator.is_main_process:
+            drop_page_cache()
         loads.append(barrier_seconds(lambda: load_checkpoint(accelerator, folder, scheduler=run.scheduler,
                                                              data_loader=batches,
                                                              engine=_layout_free_engine(engine, recipe))))
-    load_seconds = statistics.median(loads)
     batches.close()
     parameters = engine.parameter_count()
     rows = {"plain": plain, "sync": sync, "background": background, "between": between, "overlap": beside, "after_overlap": after,
             "old_seconds": old_seconds,
-            "new_seconds": new_seconds, "load_seconds": load_seconds, "cold_load": cold, "parameters": parameters,
+            "new_seconds": new_seconds, "loads": loads, "reads": reads, "cold_load": cold, "parameters": parameters,
             "old_bytes": _folder_bytes(old_folder) if accelerator.is_main_process else 0,
             "new_bytes": _folder_bytes(folder) if accelerator.is_main_process else 0,
             "new_entries": sorted(p.name for p in folder.iterdir()) if accelerator.is_main_process else []}
@@ -226,7 +243,7 @@ def table(measured: dict[str, dict], write: float, read: float, cold: bool) -> l
     median = statistics.median
     head = (f"{'layout':<11} {'save':<9} {'GB':>6} {'×ideal':>7} {'s':>6} {'GB/s':>6} {'×disk':>6} │ "
             f"{'step s':>7} {'+sync':>7} {'+async':>7} {'async×':>7} {'beside':>7} {'+ovlp':>7} {'ovlp×':>7} {'next':>7} │ "
-            f"{'load s':>7} {'GB/s':>6} {'×disk':>6}")
+            f"{'load s':>7} {'read s':>7} {'GB/s':>6} {'×read':>6}")
     lines = [head, "─" * len(head)]
     for layout, m in measured.items():
         ideal = 12 * m["parameters"]
@@ -238,12 +255,15 @@ def table(measured: dict[str, dict], write: float, read: float, cold: bool) -> l
                      f"{median(m['background']) / step:>6.2f}× {median(m['between']):>7.3f} "
                      f"{median(m['overlap']):>7.3f} {median(m['overlap']) / step:>6.2f}× "
                      f"{median(m['after_overlap']):>7.3f}" if name == "one" else " ".join([f"{'':>7}"] * 8))
-            load = (f"{m['load_seconds']:>7.2f} {size / m['load_seconds'] / GB:>6.2f} "
-                    f"{size / m['load_seconds'] / GB / read:>5.2f}×" if name == "one" else f"{'':>7} {'':>6} {'':>6}")
+            load = (f"{median(m['loads']):>7.2f} {median(m['reads']):>7.2f} {size / median(m['loads']) / GB:>6.2f} "
+                    f"{median(r / t for r, t in zip(m['reads'], m['loads'])):>5.2f}×" if name == "one"
+                    else f"{'':>7} {'':>7} {'':>6} {'':>6}")
             lines.append(f"{layout if name.startswith('old') else '':<11} {name:<9} {size / GB:>6.2f} "
                          f"{size / ideal:>6.2f}× {seconds:>6.2f} {speed:>6.2f} {speed / write:>5.2f}× │ {steps} │ {load}")
     lines.append(f"disk: sequential write {write:.2f} GB/s (1 GiB, fsynced), read {read:.2f} GB/s "
                  f"({'page cache dropped' if cold else 'page cache NOT dropped: not permitted here'})")
+    lines.append(f"load: the median of {LOADS} cold loads; read s: the disk reading the same files just before each "
+                 "(one reader, 8 MiB reads, cold); ×read: the median of the pairs' read s / load s")
     lines.append("+async: the step that saves with `train.async_checkpoint` (it waits for the host copy), the previous "
                  "write complete; beside: the step after it, the write going on; +ovlp / next: the same with the host "
                  "copy made beside the next step, whose optimizer step waits for it")
