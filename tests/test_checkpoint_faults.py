@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -288,3 +289,19 @@ def test_a_resume_removes_the_staging_a_killed_run_left_and_nothing_else(plain_r
     assert "at step 2" in capsys.readouterr().out
     assert [path for path in stale if path.exists()] == []
     assert all(path.read_text() == "the user's" for path in kept)
+
+
+def test_each_rank_reads_the_layout_free_state_alone_and_every_rank_reports_a_damaged_file(tmp_path):
+    """The ranks plan and read the layout-free state each on its own (no DCP collectives) and agree on the outcome
+    after: written by two ranks and read back equal; then with rank 1's file cut in half only rank 1 meets the
+    damage, and both ranks refuse naming that file (tests/workers/layout_free_ranks.py, torch only: ~10 s)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(REPO / "tests" / "workers" / "layout_free_ranks.py"), str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=launch_env(), timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    damaged = tmp_path / "layout_free" / "__1_0.distcp"
+    for rank in (0, 1):
+        said = (tmp_path / f"rank{rank}.txt").read_text().splitlines()
+        assert said[0] == "equal True", said
+        assert said[1].startswith(f"refused cannot read {tmp_path / 'layout_free'} ("), said
+        assert said[1].endswith(f"{damaged} is truncated or corrupt"), said

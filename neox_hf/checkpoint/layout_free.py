@@ -448,8 +448,10 @@ def save_layout_free(tensors: dict, folder: Path) -> None:
 
 
 def first_failure(err) -> Exception:
-    """The exception a rank's failed write raised (e.g. OSError ENOSPC), as an ordinary exception."""
+    """The exception a rank's failed write or read raised (e.g. OSError ENOSPC), as an ordinary exception (DCP keeps
+    each rank's as it was raised or as (exception, traceback))."""
     failure = next(iter(getattr(err, "failures", {}).values()), None)
+    failure = failure[0] if isinstance(failure, tuple) and failure else failure
     return failure if isinstance(failure, Exception) else RuntimeError(str(err))
 
 
@@ -479,7 +481,8 @@ def load_layout_free(targets: dict, folder: Path) -> None:
             dcp.load(targets, storage_reader=reader, planner=_planners()[1](), no_dist=True)
     except (Exception, CheckpointException) as err:  # DCP's exception for a rank's failed read is a BaseException
         failure = err
-    mine = first_line(failure) if failure is not None else None
+    mine = None if failure is None else first_line(
+        first_failure(failure) if isinstance(failure, CheckpointException) else failure)  # the read's own error
     every = _gather(mine)  # every rank, failed or not: a collective
     failed = mine or next((message for message in every if message), None)
     if failed:

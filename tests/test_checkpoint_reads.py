@@ -1,0 +1,109 @@
+"""How a resume reads a checkpoint's bytes, in process: a one-process run's model.safetensors straight into the
+model (and left to accelerate where the file does not match it exactly), the files each rank asks the kernel to
+read ahead, and the storage record found in a DCP item without `zipfile`."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_model
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from neox_hf.checkpoint.in_place import model_in_place_hook, read_model_in_place
+from neox_hf.checkpoint.layout_free import _reader_class, _storage_record, save_layout_free
+from neox_hf.checkpoint.readahead import files_a_rank_reads
+
+
+def _neox() -> GPTNeoXForCausalLM:
+    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                            intermediate_size=64, max_position_embeddings=64))
+
+
+def _tied_llama() -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=True))
+
+
+@pytest.mark.parametrize("build", [_neox, _tied_llama], ids=["gpt-neox", "llama-tied"])
+def test_a_one_process_checkpoints_weights_are_read_into_the_models_own_memory(build, tmp_path):
+    """What accelerate's save_state writes (safetensors' `save_model`, tied weights stored once) read back into
+    another model of the same config: every tensor equal to the saved one, each in the memory it had before, and the
+    hook takes the model off accelerate's list so accelerate does not load it again."""
+    torch.manual_seed(0)
+    saved, other = build(), build()
+    save_model(saved, str(tmp_path / "model.safetensors"))
+    before = {name: tensor.data_ptr() for name, tensor in other.state_dict().items()}
+    models = [other]
+    model_in_place_hook(models, str(tmp_path))
+    assert models == []
+    for name, tensor in other.state_dict().items():
+        assert torch.equal(tensor, saved.state_dict()[name]), name
+        assert tensor.data_ptr() == before[name], name
+
+
+def test_a_model_that_does_not_match_the_file_is_left_to_accelerate(tmp_path):
+    """Another shape, another dtype, or a parameter the file lacks: nothing is read (the model unchanged) and the
+    model stays on accelerate's list, whose load names the difference."""
+    torch.manual_seed(0)
+    path = tmp_path / "model.safetensors"
+    save_model(_neox(), str(path))
+    wider = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                             intermediate_size=64, max_position_embeddings=64))
+    for model in (wider, _neox().to(torch.bfloat16), _tied_llama()):
+        unchanged = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        assert not read_model_in_place(model, path)
+        assert all(torch.equal(unchanged[name], tensor) for name, tensor in model.state_dict().items())
+        models = [model]
+        model_in_place_hook(models, str(tmp_path))
+        assert models == [model]
+
+
+def test_a_truncated_weights_file_is_left_to_accelerate_to_name(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_model(_neox(), str(path))
+    path.write_bytes(path.read_bytes()[:-100])
+    assert not read_model_in_place(_neox(), path)
+
+
+def test_each_rank_reads_ahead_only_its_own_files_and_the_shared_ones(tmp_path):
+    """Its trainer and RNG state, the step's config, DCP's metadata and a one-process run's model and optimizer
+    files; not the other ranks' files, the tokenizer or DCP's tensor files (its reader asks for the items it reads)."""
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "trainer_state_rank0.pt",
+                 "trainer_state_rank1.pt", "random_states_0.pkl", "random_states_1.pkl", "model.safetensors",
+                 "optimizer.bin", "layout_free/.metadata", "layout_free/__0_0.distcp", "layout_free/__1_0.distcp"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in files_a_rank_reads(tmp_path, 1)) == [
+        "config.json", "layout_free/.metadata", "model.safetensors", "optimizer.bin", "random_states_1.pkl",
+        "trainer_state_rank1.pt"]
+
+
+def test_the_storage_record_of_every_dcp_item_is_where_zipfile_finds_it(tmp_path):
+    """For every item of a layout-free state (tensors of several shapes and dtypes, one empty), the record start and
+    size read from the item's central directory equal what `zipfile` reads from the whole item; bytes that are no
+    such zip give None (DCP's own read then handles the item)."""
+    torch.manual_seed(0)
+    tensors = {"model/a": torch.randn(300, 17), "model/b": torch.randn(5), "exp_avg/c": torch.zeros(0, 3),
+               "exp_avg_sq/d": torch.randn(2, 3, 4).to(torch.bfloat16)}
+    save_layout_free(tensors, tmp_path)
+    reader = _reader_class()(str(tmp_path / "layout_free"))
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    for index, stored in reader.storage_data.items():
+        with open(tmp_path / "layout_free" / stored.relative_path, "rb", buffering=0) as stream:
+            stream.seek(stored.offset)
+            item = stream.read(stored.length)
+            with zipfile.ZipFile(io.BytesIO(item)) as archive:
+                (record,) = [info for info in archive.infolist() if "/data/" in info.filename]
+            names, extras = struct.unpack("<HH", item[record.header_offset + 26:record.header_offset + 30])
+            assert _storage_record(stream, stored.offset, stored.length) == (
+                record.header_offset + 30 + names + extras, record.file_size), index.fqn
+    garbage = tmp_path / "garbage"
+    garbage.write_bytes(bytes(range(256)) * 40)
+    with open(garbage, "rb", buffering=0) as stream:
+        assert _storage_record(stream, 100, 5000) is None
+        assert _storage_record(stream, 0, 10) is None
