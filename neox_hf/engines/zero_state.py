@@ -42,27 +42,28 @@ def load_layout_free_state(engine, read, plain: dict) -> None:
     named = list(engine.named_full_parameters())
     device = engine.accelerator.device
     create_adam_state(base, engine.optimizer)  # first: it links the ZeRO-1/2 fragments the targets are read for
-    fragmented = {id(param) for name, param, tp_dim in named if _in_flat_partitions(param, tp_dim)}
-    whole = bool(fragmented) and reads_whole_weights(device)
-    targets = {f"{key}/{name}": (_fragment_target(param, key, tp_dim, views, device, whole=whole)
-                                 if id(param) in fragmented else views.for_load(_local_shape(param), tp_dim, device))
+    ranged = {id(param) for name, param, tp_dim in named if _holds_a_range(param, tp_dim)}
+    flat = {id(param) for name, param, tp_dim in named if _in_flat_partitions(param, tp_dim)}  # ZeRO-1/2's
+    whole = bool(flat) and reads_whole_weights(device)
+    targets = {f"{key}/{name}": (_fragment_target(param, key, tp_dim, views, device, whole=whole and id(param) in flat)
+                                 if id(param) in ranged else views.for_load(_local_shape(param), tp_dim, device))
                for name, param, tp_dim in named for key in ("model", *MOMENTS)}
     read(targets)
     step = float(plain["adam_step"])
     set_optimizer_step(base, step)
     for name, param, _ in named:
         values = {key: targets[f"{key}/{name}"] for key in ("model", *MOMENTS)}
-        if id(param) in fragmented:
-            _set_fragment(param, values, whole=whole)
+        if id(param) in ranged:
+            _set_fragment(param, values, whole=whole and id(param) in flat)
         else:
             _set_master_and_moments(param, base, {key: _local(value) for key, value in values.items()}, step)
-    if fragmented and not whole:  # the module's weights from the masters: each rank's range, all-gathered
+    if flat and not whole:  # the module's weights from the masters: each rank's range, all-gathered
         _flat_partitions_optimizer(engine.optimizer).update_lp_params()
     _copy_zero3_masters_to_module(engine.optimizer)
     _load_loss_scaler_state(engine, plain.get("loss_scaler"))
 
 
-# -- ZeRO-1/2: each rank reads and writes the rows of its own flat partition ---------------------------------------
+# -- ZeRO-1/2: each rank reads and writes the rows of its own flat partition (ZeRO-3: reads those of its partition) --
 #
 # ZeRO-1/2 flatten a parameter group and give each data-parallel rank one contiguous range of it: of a parameter, a
 # rank holds elements [start, end) of its flattened TP shard (`param._hp_mapping`), not a box DCP can store. Saving,
@@ -83,8 +84,23 @@ def _in_flat_partitions(param, tp_dim) -> bool:
     return hasattr(param, "_hp_mapping") and not hasattr(param, "ds_id") and (tp_dim is None or isinstance(tp_dim, int))
 
 
+def _holds_a_range(param, tp_dim) -> bool:
+    """A dense parameter whose fp32 master and moments this rank holds as one range of its flattened TP shard:
+    ZeRO-1/2's flat partitions, or ZeRO-3's partition of the parameter itself."""
+    dense = tp_dim is None or isinstance(tp_dim, int)
+    return dense and (_in_flat_partitions(param, tp_dim) or (hasattr(param, "ds_id") and hasattr(param, "ds_tensor")))
+
+
 def _fragment_range(param) -> tuple[int, int]:
-    """[start, end) of this rank's elements of `param` (its flattened TP shard); empty where it holds none."""
+    """[start, end) of this rank's elements of `param` (its flattened TP shard); empty where it holds none. ZeRO-3
+    gives rank r of the parameter's group elements [r × n, (r + 1) × n) of it, n its partition's padded size (the
+    padding beyond the parameter's end holds nothing)."""
+    if hasattr(param, "ds_id"):
+        import torch.distributed as dist
+
+        size = param.ds_tensor.ds_numel if hasattr(param.ds_tensor, "ds_numel") else param.ds_tensor.numel()
+        start = min(size * dist.get_rank(group=param.ds_process_group), param.ds_numel)
+        return start, min(start + size, param.ds_numel)
     mapping = param._hp_mapping
     if mapping is None:
         return 0, 0
@@ -198,30 +214,50 @@ def _fragment_target(param, key: str, tp_dim, views, device, *, whole: bool = Fa
     from neox_hf.checkpoint.layout_free import Chunk
 
     start, end = _fragment_range(param)
-    row = _row_length(param.shape)
+    shape = list(_local_shape(param))
+    row = _row_length(shape)
     if whole and key == "model":
         in_place = param.dtype == torch.float32 and param.device.type == "cpu" and param.data.is_contiguous()
         local = param.data if in_place else torch.empty(param.shape, dtype=torch.float32, device=device)
-        return Chunk(local, _box_offsets(views, list(param.shape), tp_dim, 0), views.full_shape(param.shape, tp_dim))
+        return Chunk(local, _box_offsets(views, shape, tp_dim, 0), views.full_shape(shape, tp_dim))
     first_row, end_row = (start // row, -(-end // row)) if end > start else (0, 0)
-    local = torch.empty((end_row - first_row, *param.shape[1:]), dtype=torch.float32, device=device)
-    return Chunk(local, _box_offsets(views, list(param.shape), tp_dim, first_row), views.full_shape(param.shape, tp_dim))
+    local = torch.empty((end_row - first_row, *shape[1:]), dtype=torch.float32, device=device)
+    return Chunk(local, _box_offsets(views, shape, tp_dim, first_row), views.full_shape(shape, tp_dim))
 
 
 def _set_fragment(param, values: dict, *, whole: bool = False) -> None:
     """This rank's range of `param`'s master value and moments, from the rows `_fragment_target` read; with `whole`,
     the module's weight too, from the whole TP shard read (unless it was read in place)."""
     start, end = _fragment_range(param)
-    row = _row_length(param.shape)
+    row = _row_length(_local_shape(param))
     with torch.no_grad():
         if whole and values["model"].local.data_ptr() != param.data.data_ptr():
             param.data.copy_(values["model"].local)
+        if hasattr(param, "ds_id"):
+            _set_zero3_partition(param, values, start, end, row)
+            return
         if end <= start:
             return
         for key, value in values.items():
             first_row = 0 if whole and key == "model" else start // row
             skip = start - first_row * row
             _fragment(param, key).copy_(value.local.reshape(-1)[skip:skip + end - start])
+
+
+def _set_zero3_partition(param, values: dict, start: int, end: int, row: int) -> None:
+    """ZeRO-3: this rank's partition of the master value and moments, padded with zeros to the partition's size as
+    DeepSpeed pads it, through DeepSpeed's setters of the local partition."""
+    from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
+
+    size, skip = param.ds_tensor.numel(), start - (start // row) * row
+    for key, value in values.items():
+        local = value.local.reshape(-1)[skip:skip + end - start]
+        if end - start < size:  # the last rank's partition reaches past the parameter's end
+            local = torch.cat([local, local.new_zeros(size - (end - start))])
+        if key == "model":
+            safe_set_local_fp32_param(param, local)
+        else:
+            safe_set_local_optimizer_state(param, local, key)
 
 
 def _shard_views(engine) -> "_ShardViews":
