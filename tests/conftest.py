@@ -228,7 +228,7 @@ def pytest_configure(config):
 # worker whole modules (`--dist loadscope`, in this order with `--no-loadscope-reorder`; its own order is by test
 # count, which puts the many quick tests first): a two-minute module handed out last leaves the other worker idle.
 SLOWEST_MODULES_FIRST = ("test_failure_preemption.py", "test_launch_files.py", "test_resume_any_layout.py",
-                         "test_fsdp2.py", "test_train.py", "test_pipeline.py", "test_context_parallel.py",
+                         "test_fsdp2.py", "test_train.py", "test_context_parallel.py", "test_pipeline.py",
                          "test_zero_equivalence.py", "test_expert_parallel.py", "test_readme.py", "test_plan.py",
                          "test_eval_generate.py", "test_llama.py", "test_resume.py", "test_security.py",
                          "test_finetune.py", "test_layout.py", "test_tensor_parallel.py", "test_continue_neox.py",
