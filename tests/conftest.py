@@ -124,6 +124,27 @@ def train_in_this_process(argv: list[str]) -> str:
     return printed.getvalue()
 
 
+def one_process_equivalence_run(model_dir, out_dir) -> None:
+    """tests/workers/dp_equivalence.py's one-process run (`MODEL_DIR OUT_DIR 0`: no DeepSpeed, no process group) in
+    this process, on one thread as a launched process runs (`launch_env`): the reference the layouts are held to,
+    without a process's start-up (~10 s of imports on 2 cores)."""
+    import torch
+
+    workers = str(REPO / "tests" / "workers")
+    if workers not in sys.path:
+        sys.path.insert(0, workers)
+    import dp_equivalence
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    reset_accelerate_state()
+    try:
+        dp_equivalence.main(dp_equivalence.parse_args([str(model_dir), str(out_dir), "0"]))
+    finally:
+        torch.set_num_threads(threads)
+        reset_accelerate_state()
+
+
 def end_process_group() -> None:
     """The last call of a worker whose ranks share a process group they never end (no `end_training`): every rank
     waits for the others, then the group is destroyed. Leaving a live gloo group to the interpreter's exit let a rank
@@ -228,7 +249,7 @@ def pytest_configure(config):
 # worker whole modules (`--dist loadscope`, in this order with `--no-loadscope-reorder`; its own order is by test
 # count, which puts the many quick tests first): a two-minute module handed out last leaves the other worker idle.
 SLOWEST_MODULES_FIRST = ("test_failure_preemption.py", "test_launch_files.py", "test_resume_any_layout.py",
-                         "test_fsdp2.py", "test_train.py", "test_pipeline.py", "test_context_parallel.py",
+                         "test_fsdp2.py", "test_train.py", "test_context_parallel.py", "test_pipeline.py",
                          "test_zero_equivalence.py", "test_expert_parallel.py", "test_readme.py", "test_plan.py",
                          "test_eval_generate.py", "test_llama.py", "test_resume.py", "test_security.py",
                          "test_finetune.py", "test_layout.py", "test_tensor_parallel.py", "test_continue_neox.py",

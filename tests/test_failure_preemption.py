@@ -200,35 +200,51 @@ MATRIX_ENGINES = {
 MATRIX_PLAN = "kill-step@5,kill-save@9,term-eval@8"
 
 
-@pytest.mark.parametrize("engine", list(MATRIX_ENGINES))
-def test_fault_matrix_each_fault_ends_the_launch_at_once_and_the_resume_is_exact(engine, small_text, tmp_path):
-    """One elastic launch (tests/workers/faults.py): the reference run, then the same run meeting each fault, the
-    launcher restarting every rank after each and the restart resuming. Each fault ends its attempt within 30 s
-    (its time to the next attempt's start), `latest` named a whole checkpoint of an earlier step when it struck
-    (the mid-save one: the one before the save it struck), and the losses of every step equal the reference's."""
-    args = tiny_args(tmp_path / "unused", small_text, "--train.precision", "fp32", "--train.log_interval", "1",
-                     "--train.eval_iters", "1", "--train.eval_interval", "4", *MATRIX_ENGINES[engine], steps=12,
-                     save=3, keep=3)
+@pytest.fixture(scope="module")
+def fault_matrix(small_text, tmp_path_factory) -> tuple[Path, str]:
+    """One elastic launch (tests/workers/faults.py) of every engine's matrix, the engines taking turns: an engine's
+    reference run, then its run meeting each fault, the launcher restarting every rank after each and the restart
+    resuming; the restart after an engine's last fault finishes it and starts the next engine (13 attempts for 4
+    engines where 4 launches took 16). (the folder, the launch's whole output)"""
+    out = tmp_path_factory.mktemp("fault_matrix")
+    args = tiny_args(out / "unused", small_text, "--train.precision", "fp32", "--train.log_interval", "1",
+                     "--train.eval_iters", "1", "--train.eval_interval", "4", steps=12, save=3, keep=3)
     at = args.index("--output.dir")
     del args[at:at + 2]
     faults = MATRIX_PLAN.split(",")
+    engines = [f"{name}={shlex.join(flags)}" for name, flags in MATRIX_ENGINES.items()]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "--max_restarts", str(len(faults)), str(REPO / "tests" / "workers" / "faults.py"), "1", MATRIX_PLAN,
-               str(tmp_path), "--", *args]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=launch_env(), timeout=900)
+               "--max_restarts", str(len(faults) * len(engines)), str(REPO / "tests" / "workers" / "faults.py"), "1",
+               MATRIX_PLAN, str(out), *engines, "--", *args]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=launch_env(), timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    ended = [float((tmp_path / f"attempt{i + 1}.start").read_text()) - float((tmp_path / f"attempt{i}.fault").read_text())
+    failed = out / "failed"  # a reference or last resume that failed (the launcher restarted it as a fault)
+    assert not failed.exists(), failed.read_text() + done.stderr[-5000:]
+    return out, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("engine", list(MATRIX_ENGINES))
+def test_fault_matrix_each_fault_ends_the_launch_at_once_and_the_resume_is_exact(engine, fault_matrix):
+    """The engine's turn in the matrix's elastic launch: each fault ends its attempt within 30 s (its time to the
+    next attempt's start), `latest` named a whole checkpoint of an earlier step when it struck (the mid-save one: the
+    one before the save it struck), and the losses of every step equal the reference's."""
+    root, output = fault_matrix
+    out = root / engine
+    faults = MATRIX_PLAN.split(",")
+    first = list(MATRIX_ENGINES).index(engine) * len(faults)  # the launch attempt of the engine's first fault
+    ended = [float((root / f"attempt{first + i + 1}.start").read_text()) - float((out / f"attempt{i}.fault").read_text())
              for i in range(len(faults))]
     print(f"{engine}: each fault to the next attempt's start: " + ", ".join(f"{s:.1f} s" for s in ended))
     assert all(seconds < 30 for seconds in ended), ended
-    assert [(tmp_path / f"attempt{i}.latest").read_text() for i in range(len(faults))] == \
+    assert [(out / f"attempt{i}.latest").read_text() for i in range(len(faults))] == \
         [checkpoint_name(3), checkpoint_name(6), checkpoint_name(6)]
     # rank 0, never signalled, stops at the step rank 1 does; the second SIGTERM, during that step's save, changes
     # nothing (the resume starts from that checkpoint)
-    stops = re.findall(r"rank (\d) of 2: stopped on SIGTERM after step (\d+)", done.stdout + done.stderr)
-    assert sorted(set(stops)) == [("0", "9"), ("1", "9")], (done.stdout + done.stderr)[-5000:]
-    assert checkpoint_name(9) in (tmp_path / "attempt2.second").read_text()
-    faulty, straight = step_losses(tmp_path / "faulty"), step_losses(tmp_path / "straight")
+    stops = re.findall(r"rank (\d) of 2: stopped on SIGTERM after step (\d+)",
+                       "".join((out / f"rank{rank}.stderr").read_text() for rank in (0, 1)))
+    assert sorted(set(stops)) == [("0", "9"), ("1", "9")], output[-5000:]
+    assert checkpoint_name(9) in (out / "attempt2.second").read_text()
+    faulty, straight = step_losses(out / "faulty"), step_losses(out / "straight")
     assert sorted(faulty) == list(range(1, 13))
     assert faulty == pytest.approx(straight, abs=1e-6)
-    assert latest_checkpoint(tmp_path / "faulty") == checkpoint_name(12)
+    assert latest_checkpoint(out / "faulty") == checkpoint_name(12)

@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralForCausalLM
 from neox_hf.errors import NeoXHFError, RecipeError
 from neox_hf.recipe import recipe_from_dict
 from neox_hf.recipe.args import parse_run_args
-from tests.conftest import REPO, SHARED_DATA, accelerate_launch_command, launch_env, shared
+from tests.conftest import REPO, SHARED_DATA, accelerate_launch_command, launch_env, one_process_equivalence_run, shared
 from tests.test_resume import step_losses
 
 LLAMA_CONFIGS = SHARED_DATA / "neox-llama-configs"
@@ -212,8 +212,7 @@ def test_dp2_zero2_tp2_and_sequence_parallel_equal_one_process_on_llama(tmp_path
     worker = REPO / "tests" / "workers" / "dp_equivalence.py"
     model_dir = save_tiny_llama(tmp_path / "model")
     one = tmp_path / "one"
-    subprocess.run([sys.executable, str(worker), str(model_dir), str(one), "0"], check=True, env=launch_env(),
-                   cwd=REPO, timeout=300)
+    one_process_equivalence_run(model_dir, one)
     expected = step_losses(one)
     specs = [f"{name}={','.join(map(str, (stage, tp, *options)))}" for name, (stage, tp, options) in LAYOUTS.items()]
     done = subprocess.run(accelerate_launch_command(worker, model_dir, tmp_path / "two", "--layouts", *specs),

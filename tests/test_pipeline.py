@@ -6,8 +6,8 @@ and plain AdamW: token-weighted loss over the step's 4 micro-batches, clipping 1
 
 A launch costs ~20 s (2 processes) to ~40 s (4) of start-up on 2 cores, a run a few seconds: the runs of one process
 count share one launch (`pipe_train.py --runs`, one after the other, each into its own folder), held by the
-module-scoped fixtures `two_process_runs` and `four_process_runs`. Only the end-to-end test of the real entry point
-launches on its own; a pipeline killed mid-step and mid-save, and preempted, resumes exactly in the fault matrix
+module-scoped fixtures `two_process_runs` and `four_process_runs`; the end-to-end run of the real entry point is the
+2-process launch's last run (`--entry`). A pipeline killed mid-step and mid-save, and preempted, resumes exactly in the fault matrix
 (tests/test_failure_preemption.py).
 """
 
@@ -158,13 +158,23 @@ def assert_same_training(out_dir, reference, mode: str):
         assert (merged(**inputs, use_cache=False).logits - model(**inputs, use_cache=False).logits).abs().max().item() <= LOGIT_TOL
 
 
+# `accelerate launch run_clm_neox.py` with `parallel.pipeline_parallel: 2` (the real loop, end to end): the last run of
+# the 2-process launch (`pipe_train.py --runs loop="--entry ..."`), in the processes the launcher started
+ENTRY_POINT_RUN = [REPO / "recipes" / "tiny.yaml", "--parallel.pipeline_parallel", "2", "--parallel.zero_stage", "1",
+                   "--model.seq_length", "32", "--train.train_iters", "2", "--train.gradient_accumulation_steps", "2",
+                   "--train.micro_batch_size", "2", "--train.eval_iters", "1", "--train.save_interval", "2",
+                   "--output.tensorboard", "false"]
+
+
 @pytest.fixture(scope="module")
 def two_process_runs(models, tmp_path_factory) -> MergedLaunch:
     """The 2-process runs, in one launch: pipeline 2 in fp32 (`pp2`) and in bf16 (`bf16`, as launched with
-    `--mixed_precision bf16`)."""
-    return launch_runs(tmp_path_factory.mktemp("pipe_2proc"), models / "untied", 2, {
+    `--mixed_precision bf16`), then the entry point's pipeline-2 run (`loop`)."""
+    out_dir = tmp_path_factory.mktemp("pipe_2proc")
+    return launch_runs(out_dir, models / "untied", 2, {
         "pp2": ["--pp", "2"],
         "bf16": ["--pp", "2", "--precision", "bf16", "--launcher-precision", "bf16"],
+        "loop": ["--entry", *ENTRY_POINT_RUN, "--output.dir", out_dir / "loop"],
     })
 
 
@@ -284,21 +294,18 @@ def test_stage_builder_reads_only_its_tensors_and_initialises_like_gpt_neox(mode
     assert torch.equal(fresh.input_layernorm.weight, torch.ones(32))
 
 
-def test_training_loop_runs_pipeline_stages_end_to_end(tmp_path):
-    """`accelerate launch run_clm_neox.py` with `parallel.pipeline_parallel: 2`: the stage report at start-up, the
-    token-weighted steps, eval, a checkpoint and the merged stock folder, through the real loop."""
-    out = tmp_path / "run"
-    command = accelerate_launch_command(
-        REPO / "run_clm_neox.py", REPO / "recipes" / "tiny.yaml", "--parallel.pipeline_parallel", "2",
-        "--parallel.zero_stage", "1", "--model.seq_length", "32", "--train.train_iters", "2",
-        "--train.gradient_accumulation_steps", "2", "--train.micro_batch_size", "2", "--train.eval_iters", "1",
-        "--train.save_interval", "2", "--output.dir", out, "--output.tensorboard", "false",
-        zero_stage=1, num_processes=2)
-    done = subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-5000:]
-    assert "pipeline stage 0: embedding + layer 0; " in done.stdout
-    assert "pipeline stage 1: layer 1 + final norm + head; " in done.stdout
-    assert "2 pipeline stages = 2 process(es)" in done.stdout
+def test_training_loop_runs_pipeline_stages_end_to_end(two_process_runs):
+    """`accelerate launch run_clm_neox.py` with `parallel.pipeline_parallel: 2` (its arguments run through the entry
+    point's function in the processes of the 2-process launch): the stage report at start-up, the token-weighted
+    steps, eval, a checkpoint and the merged stock folder, through the real loop."""
+    out, done = two_process_runs.out_dir / "loop", two_process_runs.done
+    status = two_process_runs.out_dir / "loop.status"
+    assert done.returncode == 0 and status.is_file() and status.read_text() == "0", \
+        done.stdout[-2000:] + done.stderr[-5000:]
+    stdout = (two_process_runs.out_dir / "loop.stdout").read_text()
+    assert "pipeline stage 0: embedding + layer 0; " in stdout
+    assert "pipeline stage 1: layer 1 + final norm + head; " in stdout
+    assert "2 pipeline stages = 2 process(es)" in stdout
     entries = list(map(json.loads, (out / "train_log.jsonl").read_text().splitlines()))
     assert [e["step"] for e in entries if "lr" in e] == [1, 2]  # the optimizer steps (eval records sit beside them)
     assert [e["step"] for e in entries if "eval" in e] == [0, 2]  # pipeline eval before and after training

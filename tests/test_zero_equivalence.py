@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO, accelerate_launch_command, launch_env, save_tiny_gpt_neox
+from tests.conftest import (REPO, accelerate_launch_command, launch_env, one_process_equivalence_run,
+                            save_tiny_gpt_neox)
 from tests.test_resume import step_losses
 
 WORKER = REPO / "tests" / "workers" / "dp_equivalence.py"
@@ -28,8 +28,7 @@ def _env():
 @pytest.fixture(scope="module")
 def one_process_losses(model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
-    subprocess.run([sys.executable, str(WORKER), str(model_dir), str(out), "0"], check=True, env=_env(), cwd=REPO,
-                   timeout=300)
+    one_process_equivalence_run(model_dir, out)
     return step_losses(out)
 
 

@@ -19,6 +19,12 @@ run writes), resetting Accelerate between them; OPTIONS are the options above (s
 pipeline engine's), reseeds from its recipe and keeps the world's process group (only the last run ends it), so it
 gives what it gives launched alone. Each run prints `pipe_train run NAME: start` / `done`, and `FAILED` before the
 exception of a run that fails, so a failing launch names its run.
+
+    --runs ... NAME="--entry RUN_ARGS..."
+
+as the LAST run: `run_clm_neox.py RUN_ARGS` through the entry point's function (`neox_hf.cli.train_main`, the real
+loop, which ends the process group as a launch of the entry point does), in the launch's processes: what it prints
+to stdout is also written to OUT_DIR/NAME.stdout (every rank's, appended), its exit status to OUT_DIR/NAME.status.
 """
 
 import argparse
@@ -69,10 +75,16 @@ def runs(args) -> list[tuple[str | None, argparse.Namespace]]:
     if not args.runs:
         return [(None, args)]
     parsed = []
-    for entry in args.runs:
+    for index, entry in enumerate(args.runs):
         name, sep, options = entry.partition("=")
         if not sep or not name:
             raise SystemExit(f"--runs {entry!r}: expected NAME=OPTIONS")
+        if shlex.split(options)[:1] == ["--entry"]:
+            if index != len(args.runs) - 1:
+                raise SystemExit(f"--runs {entry!r}: an --entry run ends the process group: it must be the last")
+            parsed.append((name, argparse.Namespace(entry=shlex.split(options)[1:], out_dir=args.out_dir,
+                                                    launcher_precision=None)))
+            continue
         run = parse_args([args.model_dir, os.path.join(args.out_dir, name), *shlex.split(options)])
         if run.runs:
             raise SystemExit(f"--runs {entry!r}: a run cannot hold --runs")
@@ -92,7 +104,12 @@ def run_all(args) -> None:
         if name is not None:
             print(f"pipe_train run {name}: start", flush=True)
         try:
-            main(run_args, end=last)
+            if getattr(run_args, "entry", None) is not None:
+                status = entry_point(run_args.entry, Path(run_args.out_dir) / name)
+                if status:
+                    raise SystemExit(status)
+            else:
+                main(run_args, end=last)
         except BaseException:
             if name is not None:
                 print(f"pipe_train run {name}: FAILED (rank {os.environ.get('RANK')})", file=sys.stderr, flush=True)
@@ -106,6 +123,28 @@ def run_all(args) -> None:
             print(f"pipe_train run {name}: done", flush=True)
         if not last:
             reset_accelerate_state()
+
+
+def entry_point(argv: list[str], record: Path) -> int:
+    """`run_clm_neox.py ARGV`'s exit status, what it prints to stdout copied to RECORD.stdout."""
+    import contextlib
+
+    from neox_hf.cli import train_main
+
+    stdout = sys.stdout
+
+    class Tee:
+        def write(self, text):
+            copy.write(text)
+            return stdout.write(text)
+
+        def __getattr__(self, name):
+            return getattr(stdout, name)
+
+    with open(f"{record}.stdout", "a") as copy, contextlib.redirect_stdout(Tee()):
+        status = train_main(argv)
+    Path(f"{record}.status").write_text(str(status))
+    return status
 
 
 def main(args, end: bool = True) -> None:
