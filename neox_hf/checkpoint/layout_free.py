@@ -95,7 +95,6 @@ def _reader_class():
             for relative_path, requests in by_file.items():
                 with open(Path(self.path) / relative_path, "rb", buffering=0) as stream:
                     requests = sorted(requests, key=lambda r: self.storage_data[r.storage_index].offset)
-                    _read_ahead(stream, [self.storage_data[r.storage_index] for r in requests])
                     for request in requests:
                         if not _read_in_place(stream, request, self.storage_data[request.storage_index],
                                               self._stored, planner):
@@ -108,21 +107,6 @@ def _reader_class():
             return done
 
     return PlainDataReader
-
-
-def _read_ahead(stream, stored_at: list) -> None:
-    """Ask the kernel to start reading every stored item this rank will read, in the background: the reads that
-    follow (each item's zip directory, then its bytes) then find them in the page cache instead of each waiting for
-    the disk in turn."""
-    import os
-
-    if not hasattr(os, "posix_fadvise"):
-        return
-    for item in stored_at:
-        try:
-            os.posix_fadvise(stream.fileno(), item.offset, item.length, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            return
 
 
 def _read_in_place(stream, request, stored_at, stored: dict, planner) -> bool:

@@ -42,9 +42,11 @@ def will_need(path: Path, ranges: list[tuple[int, int]] | None = None) -> None:
 def files_a_rank_reads(folder: Path, rank: int) -> list[Path]:
     """The files of checkpoint `folder` that rank `rank` of a resume reads: the step folder's own files (a
     one-process run's model and optimizer files, the writer's config, DCP's metadata) and this rank's per-rank files
-    (trainer and RNG state), not the other ranks' nor the tokenizer's. Not DCP's tensor files: its reader asks for
-    exactly the items it reads once it has planned (`layout_free._read_ahead`). Small files first: they are what the
-    resume waits on first. A folder DeepSpeed's engine wrote (old checkpoints) is left to DeepSpeed."""
+    (trainer and RNG state), not the other ranks' nor the tokenizer's. Not DCP's tensor files: a rank reads only
+    some items of them, in file order, where the kernel's own readahead serves best (asking WILLNEED for each item
+    instead made two ranks' reads 2-3x slower here: 0.7-1.4 s against 0.31-0.34 s for the same 0.85 GB). Small files
+    first: they are what the resume waits on first. A folder DeepSpeed's engine wrote (old checkpoints) is left to
+    DeepSpeed."""
     found = []
     for path in [*folder.iterdir(), *(folder / "layout_free").glob(".metadata")]:
         if not path.is_file() or path.name in _NOT_READ_BY_A_RESUME:
