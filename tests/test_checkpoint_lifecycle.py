@@ -284,3 +284,20 @@ def test_plan_counts_the_host_copy_of_a_background_checkpoint():
     params = 2 * 50304 * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64  # embedding, head, layers, final norm
     assert plan.host_checkpoint_bytes == 12 * params
     assert any(line.startswith("async checkpoint: ") for line in plan_table(plan))
+
+
+def test_a_save_whose_staging_another_ranks_failure_removed_is_abandoned_not_reported_as_its_own_error(tmp_path):
+    """Rank 0 writing the config and tokenizer into a staging folder that a failed rank has just removed: the
+    tokenizers library says only `No such file or directory (os error 2)`, naming no path. The save is abandoned
+    (the launcher ends the rank; the failed rank's line is the one error shown), not raised as a second error; with
+    one process, or with the folder still there, the error is the save's own."""
+    from neox_hf.checkpoint.save import SaveAbandoned, _save_failed
+    from neox_hf.train.preemption import lost_a_peer
+
+    staging, error = tmp_path / ".tmp-step_00000006", Exception("No such file or directory (os error 2)")
+    abandoned = _save_failed(tmp_path, staging, error, several=True)
+    assert isinstance(abandoned, SaveAbandoned) and lost_a_peer(abandoned)
+    staging.mkdir()
+    assert _save_failed(tmp_path, staging, error, several=True) is error
+    staging.mkdir()
+    assert _save_failed(tmp_path, staging, error, several=False) is error

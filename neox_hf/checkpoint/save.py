@@ -72,7 +72,7 @@ def save_checkpoint(accelerator, *, output_dir, state: TrainState, scheduler, da
             if tokenizer is not None:
                 tokenizer.save_pretrained(staging)
         except Exception as err:
-            raise _save_failed(output_dir, staging, err) from err
+            raise _save_failed(output_dir, staging, err, several=several) from err
     step, in_background = state.step, layout_free_tensors is not None  # publish runs later: the values of now
     publish = (lambda: _publish(root, staging, final, keep_last_n, step)) if accelerator.is_main_process else None
     if in_background:  # the host copy is made here; the write and `publish` follow in the background
@@ -148,7 +148,11 @@ def _save_failed(output_dir, staging: Path, err: Exception, *, several: bool = F
 
 
 def _staging_removed(err: BaseException, staging: Path) -> bool:
-    """Whether a write into `staging` failed because the folder is gone (a rank's write there can only miss it so)."""
+    """Whether a write into `staging` failed because the folder is gone (a rank's write there can only miss it so).
+    The folder's absence decides where the error does not name it: the tokenizers library reports a missing folder
+    as `Exception: No such file or directory (os error 2)`."""
+    if not staging.exists():
+        return True
     cause: BaseException | None = err
     while cause is not None:
         if isinstance(cause, FileNotFoundError) and str(staging) in str(cause):
