@@ -234,6 +234,13 @@ class Chunk:
 
         self.local, self.offsets, self.shape = local, torch.Size(offsets), torch.Size(shape)
         self.private = private  # `local` is memory of its own (no view of training state): a host copy need not copy it
+        self.filled = None  # what to do once a load has filled `local` (an engine's copy out of it), called once
+
+    def fill_done(self) -> None:
+        """Run `filled` if it has not run yet."""
+        filled, self.filled = self.filled, None
+        if filled is not None:
+            filled()
 
     def size(self):
         return self.shape
@@ -278,6 +285,24 @@ def _planners():
             return found.local if isinstance(found, Chunk) else super().lookup_object(index)
 
     class LoadPlanner(DefaultLoadPlanner):
+        """Also runs each `Chunk`'s `filled` once its last request is read, so that an engine's copy out of it runs
+        while the kernel reads ahead what follows, not after the whole load."""
+
+        def create_local_plan(self):
+            import collections
+
+            plan = super().create_local_plan()
+            self._unread = collections.Counter(item.dest_index.fqn for item in plan.items)
+            return plan
+
+        def commit_tensor(self, read_item, tensor):
+            super().commit_tensor(read_item, tensor)
+            fqn = read_item.dest_index.fqn
+            self._unread[fqn] -= 1
+            found = self.state_dict.get(fqn)
+            if self._unread[fqn] == 0 and isinstance(found, Chunk):
+                found.fill_done()
+
         def set_up_planner(self, state_dict, *args, **kwargs):
             # DCP's set-up replaces every value that is no tensor by None (`_init_state_dict`): chunks join after it
             chunks = {key: value for key, value in state_dict.items() if isinstance(value, Chunk)}

@@ -54,7 +54,8 @@ def load_layout_free_state(engine, read, plain: dict) -> None:
     for name, param, _ in named:
         values = {key: targets[f"{key}/{name}"] for key in ("model", *MOMENTS)}
         if id(param) in ranged:
-            _set_fragment(param, values, whole=whole and id(param) in flat)
+            for chunk in values.values():  # those the reader did not fill as it read (none of its rows, or another
+                chunk.fill_done()  # reader: one process's accelerate files)
         else:
             _set_master_and_moments(param, base, {key: _local(value) for key, value in values.items()}, step)
     if flat and not whole:  # the module's weights from the masters: each rank's range, all-gathered
@@ -219,45 +220,44 @@ def _fragment_target(param, key: str, tp_dim, views, device, *, whole: bool = Fa
     if whole and key == "model":
         in_place = param.dtype == torch.float32 and param.device.type == "cpu" and param.data.is_contiguous()
         local = param.data if in_place else torch.empty(param.shape, dtype=torch.float32, device=device)
-        return Chunk(local, _box_offsets(views, shape, tp_dim, 0), views.full_shape(shape, tp_dim))
-    first_row, end_row = (start // row, -(-end // row)) if end > start else (0, 0)
-    local = torch.empty((end_row - first_row, *shape[1:]), dtype=torch.float32, device=device)
-    return Chunk(local, _box_offsets(views, shape, tp_dim, first_row), views.full_shape(shape, tp_dim))
+        chunk = Chunk(local, _box_offsets(views, shape, tp_dim, 0), views.full_shape(shape, tp_dim))
+    else:
+        first_row, end_row = (start // row, -(-end // row)) if end > start else (0, 0)
+        local = torch.empty((end_row - first_row, *shape[1:]), dtype=torch.float32, device=device)
+        chunk = Chunk(local, _box_offsets(views, shape, tp_dim, first_row), views.full_shape(shape, tp_dim))
+    # copied into the fragment as soon as the reader has filled it, beside the kernel's readahead of what follows
+    chunk.filled = lambda: _set_fragment(param, key, chunk, whole=whole)
+    return chunk
 
 
-def _set_fragment(param, values: dict, *, whole: bool = False) -> None:
-    """This rank's range of `param`'s master value and moments, from the rows `_fragment_target` read; with `whole`,
-    the module's weight too, from the whole TP shard read (unless it was read in place)."""
+def _set_fragment(param, key: str, chunk, *, whole: bool = False) -> None:
+    """This rank's range of `param`'s `key` (master value or a moment) from the rows `_fragment_target` read into
+    `chunk`; with `whole`, the module's weight too, from the whole TP shard read (unless it was read in place)."""
     start, end = _fragment_range(param)
     row = _row_length(_local_shape(param))
+    first_row = 0 if whole and key == "model" else start // row
+    skip = start - first_row * row
     with torch.no_grad():
-        if whole and values["model"].local.data_ptr() != param.data.data_ptr():
-            param.data.copy_(values["model"].local)
+        if whole and key == "model" and chunk.local.data_ptr() != param.data.data_ptr():
+            param.data.copy_(chunk.local)
         if hasattr(param, "ds_id"):
-            _set_zero3_partition(param, values, start, end, row)
-            return
-        if end <= start:
-            return
-        for key, value in values.items():
-            first_row = 0 if whole and key == "model" else start // row
-            skip = start - first_row * row
-            _fragment(param, key).copy_(value.local.reshape(-1)[skip:skip + end - start])
+            _set_zero3_partition(param, key, chunk.local.reshape(-1)[skip:skip + end - start])
+        elif end > start:
+            _fragment(param, key).copy_(chunk.local.reshape(-1)[skip:skip + end - start])
 
 
-def _set_zero3_partition(param, values: dict, start: int, end: int, row: int) -> None:
-    """ZeRO-3: this rank's partition of the master value and moments, padded with zeros to the partition's size as
+def _set_zero3_partition(param, key: str, value) -> None:
+    """ZeRO-3: this rank's partition of the master value or a moment, padded with zeros to the partition's size as
     DeepSpeed pads it, through DeepSpeed's setters of the local partition."""
     from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
 
-    size, skip = param.ds_tensor.numel(), start - (start // row) * row
-    for key, value in values.items():
-        local = value.local.reshape(-1)[skip:skip + end - start]
-        if end - start < size:  # the last rank's partition reaches past the parameter's end
-            local = torch.cat([local, local.new_zeros(size - (end - start))])
-        if key == "model":
-            safe_set_local_fp32_param(param, local)
-        else:
-            safe_set_local_optimizer_state(param, local, key)
+    size = param.ds_tensor.numel()
+    if value.numel() < size:  # the last rank's partition reaches past the parameter's end
+        value = torch.cat([value, value.new_zeros(size - value.numel())])
+    if key == "model":
+        safe_set_local_fp32_param(param, value)
+    else:
+        safe_set_local_optimizer_state(param, value, key)
 
 
 def _shard_views(engine) -> "_ShardViews":
