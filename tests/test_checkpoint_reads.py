@@ -107,3 +107,38 @@ def test_the_storage_record_of_every_dcp_item_is_where_zipfile_finds_it(tmp_path
     with open(garbage, "rb", buffering=0) as stream:
         assert _storage_record(stream, 100, 5000) is None
         assert _storage_record(stream, 0, 10) is None
+
+
+def test_a_one_process_checkpoints_optimizer_state_is_read_into_the_tensors_the_optimizer_holds(tmp_path):
+    """What accelerate's load does with the optimizer file mapped (`torch.load(mmap=True)` + `load_state_dict`),
+    then `into_held_memory`: every moment and step equal to the saved ones, in the memory the optimizer held before
+    the load (for a state it did not hold yet: memory of its own), none left on the file's mapping."""
+    from neox_hf.checkpoint.in_place import _file_offsets, into_held_memory, optimizer_state_tensors
+
+    torch.manual_seed(0)
+    model = _neox()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(torch.randint(0, 96, (2, 8)), labels=torch.randint(0, 96, (2, 8))).loss.backward()
+        optimizer.step()
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer.bin")
+    saved = {(id(p), k): v.clone() for p, s in optimizer.state.items() for k, v in s.items()}
+    first = next(iter(optimizer.state))
+    del optimizer.state[first]  # a state the optimizer does not hold yet
+    held = optimizer_state_tensors([optimizer])
+    for state in optimizer.state.values():
+        for value in state.values():
+            value.zero_()
+    mapped = torch.load(tmp_path / "optimizer.bin", mmap=True, weights_only=True)
+    assert len(_file_offsets(tmp_path / "optimizer.bin", [v for s in mapped["state"].values() for v in s.values()])) \
+        == len(saved)
+    optimizer.load_state_dict(mapped)
+    into_held_memory([optimizer], held, tmp_path)
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            assert torch.equal(value, saved[(id(param), key)]), key
+            home = held.get((0, id(param), key))
+            assert (value is home) if param is not first else home is None
+    on_the_file = {value.untyped_storage().data_ptr() for s in mapped["state"].values() for value in s.values()}
+    assert not on_the_file & {value.untyped_storage().data_ptr() for s in optimizer.state.values()
+                              for value in s.values()}

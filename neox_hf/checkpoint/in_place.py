@@ -1,4 +1,5 @@
-"""Reading a one-process checkpoint's `model.safetensors` straight into the model's parameters.
+"""Reading a one-process checkpoint's `model.safetensors` straight into the model's parameters, and its
+`optimizer.bin` into the optimizer's own state tensors.
 
 Gap filled: accelerate's `load_state` loads the model with safetensors' `load_model`, which reads every tensor into
 new memory (`load_file`) and then copies it into the model (`load_state_dict`): the weights cross memory twice, and
@@ -102,3 +103,95 @@ def model_in_place_hook(models: list, input_dir: str) -> None:
     path = Path(input_dir) / MODEL_FILE
     if len(models) == 1 and path.is_file() and read_model_in_place(models[0], path):
         models.pop(0)
+
+
+OPTIMIZER_FILE = "optimizer.bin"  # accelerate's name for the first optimizer's state
+
+
+def optimizer_state_tensors(optimizers: list) -> dict:
+    """Every state tensor of `optimizers` (accelerate's wrappers unwrapped), keyed (optimizer, parameter, key) by
+    identity: held across `load_state` so that the loaded values go into this memory (`into_held_memory`)."""
+    return {(number, id(param), key): value for number, optimizer in enumerate(_unwrapped(optimizers))
+            for param, state in optimizer.state.items() for key, value in state.items() if _is_tensor(value)}
+
+
+def into_held_memory(optimizers: list, held: dict, folder: Path) -> None:
+    """After accelerate's `load_state` mapped the optimizer file (`load_kwargs={"mmap": True}`: nothing read yet),
+    read each host state tensor's bytes from the file into the tensor `optimizer_state_tensors` held for it where
+    shape and dtype agree (else into new memory), in file order, and put that in the state: no state stays backed by
+    the checkpoint's file, and its mapped pages are never touched.
+
+    Gap filled: accelerate's load reads every optimizer tensor into new memory, each page faulted in on first touch,
+    and `Optimizer.load_state_dict` then drops the tensors the optimizer held: 0.55 s of a 0.85 GB one-process
+    resume's 0.7 s of CPU time here. Where a tensor's place in the file cannot be told (see `_file_offsets`), it is
+    copied from the mapping instead."""
+    import torch
+
+    loaded = [(number, param, state, key, value) for number, optimizer in enumerate(_unwrapped(optimizers[:1]))
+              for param, state in optimizer.state.items() for key, value in state.items()
+              if _is_tensor(value) and value.device.type == "cpu"]
+    path = Path(folder) / OPTIMIZER_FILE
+    offsets = _file_offsets(path, [value for *_, value in loaded])
+    loaded.sort(key=lambda item: offsets.get(id(item[4]), 0))
+    with torch.no_grad(), path.open("rb", buffering=0) as stream:
+        for number, param, state, key, value in loaded:
+            home = held.get((number, id(param), key))
+            if home is None or home.shape != value.shape or home.dtype != value.dtype or home.device != value.device:
+                home = torch.empty_like(value, memory_format=torch.contiguous_format)
+            at = offsets.get(id(value))
+            if at is not None and value.is_contiguous() and home.is_contiguous():
+                _read_into(stream, at, home, path)
+            else:
+                home.copy_(value)
+            state[key] = home
+
+
+def _file_offsets(path: Path, tensors: list) -> dict:
+    """id(tensor) → where its bytes start in the `torch.save` zip `path`, for tensors `torch.load(mmap=True)` mapped
+    from it; {} where that cannot be told. torch maps the whole file once and points each storage at its record, so
+    a storage's address less the mapping's start is its record's offset (from torch's own zip reader): the start is
+    taken from the lowest address and record and kept only if every storage then lands on a record."""
+    import torch
+
+    try:
+        reader = torch._C.PyTorchFileReader(str(path))
+        records = sorted(reader.get_record_offset(name) for name in reader.get_all_records()
+                         if name.rpartition("/")[0].endswith("data"))
+    except (AttributeError, RuntimeError, OSError):
+        return {}
+    storages = {id(tensor): tensor.untyped_storage().data_ptr() for tensor in tensors}
+    if not records or not storages:
+        return {}
+    start, known = min(storages.values()) - records[0], set(records)
+    if any(address - start not in known for address in storages.values()):
+        return {}
+    return {id(tensor): storages[id(tensor)] - start + tensor.storage_offset() * tensor.element_size()
+            for tensor in tensors}
+
+
+def _read_into(stream, offset: int, tensor, path: Path) -> None:
+    import torch
+
+    view = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    stream.seek(offset)
+    filled = 0
+    while filled < len(view):
+        got = stream.readinto(view[filled:])
+        if not got:
+            raise CheckpointError(f"{path} ends before the optimizer state it lists: the file is truncated")
+        filled += got
+
+
+def _is_tensor(value) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def _unwrapped(optimizers: list) -> list:
+    found = []
+    for optimizer in optimizers:
+        while hasattr(optimizer, "optimizer"):
+            optimizer = optimizer.optimizer
+        found.append(optimizer)
+    return found
