@@ -21,7 +21,7 @@ of a run):
   its GB/s against the disk's;
 - load: `load_checkpoint` of it into the same run, page cache dropped before each where permitted, against the
   disk reading the same files (`read_files`: one reader, one file after the other, 8 MiB reads, cold) just before
-  each load: the median of 5 such pairs' ratios. A shared virtual disk drifts by 2-3x within a minute (seen here:
+  each load: the median of 7 such pairs' ratios. A shared virtual disk drifts by 2-3x within a minute (seen here:
   0.5-1.5 GB/s reading one file), so a load is compared with a read of its own bytes at the same moment, not with
   the 1 GiB read at the start.
 
@@ -51,7 +51,7 @@ LAYOUTS = {  # name: (processes, zero stage, backend)
     "FSDP2": (2, 0, "fsdp2"),
 }
 STEPS = 5  # timed steps of each kind (medians)
-LOADS = 5  # timed loads, each paired with a read of the same files (the disk of a shared machine drifts by 2-3x)
+LOADS = 7  # timed loads, each paired with a read of the same files (the disk of a shared machine drifts by 2-3x)
 GB = 1e9
 
 
