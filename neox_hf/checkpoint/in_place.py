@@ -85,14 +85,7 @@ def read_model_in_place(model, path: Path) -> bool:
     will_need(path)
     with torch.no_grad(), path.open("rb", buffering=0) as stream:
         for start, end, tensor in plan:
-            view = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
-            stream.seek(start)
-            filled = 0
-            while filled < len(view):
-                got = stream.readinto(view[filled:])
-                if not got:
-                    raise CheckpointError(f"{path} ends before the tensors its header lists: the file is truncated")
-                filled += got
+            read_into(stream, start, tensor, f"{path} ends before the tensors its header lists: the file is truncated")
     return True
 
 
@@ -140,7 +133,7 @@ def into_held_memory(optimizers: list, held: dict, folder: Path) -> None:
                 home = torch.empty_like(value, memory_format=torch.contiguous_format)
             at = offsets.get(id(value))
             if at is not None and value.is_contiguous() and home.is_contiguous():
-                _read_into(stream, at, home, path)
+                read_into(stream, at, home, f"{path} ends before the optimizer state it lists: the file is truncated")
             else:
                 home.copy_(value)
             state[key] = home
@@ -169,7 +162,9 @@ def _file_offsets(path: Path, tensors: list) -> dict:
             for tensor in tensors}
 
 
-def _read_into(stream, offset: int, tensor, path: Path) -> None:
+def read_into(stream, offset: int, tensor, too_short: str) -> None:
+    """Fill the host tensor `tensor` (contiguous) with the bytes of `stream` from `offset`, no copy in between;
+    CheckpointError(`too_short`) where the file ends first."""
     import torch
 
     view = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
@@ -178,7 +173,7 @@ def _read_into(stream, offset: int, tensor, path: Path) -> None:
     while filled < len(view):
         got = stream.readinto(view[filled:])
         if not got:
-            raise CheckpointError(f"{path} ends before the optimizer state it lists: the file is truncated")
+            raise CheckpointError(too_short)
         filled += got
 
 

@@ -28,6 +28,7 @@ import struct
 import warnings
 from pathlib import Path
 
+from neox_hf.checkpoint.in_place import read_into
 from neox_hf.errors import CheckpointError, first_line
 
 FOLDER = "layout_free"
@@ -119,7 +120,6 @@ def _read_in_place(stream, request, stored_at, stored: dict, planner) -> bool:
     before saving it, so the record holds exactly the chunk): its raw bytes are read here, the pickle is not."""
     import math
 
-    import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.planner import LoadItemType
 
@@ -141,14 +141,8 @@ def _read_in_place(stream, request, stored_at, stored: dict, planner) -> bool:
     if target.device.type != "cpu" or not target.is_contiguous() or target.dtype != meta.properties.dtype:
         return False
     row = math.prod(sizes[1:]) * item
-    stream.seek(stored_at.offset + record[0] + (starts[0] * row if starts else 0))
-    view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
-    filled = 0
-    while filled < len(view):
-        got = stream.readinto(view[filled:])
-        if not got:
-            raise CheckpointError(f"{stream.name} ends before the chunk of {request.storage_index.fqn} it should hold")
-        filled += got
+    read_into(stream, stored_at.offset + record[0] + (starts[0] * row if starts else 0), target,
+              f"{stream.name} ends before the chunk of {request.storage_index.fqn} it should hold")
     planner.commit_tensor(request, target)
     return True
 
