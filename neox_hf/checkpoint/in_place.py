@@ -16,7 +16,6 @@ import json
 import struct
 from pathlib import Path
 
-from neox_hf.checkpoint.readahead import will_need
 from neox_hf.errors import CheckpointError
 
 MODEL_FILE = "model.safetensors"  # accelerate's name for the first model's weights
@@ -82,10 +81,10 @@ def read_model_in_place(model, path: Path) -> bool:
     plan = _read_plan(path, state)
     if plan is None:
         return False
-    will_need(path)
-    with torch.no_grad(), path.open("rb", buffering=0) as stream:
+    with torch.no_grad(), path.open("rb", buffering=0) as stream:  # queued at the load's start (`readahead`)
         for start, end, tensor in plan:
-            read_into(stream, start, tensor, f"{path} ends before the tensors its header lists: the file is truncated")
+            if not read_into(stream, start, tensor):
+                raise CheckpointError(f"{path} ends before the tensors its header lists: the file is truncated")
     return True
 
 
@@ -133,7 +132,8 @@ def into_held_memory(optimizers: list, held: dict, folder: Path) -> None:
                 home = torch.empty_like(value, memory_format=torch.contiguous_format)
             at = offsets.get(id(value))
             if at is not None and value.is_contiguous() and home.is_contiguous():
-                read_into(stream, at, home, f"{path} ends before the optimizer state it lists: the file is truncated")
+                if not read_into(stream, at, home):
+                    raise CheckpointError(f"{path} ends before the optimizer state it lists: the file is truncated")
             else:
                 home.copy_(value)
             state[key] = home
@@ -162,9 +162,9 @@ def _file_offsets(path: Path, tensors: list) -> dict:
             for tensor in tensors}
 
 
-def read_into(stream, offset: int, tensor, too_short: str) -> None:
+def read_into(stream, offset: int, tensor) -> bool:
     """Fill the host tensor `tensor` (contiguous) with the bytes of `stream` from `offset`, no copy in between;
-    CheckpointError(`too_short`) where the file ends first."""
+    False where the file ends first (the caller says which file and what it lacks)."""
     import torch
 
     view = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
@@ -173,8 +173,9 @@ def read_into(stream, offset: int, tensor, too_short: str) -> None:
     while filled < len(view):
         got = stream.readinto(view[filled:])
         if not got:
-            raise CheckpointError(too_short)
+            return False
         filled += got
+    return True
 
 
 def _is_tensor(value) -> bool:

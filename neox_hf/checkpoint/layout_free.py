@@ -141,8 +141,8 @@ def _read_in_place(stream, request, stored_at, stored: dict, planner) -> bool:
     if target.device.type != "cpu" or not target.is_contiguous() or target.dtype != meta.properties.dtype:
         return False
     row = math.prod(sizes[1:]) * item
-    read_into(stream, stored_at.offset + record[0] + (starts[0] * row if starts else 0), target,
-              f"{stream.name} ends before the chunk of {request.storage_index.fqn} it should hold")
+    if not read_into(stream, stored_at.offset + record[0] + (starts[0] * row if starts else 0), target):
+        raise CheckpointError(f"{stream.name} ends before the chunk of {request.storage_index.fqn} it should hold")
     planner.commit_tensor(request, target)
     return True
 
@@ -463,7 +463,6 @@ def load_layout_free(targets: dict, folder: Path) -> None:
     chunks each rank's targets overlap. A tensor missing there, or of another full shape, is refused on every rank
     (the ranks agree first, so none is left waiting in a collective) before any read, naming the first difference.
     Collective."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     reader = _reader_class()(str(Path(folder) / FOLDER))
