@@ -66,7 +66,6 @@ def load_checkpoint(accelerator, folder: Path, *, scheduler, data_loader, engine
         raise load_error(folder, err, deepspeed=deepspeed) from err
     finally:
         in_place.remove()
-        held = None
     scheduler.load_state_dict(trainer_state["scheduler"])
     if trainer_state["data"] is not None and hasattr(data_loader, "load_state_dict"):
         data_loader.load_state_dict(trainer_state["data"])

@@ -22,8 +22,8 @@ _NOT_READ_BY_A_RESUME = ("tokenizer.json", "tokenizer_config.json", "special_tok
                          "merges.txt")
 
 
-def will_need(path: Path, ranges: list[tuple[int, int]] | None = None) -> None:
-    """Queue the read of `ranges` ((offset, length) pairs; default: the whole file) of `path`, without waiting."""
+def will_need(path: Path) -> None:
+    """Queue the read of the whole file `path`, without waiting."""
     if not hasattr(os, "posix_fadvise"):
         return
     try:
@@ -31,8 +31,7 @@ def will_need(path: Path, ranges: list[tuple[int, int]] | None = None) -> None:
     except OSError:
         return
     try:
-        for offset, length in ranges or [(0, 0)]:  # length 0: to the end of the file
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)  # length 0: to the end of the file
     except OSError:
         pass
     finally:

@@ -99,7 +99,7 @@ def _fragment_range(param) -> tuple[int, int]:
     if hasattr(param, "ds_id"):
         import torch.distributed as dist
 
-        size = param.ds_tensor.ds_numel if hasattr(param.ds_tensor, "ds_numel") else param.ds_tensor.numel()
+        size = param.ds_tensor.numel()  # the partition's size, as DeepSpeed's setters of it check
         start = min(size * dist.get_rank(group=param.ds_process_group), param.ds_numel)
         return start, min(start + size, param.ds_numel)
     mapping = param._hp_mapping
