@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import save_model
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from neox_hf.checkpoint.in_place import model_in_place_hook, read_model_in_place
-from neox_hf.checkpoint.layout_free import _reader_class, _storage_record, save_layout_free
+from neox_hf.checkpoint.in_place import ModelReadBeside, read_model_in_place
+from neox_hf.checkpoint.layout_free import (Chunk, _reader_class, _record_start, _storage_record, load_layout_free,
+                                            save_layout_free)
 from neox_hf.checkpoint.readahead import files_a_rank_reads
 
 
@@ -38,9 +39,10 @@ def test_a_one_process_checkpoints_weights_are_read_into_the_models_own_memory(b
     saved, other = build(), build()
     save_model(saved, str(tmp_path / "model.safetensors"))
     before = {name: tensor.data_ptr() for name, tensor in other.state_dict().items()}
-    models = [other]
-    model_in_place_hook(models, str(tmp_path))
+    models, hook = [other], ModelReadBeside()
+    hook(models, str(tmp_path))
     assert models == []
+    hook.wait()
     for name, tensor in other.state_dict().items():
         assert torch.equal(tensor, saved.state_dict()[name]), name
         assert tensor.data_ptr() == before[name], name
@@ -58,9 +60,10 @@ def test_a_model_that_does_not_match_the_file_is_left_to_accelerate(tmp_path):
         unchanged = {name: tensor.clone() for name, tensor in model.state_dict().items()}
         assert not read_model_in_place(model, path)
         assert all(torch.equal(unchanged[name], tensor) for name, tensor in model.state_dict().items())
-        models = [model]
-        model_in_place_hook(models, str(tmp_path))
+        models, hook = [model], ModelReadBeside()
+        hook(models, str(tmp_path))
         assert models == [model]
+        hook.wait()
 
 
 def test_a_truncated_weights_file_is_left_to_accelerate_to_name(tmp_path):
@@ -85,8 +88,9 @@ def test_each_rank_reads_ahead_only_its_own_files_and_the_shared_ones(tmp_path):
 
 def test_the_storage_record_of_every_dcp_item_is_where_zipfile_finds_it(tmp_path):
     """For every item of a layout-free state (tensors of several shapes and dtypes, one empty), the record start and
-    size read from the item's central directory equal what `zipfile` reads from the whole item; bytes that are no
-    such zip give None (DCP's own read then handles the item)."""
+    size read from the item's central directory, and the start found from the item's first bytes, equal what
+    `zipfile` reads from the whole item; bytes that are no such zip give None (DCP's own read then handles the
+    item)."""
     torch.manual_seed(0)
     tensors = {"model/a": torch.randn(300, 17), "model/b": torch.randn(5), "exp_avg/c": torch.zeros(0, 3),
                "exp_avg_sq/d": torch.randn(2, 3, 4).to(torch.bfloat16)}
@@ -102,11 +106,34 @@ def test_the_storage_record_of_every_dcp_item_is_where_zipfile_finds_it(tmp_path
             names, extras = struct.unpack("<HH", item[record.header_offset + 26:record.header_offset + 30])
             assert _storage_record(stream, stored.offset, stored.length) == (
                 record.header_offset + 30 + names + extras, record.file_size), index.fqn
+            assert _record_start(stream, stored.offset, stored.length) == record.header_offset + 30 + names + extras
     garbage = tmp_path / "garbage"
     garbage.write_bytes(bytes(range(256)) * 40)
     with open(garbage, "rb", buffering=0) as stream:
         assert _storage_record(stream, 100, 5000) is None
         assert _storage_record(stream, 0, 10) is None
+        assert _record_start(stream, 100, 5000) is None
+
+
+@pytest.mark.parametrize("columns", ["all", "the right half"])
+def test_a_range_of_rows_is_read_straight_into_its_flat_tensor(columns, tmp_path):
+    """What a ZeRO-1/2 rank reads of a moment: elements [skip, skip + n) of its box of rows, into the 1-D fragment
+    of the optimizer's flat state. Whole stored rows: read from the file straight into the fragment, no box
+    allocated. Part of each stored row (a box of the right half of the columns): DCP reads the box and the range is
+    copied out of it. Either way the fragment holds exactly those elements and nothing around it changes."""
+    torch.manual_seed(0)
+    full = torch.randn(40, 6)
+    save_layout_free({"exp_avg/w": full}, tmp_path)
+    cols = slice(0, 6) if columns == "all" else slice(3, 6)
+    box = full[7:19, cols]  # rows 7-18 of the box's columns
+    state = torch.full((100,), -1.0)
+    fragment = state[20:20 + box.numel() - 8]  # a range starting 5 elements into the box, ending 3 before its end
+    chunk = Chunk.into_flat(fragment, 5, box.shape, (7, cols.start), full.shape)
+    load_layout_free({"exp_avg/w": chunk}, tmp_path)
+    assert torch.equal(fragment, box.reshape(-1)[5:5 + fragment.numel()])
+    assert (state[:20] == -1).all() and (state[20 + fragment.numel():] == -1).all()
+    assert chunk.direct  # every read covers whole rows of the box
+    assert (chunk._local is None) == (columns == "all")  # the box itself allocated only for DCP's own read
 
 
 def test_a_one_process_checkpoints_optimizer_state_is_read_into_the_tensors_the_optimizer_holds(tmp_path):

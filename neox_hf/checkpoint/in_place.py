@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 from pathlib import Path
 
 from neox_hf.errors import CheckpointError
@@ -75,26 +76,62 @@ def _read_plan(path: Path, state: dict) -> list | None:
 def read_model_in_place(model, path: Path) -> bool:
     """Fill `model`'s parameters and buffers from safetensors file `path` in place; False (nothing read) where the
     file and the model do not match exactly (see `_read_plan`)."""
-    import torch
-
-    state = model.state_dict()
-    plan = _read_plan(path, state)
+    plan = _read_plan(path, model.state_dict())
     if plan is None:
         return False
-    with torch.no_grad(), path.open("rb", buffering=0) as stream:  # queued at the load's start (`readahead`)
-        for start, end, tensor in plan:
-            if not read_into(stream, start, tensor):
-                raise CheckpointError(f"{path} ends before the tensors its header lists: the file is truncated")
+    _fill(path, plan)
     return True
 
 
-def model_in_place_hook(models: list, input_dir: str) -> None:
-    """Accelerate's load-state pre-hook: the first model read in place from `input_dir`'s `model.safetensors` and
-    taken off the list accelerate goes on to load, where it matches (see `read_model_in_place`). One model only:
-    accelerate names a second model's file by its position in that list, which taking the first off would shift."""
-    path = Path(input_dir) / MODEL_FILE
-    if len(models) == 1 and path.is_file() and read_model_in_place(models[0], path):
+def _fill(path: Path, plan: list) -> None:
+    """Read each (start, end, tensor) of `plan` from `path` into its tensor, in file order."""
+    with path.open("rb", buffering=0) as stream:  # queued at the load's start (`readahead`)
+        for start, _, tensor in plan:
+            if not read_into(stream, start, tensor):
+                raise CheckpointError(f"{path} ends before the tensors its header lists: the file is truncated")
+
+
+class ModelReadBeside:
+    """Accelerate's load-state pre-hook that reads the first model from `input_dir`'s `model.safetensors` in place
+    (see `read_model_in_place`) on a thread of its own and takes it off the list accelerate goes on to load, where
+    it matches; `wait()` then waits for the read and raises what it raised (`join()` only waits).
+
+    Why a thread: accelerate unpickles the optimizer file next, CPU work that left the disk idle for a fifth of a
+    one-process resume here; the weights' reads (the GIL released while the kernel copies) go on meanwhile. Nothing
+    touches the model's weights until `wait()`: the optimizer's load maps its state onto the parameters by position.
+    One model only: accelerate names a second model's file by its position in that list, which taking the first off
+    would shift."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def __call__(self, models: list, input_dir: str) -> None:
+        path = Path(input_dir) / MODEL_FILE
+        plan = _read_plan(path, models[0].state_dict()) if len(models) == 1 and path.is_file() else None
+        if plan is None:
+            return
         models.pop(0)
+        self._thread = threading.Thread(target=self._read, args=(path, plan), name="neox_hf-model-read", daemon=True)
+        self._thread.start()
+
+    def _read(self, path: Path, plan: list) -> None:
+        try:
+            _fill(path, plan)
+        except BaseException as err:  # raised again on the caller's thread by `wait`
+            self._error = err
+
+    def join(self) -> None:
+        """Wait for the read, if one runs; raise nothing (`wait` does)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def wait(self) -> None:
+        self.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 OPTIMIZER_FILE = "optimizer.bin"  # accelerate's name for the first optimizer's state

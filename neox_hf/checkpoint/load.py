@@ -8,8 +8,7 @@ from pathlib import Path
 
 from neox_hf.checkpoint.contents import TrainState
 from neox_hf.checkpoint.damage import load_error, read_torch_file, resume_hint
-from neox_hf.checkpoint.in_place import (OPTIMIZER_FILE, into_held_memory, model_in_place_hook,
-                                          optimizer_state_tensors)
+from neox_hf.checkpoint.in_place import OPTIMIZER_FILE, ModelReadBeside, into_held_memory, optimizer_state_tensors
 from neox_hf.checkpoint.readahead import read_ahead_in_background
 from neox_hf.checkpoint.layout_free import has_layout_free_state, load_from_accelerate_files, load_layout_free
 from neox_hf.checkpoint.writer import (check_same_writer, checkpoint_writer, describe_run, layout_free_only,
@@ -54,18 +53,21 @@ def load_checkpoint(accelerator, folder: Path, *, scheduler, data_loader, engine
     # accelerate skips an unreadable (or refused) RNG file with an info log and resumes with other randomness
     read_torch_file(folder / f"random_states_{accelerator.process_index}.pkl", folder, required=False)
     deepspeed = uses_deepspeed(accelerator)
-    in_place = accelerator.register_load_state_pre_hook(model_in_place_hook)  # the weights read into the model
+    model_read = ModelReadBeside()  # the weights read into the model, beside accelerate's optimizer unpickling
+    in_place = accelerator.register_load_state_pre_hook(model_read)
     # the optimizer file mapped, not read, by accelerate; its bytes then read into the state tensors held here
     held = optimizer_state_tensors(accelerator._optimizers) if _maps_optimizer_file(accelerator, folder) else None
     try:
         with weights_only_loads(deepspeed=deepspeed):  # DeepSpeed's engine loads its files with weights_only=False
             accelerator.load_state(str(folder), load_kwargs=None if held is None else {"mmap": True})
+        model_read.wait()
         if held is not None:
             into_held_memory(accelerator._optimizers, held, folder)
     except Exception as err:  # torch / safetensors / DeepSpeed raise many types for the same user problem
         raise load_error(folder, err, deepspeed=deepspeed) from err
     finally:
         in_place.remove()
+        model_read.join()  # no thread left writing into the model, whatever failed first
     scheduler.load_state_dict(trainer_state["scheduler"])
     if trainer_state["data"] is not None and hasattr(data_loader, "load_state_dict"):
         data_loader.load_state_dict(trainer_state["data"])
@@ -75,12 +77,13 @@ def load_checkpoint(accelerator, folder: Path, *, scheduler, data_loader, engine
 def _maps_optimizer_file(accelerator, folder: Path) -> bool:
     """Whether accelerate's load of `folder` may map the optimizer file (read into the optimizer's own tensors
     after, `in_place.into_held_memory`): one optimizer without DeepSpeed, its file a `torch.save` zip (mmap needs
-    one)."""
-    import zipfile
-
+    one; told by its first bytes, as torch tells it: `zipfile.is_zipfile` reads the end of the file, a cold read of
+    its own)."""
     path = folder / OPTIMIZER_FILE
-    return (not uses_deepspeed(accelerator) and len(accelerator._optimizers) == 1 and path.is_file()
-            and zipfile.is_zipfile(path))
+    if uses_deepspeed(accelerator) or len(accelerator._optimizers) != 1 or not path.is_file():
+        return False
+    with path.open("rb") as handle:
+        return handle.read(4) == b"PK\x03\x04"
 
 
 def load_layout_free_checkpoint(engine, folder: Path, *, writer: dict, scheduler, data_loader, notify=None

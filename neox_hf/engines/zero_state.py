@@ -223,8 +223,13 @@ def _fragment_target(param, key: str, tp_dim, views, device, *, whole: bool = Fa
         chunk = Chunk(local, _box_offsets(views, shape, tp_dim, 0), views.full_shape(shape, tp_dim))
     else:
         first_row, end_row = (start // row, -(-end // row)) if end > start else (0, 0)
-        local = torch.empty((end_row - first_row, *shape[1:]), dtype=torch.float32, device=device)
-        chunk = Chunk(local, _box_offsets(views, shape, tp_dim, first_row), views.full_shape(shape, tp_dim))
+        box, offsets = (end_row - first_row, *shape[1:]), _box_offsets(views, shape, tp_dim, first_row)
+        if end > start and not hasattr(param, "ds_id"):  # ZeRO-1/2: the range read straight into its fragment
+            chunk = Chunk.into_flat(_fragment(param, key), start - first_row * row, box, offsets,
+                                    views.full_shape(shape, tp_dim))
+        else:
+            local = torch.empty(box, dtype=torch.float32, device=device)
+            chunk = Chunk(local, offsets, views.full_shape(shape, tp_dim))
     # copied into the fragment as soon as the reader has filled it, beside the kernel's readahead of what follows
     chunk.filled = lambda: _set_fragment(param, key, chunk, whole=whole)
     return chunk
@@ -242,7 +247,7 @@ def _set_fragment(param, key: str, chunk, *, whole: bool = False) -> None:
             param.data.copy_(chunk.local)
         if hasattr(param, "ds_id"):
             _set_zero3_partition(param, key, chunk.local.reshape(-1)[skip:skip + end - start])
-        elif end > start:
+        elif end > start and not chunk.direct:  # a direct chunk's reads went into the fragment itself
             _fragment(param, key).copy_(chunk.local.reshape(-1)[skip:skip + end - start])
 
 
