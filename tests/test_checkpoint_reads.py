@@ -1,6 +1,7 @@
-"""How a resume reads a checkpoint's bytes, in process: a one-process run's model.safetensors straight into the
+"""How a checkpoint's bytes are read and staged, in process: a one-process run's model.safetensors straight into the
 model (and left to accelerate where the file does not match it exactly), the files each rank asks the kernel to
-read ahead, and the storage record found in a DCP item without `zipfile`."""
+read ahead, the storage record found in a DCP item without `zipfile`, a ZeRO rank's range read straight into its
+flat state, and a ZeRO rank's rows staged from their pieces for a background write."""
 
 from __future__ import annotations
 
@@ -169,3 +170,28 @@ def test_a_one_process_checkpoints_optimizer_state_is_read_into_the_tensors_the_
     on_the_file = {value.untyped_storage().data_ptr() for s in mapped["state"].values() for value in s.values()}
     assert not on_the_file & {value.untyped_storage().data_ptr() for s in optimizer.state.values()
                               for value in s.values()}
+
+
+def test_rows_made_of_pieces_are_staged_into_one_host_buffer_and_saved_as_the_joined_rows(tmp_path):
+    """A ZeRO-1/2 rank's rows for a save: its range (a view of the optimizer's flat state) and the next rank's first
+    elements. The host copy copies the pieces into one buffer of the box, kept from one save to the next; what it
+    staged no longer follows the state (the optimizer may step); a foreground save joins them; either way the
+    layout-free state holds exactly the joined rows."""
+    from neox_hf.checkpoint.background import HostCopies
+
+    torch.manual_seed(0)
+    state, tail = torch.randn(50), torch.randn(4)
+    chunk = Chunk.joined([state[6:], tail], (6, 8), (10, 0), (30, 8))  # rows 10-15 of a 30 × 8 tensor
+    joined = torch.cat([state[6:], tail]).view(6, 8)
+    copies = HostCopies(pinned=False)
+    staged = copies.stage({"exp_avg/w": chunk})["exp_avg/w"]
+    assert torch.equal(staged.local, joined) and chunk._local is None  # nothing joined on the way
+    buffer = staged.local.data_ptr()
+    state += 1
+    assert torch.equal(staged.local, joined)
+    assert copies.stage({"exp_avg/w": chunk})["exp_avg/w"].local.data_ptr() == buffer
+    for name, saved in (("staged", staged), ("foreground", Chunk.joined([state[6:], tail], (6, 8), (10, 0), (30, 8)))):
+        rows = torch.full((6, 8), -1.0)
+        save_layout_free({"exp_avg/w": saved}, tmp_path / name)
+        load_layout_free({"exp_avg/w": Chunk(rows, (10, 0), (30, 8))}, tmp_path / name)
+        assert torch.equal(rows, saved.local), name

@@ -161,8 +161,11 @@ class HostCopies:
         staged, on_device = {}, False
         for key, value in state_dict.items():
             if isinstance(value, Chunk):
-                local = value.local if value.private and value.local.device.type == "cpu" else \
-                    self._host(key, value.local)
+                if value.pieces is not None:
+                    local = self._host_joined(key, value)
+                else:
+                    local = value.local if value.private and value.local.device.type == "cpu" else \
+                        self._host(key, value.local)
                 staged[key] = Chunk(local, value.offsets, value.shape, private=True)
             elif isinstance(value, DTensor):
                 local = self._host(key, value.to_local())
@@ -186,6 +189,22 @@ class HostCopies:
                                  pin_memory=self.pinned and torch.cuda.is_available())
             self._buffers[key] = buffer
         buffer.copy_(tensor.detach(), non_blocking=self.pinned)
+        return buffer
+
+    def _host_joined(self, key: str, chunk: Chunk):
+        """`chunk`'s pieces copied one after the other into the host buffer of its box (never joined on the
+        device first)."""
+        import torch
+
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != chunk.box or buffer.dtype != chunk.dtype:
+            buffer = torch.empty(chunk.box, dtype=chunk.dtype, device="cpu",
+                                 pin_memory=self.pinned and torch.cuda.is_available())
+            self._buffers[key] = buffer
+        flat, at = buffer.view(-1), 0
+        for piece in chunk.pieces:
+            flat[at:at + piece.numel()].copy_(piece.detach().reshape(-1), non_blocking=self.pinned)
+            at += piece.numel()
         return buffer
 
     def synchronize_staging(self) -> None:

@@ -153,10 +153,10 @@ def _fragment_rows(optimizer, fragmented, views) -> dict:
     for (fqn, param, tp_dim, fragment, start, end, row, first_row, end_row), tail in zip(plan, tails):
         if end_row <= first_row:
             continue
-        rows = torch.cat([fragment[first_row * row - start:].float(), tail]).view(end_row - first_row,
-                                                                                   *param.shape[1:])
-        chunks[fqn] = Chunk(rows, _box_offsets(views, list(param.shape), tp_dim, first_row),
-                            views.full_shape(param.shape, tp_dim), private=True)
+        chunks[fqn] = Chunk.joined([fragment[first_row * row - start:].float(), tail.to(fragment.device)],
+                                   (end_row - first_row, *param.shape[1:]),
+                                   _box_offsets(views, list(param.shape), tp_dim, first_row),
+                                   views.full_shape(param.shape, tp_dim))
     return chunks
 
 
