@@ -242,7 +242,9 @@ def one_process_is_meant():
 class Chunk:
     """This rank's box of a full tensor, for DCP to write or to fill: `local` holds the part of a tensor of full
     `shape` that starts at `offsets`. An engine hands these where a rank's part is no even split: ZeRO-1/2 give each
-    rank a range of the flattened parameter, whose whole rows (`engines/zero_state.py`) are such a box.
+    rank a range of the flattened parameter, whose whole rows (`engines/zero_state.py`) are such a box. `local` may
+    come later: a box saved from its pieces (`joined`), or loaded straight into the range it is read for
+    (`into_flat`), is allocated only where something asks for it.
 
     Gap filled: a DTensor describes only even splits over a device mesh, and a ShardedTensor checks its shards with a
     collective per tensor (hundreds per save). DCP's planners take any object that lists its chunks

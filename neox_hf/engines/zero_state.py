@@ -208,10 +208,11 @@ def reads_whole_weights(device) -> bool:
 
 
 def _fragment_target(param, key: str, tp_dim, views, device, *, whole: bool = False):
-    """An empty `Chunk` of the rows of `param`'s TP shard that this rank's range overlaps (zero rows where it holds
-    none): all a ZeRO-1/2 rank reads of `param`'s moments, and of its master value unless `whole`. With `whole`,
-    the master value's target is the whole TP shard, the module's weight itself where it is an fp32 tensor on the
-    host (read in place, nothing to copy after)."""
+    """A `Chunk` of the rows of `param`'s TP shard that this rank's range overlaps (zero rows where it holds none):
+    all a ZeRO-1/2 rank reads of `param`'s moments, and of its master value unless `whole`; the range itself read
+    straight into the optimizer's fragment where the reads allow (`Chunk.into_flat`), else into the rows and copied
+    out. With `whole`, the master value's target is the whole TP shard, the module's weight itself where it is an
+    fp32 tensor on the host (read in place, nothing to copy after)."""
     from neox_hf.checkpoint.layout_free import Chunk
 
     start, end = _fragment_range(param)
