@@ -137,8 +137,8 @@ class HostCopies:
     in a thread (`stage` returns its future; DCP's writer waits for it).
 
     Gap filled: torch's `DefaultStager` copies tensors and DTensors only (any other value is refused), so a ZeRO
-    rank's `Chunk` of rows could not pass it; a `Chunk` whose rows are its own memory (`private`) is not copied
-    again."""
+    rank's `Chunk` of rows could not pass it; a `Chunk` made of pieces is copied piece by piece, never joined
+    first."""
 
     should_synchronize_after_execute = False
 
@@ -161,12 +161,8 @@ class HostCopies:
         staged, on_device = {}, False
         for key, value in state_dict.items():
             if isinstance(value, Chunk):
-                if value.pieces is not None:
-                    local = self._host_joined(key, value)
-                else:
-                    local = value.local if value.private and value.local.device.type == "cpu" else \
-                        self._host(key, value.local)
-                staged[key] = Chunk(local, value.offsets, value.shape, private=True)
+                local = self._host_joined(key, value) if value.pieces is not None else self._host(key, value.local)
+                staged[key] = Chunk(local, value.offsets, value.shape)
             elif isinstance(value, DTensor):
                 local = self._host(key, value.to_local())
                 staged[key] = DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
@@ -180,27 +176,25 @@ class HostCopies:
             torch.cuda.synchronize()  # the non-blocking copies are complete before the write reads them
         return staged
 
-    def _host(self, key: str, tensor):
+    def _buffer(self, key: str, shape, dtype):
+        """The host buffer kept for `key` from one save to the next, new where the shape or dtype changed."""
         import torch
 
         buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
-                                 pin_memory=self.pinned and torch.cuda.is_available())
+        if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+            buffer = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pinned and torch.cuda.is_available())
             self._buffers[key] = buffer
+        return buffer
+
+    def _host(self, key: str, tensor):
+        buffer = self._buffer(key, tensor.shape, tensor.dtype)
         buffer.copy_(tensor.detach(), non_blocking=self.pinned)
         return buffer
 
     def _host_joined(self, key: str, chunk: Chunk):
         """`chunk`'s pieces copied one after the other into the host buffer of its box (never joined on the
         device first)."""
-        import torch
-
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != chunk.box or buffer.dtype != chunk.dtype:
-            buffer = torch.empty(chunk.box, dtype=chunk.dtype, device="cpu",
-                                 pin_memory=self.pinned and torch.cuda.is_available())
-            self._buffers[key] = buffer
+        buffer = self._buffer(key, chunk.box, chunk.dtype)
         flat, at = buffer.view(-1), 0
         for piece in chunk.pieces:
             flat[at:at + piece.numel()].copy_(piece.detach().reshape(-1), non_blocking=self.pinned)

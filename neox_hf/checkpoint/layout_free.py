@@ -225,7 +225,7 @@ def _storage_record(stream, offset: int, length: int) -> tuple[int, int] | None:
     if len(header) != _LOCAL.size:
         return None
     signature, name_length, extra_length = _LOCAL.unpack(header)
-    if signature != b"PK\x03\x04":
+    if signature != _LOCAL_SIGNATURE:
         return None
     return local + _LOCAL.size + name_length + extra_length, size
 
@@ -251,13 +251,12 @@ class Chunk:
     (`__create_chunk_list__`, `__create_write_items__`, `__get_tensor_shard__`, DTensor's protocol); `_planners`
     look the local tensor up for them."""
 
-    def __init__(self, local, offsets, shape, *, private: bool = False):
+    def __init__(self, local, offsets, shape):
         import torch
 
         self._local, self.offsets, self.shape = local, torch.Size(offsets), torch.Size(shape)
         self._box, self._dtype, self._device = (local.size(), local.dtype, local.device) if local is not None else \
             (None, None, None)
-        self.private = private  # `local` is memory of its own (no view of training state): a host copy need not copy it
         self.filled = None  # what to do once a load has filled `local` (an engine's copy out of it), called once
         self.into = None  # (flat, skip): a load may put the box's flattened elements [skip, skip + len) into `flat`
         self.direct = False  # the load planner found every read of the box whole rows: `into` is filled, not `local`
@@ -306,10 +305,10 @@ class Chunk:
     def part_for(self, first_row: int, rows: int):
         """(the part of `into`'s tensor that rows [first_row, first_row + rows) of the box hold, the element of
         those rows where it starts)."""
+        import math
+
         flat, skip = self.into
-        row = 1
-        for size in self._box[1:]:
-            row *= size
+        row = math.prod(self._box[1:])
         start, end = max(first_row * row, skip), min((first_row + rows) * row, skip + flat.numel())
         return flat[start - skip:max(end, start) - skip], start - first_row * row
 
